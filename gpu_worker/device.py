@@ -1,0 +1,237 @@
+"""Device layer: streams, events, page-locked buffers and the bubble meter.
+
+The engine is written once against this small interface:
+
+- ``stream.submit(fn)`` enqueues work and returns at once. On CUDA, ``fn`` runs
+  right away inside ``torch.cuda.stream(s)``, which only *enqueues* kernels. On
+  the CPU, a stream is one executor thread running submitted functions in order,
+  so launches are asynchronous exactly as on a GPU and the same pipelined code
+  (event waits, slot reuse, copy ordering) runs, and races show up, in CI.
+- ``stream.record()`` returns an event; ``event.synchronize()`` blocks the host
+  until the stream reached it; ``other.wait(event)`` orders a stream after it.
+- ``compute_begin()/compute_end()`` bracket one step's device work; the meter
+  sums the compute stream's idle gaps between consecutive steps: the bubble.
+
+The simulated device is the CPU stream plus a fixed time per forward (``sim:MS``):
+each forward is padded with a sleep to take MS milliseconds, reproducing a given
+GPU's regime on a CPU for the cost-model benchmark.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class DeviceError(RuntimeError):
+    """Work that failed on a stream; raised on the host at the next event wait."""
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+class CpuEvent:
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.time = 0.0  # perf_counter when the stream reached the event
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.time = time.perf_counter()
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError("device event not reached in time")
+        if self.error is not None:
+            raise DeviceError(f"device work failed: {self.error!r}") from self.error
+
+
+class CpuStream:
+    """One executor thread; functions run in submission order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"tandem-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, event = item
+            if event is not None:
+                event.set(self._error)
+                continue
+            if self._error is None:  # after a failure, skip work until the error is seen
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - reported at the next event
+                    self._error = e
+
+    def submit(self, fn) -> None:
+        self._queue.put((fn, None))
+
+    def record(self) -> CpuEvent:
+        ev = CpuEvent()
+        self._queue.put((None, ev))
+        return ev
+
+    def wait(self, event: CpuEvent) -> None:
+        self.submit(lambda: event.synchronize())
+
+    def clear_error(self) -> BaseException | None:
+        err, self._error = self._error, None
+        return err
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+class CudaStream:
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, fn) -> None:
+        with torch.cuda.stream(self.stream):
+            fn()
+
+    def record(self, timing: bool = False):
+        ev = torch.cuda.Event(enable_timing=timing)
+        ev.record(self.stream)
+        return ev
+
+    def wait(self, event) -> None:
+        self.stream.wait_event(event)
+
+    def clear_error(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+# ----------------------------------------------------------------------------- meter
+
+
+@dataclass
+class BubbleStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    idle_s: float = 0.0  # gaps between consecutive steps while work was queued
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
+class Device:
+    """Factory and holder of the two streams for one backend."""
+
+    def __init__(self, spec: str = "cpu") -> None:
+        spec = spec or "cpu"
+        if spec == "auto":
+            spec = "cuda" if torch.cuda.is_available() else "cpu"
+        self.spec = spec
+        self.sim_ms = 0.0
+        if spec.startswith("sim:"):
+            self.sim_ms = float(spec.split(":", 1)[1])
+            if self.sim_ms < 0:
+                raise ValueError("sim:MS needs MS >= 0")
+            kind = "sim"
+        elif spec in ("cpu", "cuda") or spec.startswith("cuda:"):
+            kind = "cuda" if spec.startswith("cuda") else "cpu"
+        else:
+            raise ValueError(f"unknown device {spec!r}: use auto, cpu, cuda or sim:MS")
+        self.kind = kind
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
+            self.torch_device = torch.device(spec if ":" in spec else "cuda")
+            self.compute = CudaStream("compute", self.torch_device)
+            self.copy = CudaStream("copy", self.torch_device)
+        else:
+            self.torch_device = torch.device("cpu")
+            self.compute = CpuStream("compute")
+            self.copy = CpuStream("copy")
+        self.bubble = BubbleStats()
+        self._pending_marks: list = []  # (begin, end) events of recent steps (CUDA)
+        self._last_end = None  # CPU: perf_counter of the previous step's end
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def pinned_empty(self, shape, dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+        return t
+
+    # -- bubble meter ----------------------------------------------------------
+    # A step's device work is bracketed by begin/end marks recorded on the
+    # compute stream. Idle = begin(step n+1) - end(step n), counted only when
+    # step n+1 was already enqueued when step n ended would be ideal; we count
+    # every gap inside a run and reset the chain when the engine goes idle.
+    def compute_begin(self):
+        if self.is_cuda:
+            return self.compute.record(timing=True)
+        ev = CpuEvent()
+        self.compute.submit(ev.set)
+        return ev
+
+    def compute_end(self):
+        return self.compute_begin()
+
+    def account(self, begin, end) -> None:
+        """Fold a finished step's marks into the meter (both events complete)."""
+        if self.is_cuda:
+            busy = begin.elapsed_time(end) / 1e3
+            gap = self._last_end.elapsed_time(begin) / 1e3 if self._last_end is not None else 0.0
+        else:
+            busy = end.time - begin.time
+            gap = begin.time - self._last_end.time if self._last_end is not None else 0.0
+        self.bubble.steps += 1
+        self.bubble.busy_s += busy
+        self.bubble.idle_s += max(gap, 0.0)
+        self._last_end = end
+
+    def reset_chain(self) -> None:
+        """The engine ran out of work: the next gap is not a bubble."""
+        self._last_end = None
+
+    def reset_meter(self) -> None:
+        self.bubble = BubbleStats()
+        self._last_end = None
+
+    def pad_forward(self, t0: float) -> None:
+        """Simulated device: make this forward take sim_ms (runs on the stream)."""
+        if self.sim_ms > 0:
+            remaining = self.sim_ms / 1e3 - (time.perf_counter() - t0)
+            if remaining > 0:
+                time.sleep(remaining)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch_device)
+        else:
+            self.compute.record().synchronize()
+            self.copy.record().synchronize()
+
+    def close(self) -> None:
+        self.compute.close()
+        self.copy.close()

@@ -1,0 +1,291 @@
+"""Everything the engine enqueues on the device: forward, sampling, copies.
+
+Per batch row the device keeps the *pending token* (the last sampled id, which
+the next forward gathers without the host ever seeing it) and the row's
+sampling parameters. Per DecodeSlot it keeps the page-locked host buffers the
+sampled ids are copied into, and on CUDA the decode graphs captured for that
+slot (one per batch-size bucket and page-count bucket).
+
+Nothing here decides *what* to run; ``engine.py`` does. Functions named
+``enqueue_*`` return immediately: the work runs on the compute stream (an
+executor thread on the CPU), in submission order.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.models import resolve_model
+
+from .device import Device
+from .kv_cache import Batch, PagedKVCache
+from .model import Llama, LlamaConfig
+from .sampler import RowParams, apply_bitmask, sample
+
+log = logging.getLogger("tandem.worker")
+
+POISON = -(2**31)  # debug mode: a gather of a never-written pending token fails loudly
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class LaunchInputs:
+    """Host-built description of one forward (numpy, built by the engine)."""
+
+    decode_rows: np.ndarray  # [D] batch rows whose input is their pending token
+    prefill_ids: np.ndarray  # [Tp] prompt tokens of this launch's prefill chunks
+    chunks: list  # [(start_pos, num_tokens, pages)] decode rows first, then prefill chunks
+    logits_index: np.ndarray  # [R] token index of each sampling row
+    sample_rows: np.ndarray  # [R] batch row of each sampling row
+    sample_pos: np.ndarray  # [R] position of the token each row samples (RNG counter)
+    any_random: bool
+    any_filter: bool
+    want_logprobs: bool
+
+
+class SlotBuffers:
+    """Per-slot page-locked destinations of the device-to-host copy."""
+
+    def __init__(self, device: Device, max_rows: int) -> None:
+        self.tokens = device.pinned_empty((max_rows,), torch.int64)
+        self.flags = device.pinned_empty((max_rows,), torch.int32)
+        self.logprobs = device.pinned_empty((max_rows,), torch.float32)
+        self.logits: torch.Tensor | None = None  # the forward's output, read by sampling
+        self.keep: list = []  # device tensors that must live until the step's copy is done
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: str,
+        device: Device,
+        max_rows: int,
+        max_model_len: int,
+        page_size: int,
+        kv_pages: int | None,
+        kv_memory_fraction: float,
+        dtype: torch.dtype | None,
+        cuda_graphs: bool,
+        debug: bool,
+        llama: Llama | None = None,
+    ) -> None:
+        self.device = device
+        dev = device.torch_device
+        self.dtype = dtype or (torch.bfloat16 if device.is_cuda else torch.float32)
+        if llama is None:
+            path = resolve_model(model)
+            cfg = LlamaConfig.from_pretrained(path)
+            max_model_len = min(max_model_len, cfg.max_position_embeddings)
+            llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
+        self.model = llama.eval()
+        self.config = llama.config
+        self.max_model_len = min(max_model_len, llama.max_model_len)
+        self.page_size = page_size
+        self.max_rows = max_rows
+        self.debug = debug
+        self.vocab_size = self.config.vocab_size
+        self.eos_ids = tuple(self.config.eos_token_id)
+        per_page = PagedKVCache.page_bytes(self.config.num_hidden_layers, page_size,
+                                           self.config.num_key_value_heads, self.config.head_dim, self.dtype)
+        if kv_pages is None:
+            if device.is_cuda:
+                free, _total = torch.cuda.mem_get_info(dev)
+                kv_pages = int(free * kv_memory_fraction // per_page)
+            else:
+                # Enough for every row at full length, capped at 2 GiB of host memory.
+                want = max_rows * -(-self.max_model_len // page_size) + 1
+                kv_pages = min(want, (2 << 30) // per_page)
+        self.num_pages = max(2, int(kv_pages))
+        self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.dtype, dev)
+        self.max_pages_per_seq = -(-self.max_model_len // page_size)
+        # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
+        self.pending = torch.full((max_rows + 1,), POISON if debug else 0, dtype=torch.int64, device=dev)
+        self.pending[max_rows] = 0
+        self.params = RowParams(max_rows + 1, dev)
+        self.slots = [SlotBuffers(device, max_rows) for _ in range(2)]
+        self.use_graphs = cuda_graphs and device.is_cuda
+        self.graphs: dict[tuple[int, int, int], "_DecodeGraph"] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    # -- rows -----------------------------------------------------------------
+    def set_row(self, row: int, params, seed: int) -> None:
+        """Admission: the row's sampling parameters, written once (on the compute stream)."""
+        self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids))
+
+    def poison_row(self, row: int) -> None:
+        if self.debug:
+            self.device.compute.submit(lambda: self.pending.__setitem__(row, POISON))
+
+    # -- host -> device ---------------------------------------------------------
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """One host-to-device copy for all of a launch's int64 metadata."""
+        if not self.device.is_cuda:
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        sizes = [a.size for a in arrays]
+        host = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in arrays])).pin_memory()
+        flat = host.to(self.device.torch_device, non_blocking=True)
+        return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
+
+    # -- forward ----------------------------------------------------------------
+    def enqueue_forward(self, slot: int, inp: LaunchInputs) -> None:
+        """Enqueue the forward; its logits land in ``self.slots[slot].logits``."""
+        host_batch = Batch.build(inp.chunks, self.page_size, device="cpu")
+        num_decode = len(inp.decode_rows)
+        pure_decode = len(inp.prefill_ids) == 0
+        graph = self._graph_for(slot, num_decode, host_batch.block_tables.shape[1]) if pure_decode else None
+        if graph is not None:
+            rows = np.full(graph.batch_size, self.max_rows, dtype=np.int64)
+            rows[:num_decode] = inp.decode_rows
+            padded = Batch.build(inp.chunks, self.page_size, device="cpu", num_pages_per_seq=graph.num_pages,
+                                 pad_sequences_to=graph.batch_size)
+            fields = [padded.positions.numpy(), padded.slot_mapping.numpy(), padded.block_tables.numpy(),
+                      padded.query_index.numpy(), padded.query_pos.numpy(), padded.token_to_padded.numpy(), rows]
+        else:
+            fields = [host_batch.positions.numpy(), host_batch.slot_mapping.numpy(),
+                      host_batch.block_tables.numpy(), host_batch.query_index.numpy(),
+                      host_batch.query_pos.numpy(), host_batch.token_to_padded.numpy(),
+                      inp.decode_rows, inp.prefill_ids, inp.logits_index]
+        buf = self.slots[slot]
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            dev_fields = self._upload(fields)
+            with torch.inference_mode():
+                if graph is not None:
+                    buf.logits = graph.replay(Batch(*dev_fields[:6]), dev_fields[6])[:num_decode]
+                else:
+                    batch = Batch(*dev_fields[:6])
+                    rows, prefill_ids, logits_index = dev_fields[6:]
+                    ids = torch.cat([self.gather_pending(rows), prefill_ids])
+                    buf.logits = self.model(ids, batch, self.kv, logits_index)
+            self.device.pad_forward(t0)
+
+        self.device.compute.submit(run)
+
+    def gather_pending(self, rows: torch.Tensor) -> torch.Tensor:
+        ids = self.pending[rows]
+        if self.debug:
+            if self.device.is_cuda:
+                torch._assert_async((ids >= 0).all(), "gather of an unwritten pending token")
+            elif rows.numel() and bool((ids < 0).any()):
+                raise RuntimeError(f"gather of an unwritten pending token (rows {rows.tolist()})")
+            self.pending[rows] = POISON  # consumed: a second gather before the next sample fails
+        return ids
+
+    # -- sampling -----------------------------------------------------------------
+    def enqueue_sample(self, slot: int, inp: LaunchInputs, mask_index: np.ndarray | None,
+                       mask_words: np.ndarray | None, sampled_event_factory):
+        """Enqueue sampling (with masks for the constrained rows) and the copy to the host.
+
+        ``sampled_event_factory()`` records the end-of-step mark on the compute
+        stream right after sampling; the copy stream waits on it. Returns
+        (end-of-step mark, copy-done event); the commit waits only on the latter.
+        """
+        buf = self.slots[slot]
+        num = len(inp.sample_rows)
+        meta = [inp.sample_rows, inp.sample_pos]
+        if mask_index is not None:
+            meta.append(mask_index)
+        masks = torch.from_numpy(mask_words) if mask_words is not None else None
+
+        def run() -> None:
+            dev_meta = self._upload(meta)
+            rows, pos = dev_meta[0], dev_meta[1]
+            with torch.inference_mode():
+                logits = buf.logits
+                if masks is not None:
+                    idx = dev_meta[2]
+                    words = masks.to(logits.device, non_blocking=True)
+                    logits = logits.index_copy(0, idx, apply_bitmask(logits[idx], words))
+                tokens, flags, logprobs = sample(logits, rows, pos, self.params, inp.any_random,
+                                                 inp.any_filter, inp.want_logprobs)
+                self.pending.index_copy_(0, rows, tokens)
+            buf.logits = None
+            buf.keep = [tokens, flags, logprobs]
+
+        self.device.compute.submit(run)
+        sampled = sampled_event_factory()
+        self.device.copy.wait(sampled)
+
+        def copy() -> None:
+            tokens, flags, logprobs = buf.keep
+            buf.tokens[:num].copy_(tokens, non_blocking=True)
+            buf.flags[:num].copy_(flags, non_blocking=True)
+            if logprobs is not None:
+                buf.logprobs[:num].copy_(logprobs, non_blocking=True)
+
+        self.device.copy.submit(copy)
+        return sampled, self.device.copy.record()
+
+    def read_step(self, slot: int, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The committed step's sampled ids, flags and logprobs (after the copy event)."""
+        buf = self.slots[slot]
+        buf.keep = []
+        return buf.tokens[:num].numpy().copy(), buf.flags[:num].numpy().copy(), buf.logprobs[:num].numpy().copy()
+
+    # -- CUDA graphs ----------------------------------------------------------------
+    def _graph_for(self, slot: int, batch: int, pages: int) -> "_DecodeGraph | None":
+        if not self.use_graphs:
+            return None
+        b = _bucket(batch, tuple(x for x in BATCH_BUCKETS if x <= self.max_rows) + (self.max_rows,))
+        p = _bucket(pages, tuple(sorted({min(1 << i, self.max_pages_per_seq) for i in range(3, 16)})))
+        if b is None or p is None:
+            return None
+        key = (slot, b, p)
+        if key not in self.graphs:
+            t0 = time.perf_counter()
+            self.graphs[key] = _DecodeGraph(self, b, p, self._graph_pool)
+            log.info("captured decode graph slot=%d batch=%d pages=%d in %.0f ms", slot, b, p,
+                     (time.perf_counter() - t0) * 1e3)
+        return self.graphs[key]
+
+    def warmup(self, batch_sizes=(1, 8, 32), pages=(8, 16)) -> None:
+        """Capture the common decode graphs before serving."""
+        if not self.use_graphs:
+            return
+        for slot in range(2):
+            for b in batch_sizes:
+                if b <= self.max_rows:
+                    for p in pages:
+                        self._graph_for(slot, b, min(p, self.max_pages_per_seq))
+
+
+class _DecodeGraph:
+    """A captured decode forward for a fixed (batch bucket, page bucket)."""
+
+    def __init__(self, runner: ModelRunner, batch_size: int, num_pages: int, pool) -> None:
+        self.batch_size, self.num_pages = batch_size, num_pages
+        dev = runner.device.torch_device
+        chunks = [(0, 1, [0] * num_pages)] * batch_size
+        self.batch = Batch.build(chunks, runner.page_size, device=dev, num_pages_per_seq=num_pages)
+        self.rows = torch.full((batch_size,), runner.max_rows, dtype=torch.int64, device=dev)
+        self.logits_index = torch.arange(batch_size, device=dev)
+        # Capture is rare (warm-up, or a new bucket): quiesce the device, warm up on a
+        # side stream (lazy inits), then capture on torch's private capture stream.
+        torch.cuda.synchronize(dev)
+        side = torch.cuda.Stream(dev)
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):
+                runner.model(runner.pending[self.rows], self.batch, runner.kv, self.logits_index)
+        side.synchronize()
+        with torch.inference_mode():
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.logits = runner.model(runner.pending[self.rows], self.batch, runner.kv, self.logits_index)
+
+    def replay(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        self.batch.copy_from(batch)
+        self.rows.copy_(rows)
+        self.graph.replay()
+        return self.logits

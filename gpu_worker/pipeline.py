@@ -1,0 +1,110 @@
+"""The pipeline's bookkeeping: two ping-pong DecodeSlots, as a pure state machine.
+
+No torch here: this module only decides which slot a launch uses, which step is
+committed next and when a slot may be reused, so it is tested exhaustively on
+any machine.
+
+Invariants (checked on every call; misuse raises PipelineError):
+1. Step numbers are consecutive, starting at 0; step n uses slot n % num_slots,
+   so the slots alternate (ping-pong).
+2. At most ``num_slots`` steps are outstanding (launched, not yet released).
+3. Steps are committed in launch order (FIFO) and one at a time.
+4. Two-phase release: a slot goes FREE -> IN_FLIGHT (launch) -> COMMITTING
+   (pop_commit) -> FREE (release). Its buffers may be rewritten only when FREE,
+   i.e. after the step that used them was committed.
+5. ``drained`` is true exactly when nothing is outstanding.
+
+Blocking mode is the same machine used with depth 1: launch, pop_commit,
+release, then the next launch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+
+class PipelineError(RuntimeError):
+    pass
+
+
+class SlotState(Enum):
+    FREE = "free"
+    IN_FLIGHT = "in_flight"
+    COMMITTING = "committing"
+
+
+@dataclass
+class SlotRecord:
+    state: SlotState = SlotState.FREE
+    step: int | None = None
+
+
+class Pipeline:
+    def __init__(self, num_slots: int = 2) -> None:
+        if num_slots < 1:
+            raise PipelineError("a pipeline needs at least one slot")
+        self.num_slots = num_slots
+        self.slots = [SlotRecord() for _ in range(num_slots)]
+        self.next_step = 0
+        self._in_flight: deque[int] = deque()  # launched, not yet popped, in launch order
+        self._committing: int | None = None
+
+    # -- queries ---------------------------------------------------------------
+    def slot_of(self, step: int) -> int:
+        return step % self.num_slots
+
+    def can_launch(self) -> bool:
+        return self.slots[self.slot_of(self.next_step)].state is SlotState.FREE
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched and not yet popped for commit."""
+        return len(self._in_flight)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._in_flight) + (self._committing is not None)
+
+    @property
+    def drained(self) -> bool:
+        return self.outstanding == 0
+
+    @property
+    def oldest_in_flight(self) -> int | None:
+        return self._in_flight[0] if self._in_flight else None
+
+    # -- transitions -----------------------------------------------------------
+    def launch(self) -> tuple[int, int]:
+        """Claim the next slot for a new step; returns (step, slot)."""
+        step = self.next_step
+        slot = self.slot_of(step)
+        rec = self.slots[slot]
+        if rec.state is not SlotState.FREE:
+            raise PipelineError(f"slot {slot} is {rec.state.value} (step {rec.step}); cannot launch step {step}")
+        rec.state, rec.step = SlotState.IN_FLIGHT, step
+        self._in_flight.append(step)
+        self.next_step += 1
+        return step, slot
+
+    def pop_commit(self) -> tuple[int, int]:
+        """Take the oldest in-flight step for commit; returns (step, slot)."""
+        if self._committing is not None:
+            raise PipelineError(f"step {self._committing} is still being committed")
+        if not self._in_flight:
+            raise PipelineError("no step in flight to commit")
+        step = self._in_flight.popleft()
+        slot = self.slot_of(step)
+        rec = self.slots[slot]
+        assert rec.state is SlotState.IN_FLIGHT and rec.step == step  # guaranteed by launch()
+        rec.state = SlotState.COMMITTING
+        self._committing = step
+        return step, slot
+
+    def release(self, step: int) -> None:
+        """Second phase: the committed step's slot becomes reusable."""
+        if self._committing != step:
+            raise PipelineError(f"release({step}) but the step being committed is {self._committing}")
+        rec = self.slots[self.slot_of(step)]
+        rec.state, rec.step = SlotState.FREE, None
+        self._committing = None

@@ -1,0 +1,123 @@
+"""Sampling on the device, vectorised over rows, reproducible per request.
+
+Per-row parameters live on the device, indexed by the sequence's stable batch
+row, and are written once at admission: no per-step upload.
+
+Randomness is counter-based: the noise for (seed, position, token) is a hash of
+those three numbers, used through the Gumbel-max trick
+(argmax(logits / T + Gumbel)). A seeded request therefore samples the same
+tokens whatever its batch mates, its batch row, the timing, or pipelined vs
+blocking mode. Requests without a seed get one drawn at admission.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared.sampling import SamplingParams
+
+MAX_STOP_IDS = 8  # stop ids per row kept on device (EOS ids + stop_token_ids)
+NO_TOKEN = -1
+
+FLAG_STOP = 1  # sampled token is EOS or a stop token id
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values < 2**32."""
+    m = 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & m
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform(0, 1) noise [R, vocab] from (seed, position, token index)."""
+    m = 0xFFFFFFFF
+    token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    lo = seed & m
+    hi = (seed >> 32) & m
+    h = _mix32(lo ^ _mix32(hi ^ _mix32(position & m)))  # [R]
+    x = _mix32(h[:, None] ^ _mix32(token[None, :] + 0x9E3779B9 & m))
+    # 24 high-quality bits -> (0, 1), never exactly 0 or 1.
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+class RowParams:
+    """Sampling parameters of every batch row, on the device."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.temperature = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.seed = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.stop_ids = torch.full((max_rows, MAX_STOP_IDS), NO_TOKEN, dtype=torch.int64, device=device)
+
+    def set_row(self, row: int, p: SamplingParams, seed: int, eos_ids: tuple[int, ...]) -> None:
+        stops = list(dict.fromkeys((() if p.ignore_eos else eos_ids) + p.stop_token_ids))
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS - len(eos_ids)} ids are supported")
+        stops += [NO_TOKEN] * (MAX_STOP_IDS - len(stops))
+        # Small scalar writes, once per request at admission.
+        self.temperature[row] = float(p.temperature)
+        self.top_p[row] = float(p.top_p)
+        self.top_k[row] = int(p.top_k)
+        self.seed[row] = int(seed) & 0x7FFFFFFFFFFFFFFF
+        self.stop_ids[row] = torch.tensor(stops, dtype=torch.int64)
+
+
+def apply_bitmask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Disallow tokens whose bit is 0 in int32 bitmask words [R, ceil(V/32)]."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    params: RowParams,
+    any_random: bool,
+    any_filter: bool,
+    want_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Sample one token per logits row. Returns (token ids, flags, logprobs or None).
+
+    ``any_random`` / ``any_filter`` are host-known batch properties (some row has
+    temperature > 0 / top-k or top-p) so greedy-only batches skip the noise and
+    the sort entirely.
+    """
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    tokens = greedy
+    if any_random:
+        temp = params.temperature[rows]
+        scaled = logits / temp.clamp_min(1e-6)[:, None]
+        if any_filter:
+            scaled = _top_k_top_p(scaled, params.top_k[rows], params.top_p[rows])
+        u = counter_uniform(params.seed[rows], positions, logits.shape[-1])
+        gumbel = -torch.log(-torch.log(u))
+        sampled = (scaled + gumbel).argmax(dim=-1)
+        tokens = torch.where(temp > 0, sampled, greedy)
+    stop = (tokens[:, None] == params.stop_ids[rows]).any(dim=-1)
+    flags = stop.to(torch.int32) * FLAG_STOP
+    logprobs = None
+    if want_logprobs:
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, flags, logprobs
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = rank >= k[:, None]
+    probs = sorted_vals.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_vals)

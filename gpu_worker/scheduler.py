@@ -1,0 +1,85 @@
+"""Chooses what the next launch computes: decode rows plus prefill chunks.
+
+Every running sequence whose prefill is complete and whose dispatched tokens
+are below its cap decodes in every launch (it joins as soon as its first token
+is sampled on the device, before the host has seen it). Prompts prefill in
+chunks bounded by a per-launch token budget, oldest first. Admission is FIFO
+and reserves a request's whole KV (prompt + max_tokens) up front, so a running
+sequence never runs out of pages; a request that does not fit waits.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def final(self) -> bool:
+        return self.start + self.length == self.seq.prompt_len
+
+
+@dataclass
+class Plan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, prefill_budget: int) -> None:
+        self.blocks = blocks
+        self.prefill_budget = prefill_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, not yet released, in admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.finalized:  # cancelled while queued
+                self.waiting.popleft()
+                continue
+            need = seq.prompt_len + seq.max_tokens
+            if not self.blocks.can_admit(need):
+                break
+            seq.row, seq.pages = self.blocks.admit(need)
+            seq.admitted = True
+            self.waiting.popleft()
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> tuple[Plan, list[Sequence]]:
+        """The next launch, and the sequences admitted for it."""
+        admitted = self._admit()
+        plan = Plan()
+        budget = self.prefill_budget
+        for seq in self.running:
+            if seq.wants_decode:
+                plan.decode.append(seq)
+            elif budget > 0 and not seq.finalized and not seq.prefill_done:
+                n = min(budget, seq.prompt_len - seq.num_prefilled)
+                plan.prefill.append(PrefillChunk(seq, seq.num_prefilled, n))
+                budget -= n
+        return plan, admitted
+
+    def remove(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -1,0 +1,89 @@
+"""One request's state inside the worker.
+
+Counters, and why there are three:
+- ``num_prefilled``: prompt tokens already launched (chunked prefill).
+- ``num_dispatched``: tokens that launched steps will produce (committed or
+  not). Length caps are checked against it, so a sequence is never launched
+  past ``max_tokens``: length caps make no zombie.
+- ``len(output_ids)``: tokens committed.
+
+Zombies: ``finalized`` is set the moment the end is known (EOS, stop, cancel);
+``inflight_refs`` counts launched-but-uncommitted steps that include the
+sequence. Commit skips finalized sequences, and the batch row and KV pages are
+released when ``finalized and inflight_refs == 0``, exactly once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shared.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens clamped to the context window
+    seed: int
+    constrained: bool = False
+    logprobs: bool = False
+    on_token: Callable[["Sequence", int], None] | None = None
+
+    row: int = -1
+    pages: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    num_dispatched: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+
+    admitted: bool = False
+    finalized: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    inflight_refs: int = 0
+    released: bool = False
+    zombie_rows: int = 0
+
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_done: float | None = None
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_prefilled == self.prompt_len
+
+    @property
+    def wants_decode(self) -> bool:
+        return self.admitted and self.prefill_done and not self.finalized and self.num_dispatched < self.max_tokens
+
+    @property
+    def next_position(self) -> int:
+        """Position of the next decode input token (the last sampled one)."""
+        return self.prompt_len + self.num_dispatched - 1
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def finalize(self, reason: str, error: str | None = None) -> bool:
+        """Mark the end; returns False if it had already ended (first reason wins)."""
+        if self.finalized:
+            return False
+        self.finalized = True
+        self.finish_reason = reason
+        self.error = error
+        self.t_done = time.perf_counter()
+        self._done.set()
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
