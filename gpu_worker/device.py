@@ -190,9 +190,7 @@ class Device:
     def compute_begin(self):
         if self.is_cuda:
             return self.compute.record(timing=True)
-        ev = CpuEvent()
-        self.compute.submit(ev.set)
-        return ev
+        return self.compute.record()  # reached (and timestamped) even after a failure
 
     def compute_end(self):
         return self.compute_begin()
@@ -231,6 +229,15 @@ class Device:
         else:
             self.compute.record().synchronize()
             self.copy.record().synchronize()
+
+    def recover(self) -> None:
+        """After a failure: let both streams run dry, then accept work again."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch_device)  # a real CUDA fault is sticky; this raises then
+            return
+        for stream in (self.compute, self.copy):
+            stream.record()._done.wait()
+            stream.clear_error()
 
     def close(self) -> None:
         self.compute.close()

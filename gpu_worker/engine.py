@@ -72,6 +72,7 @@ class StepRecord:
     begin: object = None
     end: object = None
     copy_done: object = None
+    dropped: bool = False  # discarded after a device failure
 
 
 @dataclass
@@ -206,7 +207,7 @@ class Engine:
             if self.pipeline.in_flight > (1 if launched else 0):
                 self._commit()
                 committed = True
-            if launched:
+            if launched and not launched.dropped:
                 self._finalize(launched)
         elif launched:
             self._finalize(launched)
@@ -383,22 +384,23 @@ class Engine:
     def _device_failed(self, rec: StepRecord, error: BaseException) -> None:
         """Device work failed: fail the requests of every outstanding step, keep serving."""
         log.error("device work failed at step %d: %r", rec.step, error)
-        self.device.compute.clear_error()
-        self.device.copy.clear_error()
         victims = list(rec.seqs)
         for other in self.records:
             victims += other.seqs
         self.pipeline.release(rec.step)
         while self.records:  # later steps ran on a failed stream: drop them too
             later = self.records.popleft()
-            try:
-                later.copy_done.synchronize()
-            except DeviceError:
-                pass
+            later.dropped = True
+            if later.copy_done is not None:
+                try:
+                    later.copy_done.synchronize()
+                except DeviceError:
+                    pass
             s, _ = self.pipeline.pop_commit()
             for seq in later.seqs:
                 seq.inflight_refs -= 1
             self.pipeline.release(s)
+        self.device.recover()
         for seq in victims:
             self._fail(seq, "internal", f"device error: {error}")
         for seq in victims:

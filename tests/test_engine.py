@@ -1,0 +1,298 @@
+"""The engine's invariants on the tiny model: pipelined == blocking, exact forward
+counts, zombies, releases, cancellation at every phase, masks, seeds, bad input."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from gpu_worker.device import DeviceError
+from gpu_worker.engine import Engine, EngineConfig
+from shared.sampling import SamplingParams
+
+VOCAB = 49152
+WORDS = (VOCAB + 31) // 32
+
+
+def make_engine(pipeline=True, device="cpu", **kw) -> Engine:
+    kw.setdefault("max_batch", 32)
+    kw.setdefault("prefill_budget", 96)
+    kw.setdefault("kv_pages", 1200)
+    kw.setdefault("page_size", 8)
+    return Engine(EngineConfig(model="tiny-random", device=device, pipeline=pipeline, debug=True, **kw),
+                  mask_provider=BannedByLastToken())
+
+
+class BannedByLastToken:
+    """A constraint that depends on the last committed token: tokens congruent to
+    it mod 5 are banned. A mask built before that commit would be detectably stale."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, seqs, step):
+        words = np.full((len(seqs), WORDS), -1, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            # Never stale: every token before the one being sampled is committed.
+            assert len(seq.output_ids) == seq.num_dispatched - 1, (seq.seq_id, step)
+            if seq.output_ids:
+                banned = np.arange(seq.output_ids[-1] % 5, VOCAB, 5)
+                bits = np.zeros(WORDS * 32, dtype=bool)
+                bits[:VOCAB] = True
+                bits[banned] = False
+                words[i] = np.packbits(bits, bitorder="little").view("<i4")
+        self.calls += 1
+        return words, None
+
+
+def workload(seed=0, n=64):
+    """Mixed requests: prompt lengths 1..200, max_tokens 1..64, greedy and seeded
+    temperature/top-p/top-k, stop token ids, a constrained subset."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        plen = rng.choice([1, 2, 7, 31, 64, 97, 150, 200, rng.randint(1, 200)])
+        prompt = [rng.randrange(3, VOCAB) for _ in range(plen)]
+        kind = i % 4
+        kw = dict(max_tokens=rng.randint(1, 64))
+        if kind == 1:
+            kw |= dict(temperature=1.0, seed=rng.randrange(2**40))
+        elif kind == 2:
+            kw |= dict(temperature=0.8, top_p=0.9, top_k=rng.choice([0, 20, 200]), seed=rng.randrange(2**40))
+        reqs.append(dict(prompt=prompt, params=kw, constrained=(i % 5 == 0)))
+    return reqs
+
+
+def run(engine, reqs, stops=None):
+    seqs = []
+    for i, r in enumerate(reqs):
+        kw = dict(r["params"])
+        if stops and i in stops:
+            kw["stop_token_ids"] = [stops[i]]
+        seqs.append(engine.submit(r["prompt"], SamplingParams(**kw), constrained=r["constrained"]))
+    engine.run_until_idle()
+    return seqs
+
+
+def check_accounting(engine, seqs, pipelined):
+    for s in seqs:
+        assert s.done and s.released, s
+        # Every sampling row launched is a committed token or a zombie row.
+        assert s.num_dispatched == len(s.output_ids) + s.zombie_rows
+        assert len(s.output_ids) <= s.max_tokens
+        if s.finish_reason == "length":
+            assert len(s.output_ids) == s.max_tokens and s.zombie_rows == 0
+        if s.finish_reason == "stop":
+            assert s.zombie_rows <= (1 if pipelined else 0)
+    assert engine.idle and engine.blocks.idle
+    stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["rows_free"] == stats["rows_total"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A blocking run without stops, then stop ids chosen to end requests at varied positions."""
+    reqs = workload()
+    eng = make_engine(pipeline=False)
+    base = run(eng, reqs)
+    eng.close()
+    rng = random.Random(1)
+    stops = {}
+    for i, s in enumerate(base):
+        if i % 3 == 0 and len(s.output_ids) > 1:
+            stops[i] = s.output_ids[rng.randrange(len(s.output_ids))]
+    return reqs, stops
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim:1"])
+def test_pipelined_equals_blocking(reference, device):
+    reqs, stops = reference
+    outs = {}
+    for pipelined in (False, True):
+        eng = make_engine(pipeline=pipelined, device=device)
+        seqs = run(eng, reqs, stops)
+        check_accounting(eng, seqs, pipelined)
+        outs[pipelined] = [(s.output_ids, s.finish_reason) for s in seqs]
+        if pipelined:
+            assert eng.stats()["zombie_rows"] > 0  # stops really happened mid-pipeline
+            assert eng.mask_provider.calls > 0
+        eng.close()
+    assert sum(r == "stop" for _, r in outs[True]) >= 10
+    assert outs[True] == outs[False]
+
+
+def test_non_vacuity_a_different_run_is_detected(reference):
+    reqs, stops = reference
+    eng = make_engine()
+    a = [s.output_ids for s in run(eng, reqs[:8], stops)]
+    changed = [dict(r, params=dict(r["params"], temperature=1.0, seed=99)) for r in reqs[:8]]
+    b = [s.output_ids for s in run(eng, changed, stops)]
+    eng.close()
+    assert a != b
+
+
+def test_masks_are_respected(reference):
+    reqs, _ = reference
+    eng = make_engine()
+    seqs = run(eng, reqs)
+    eng.close()
+    constrained = [s for s, r in zip(seqs, reqs) if r["constrained"]]
+    assert sum(len(s.output_ids) for s in constrained) > 20
+    for s in constrained:
+        for prev, tok in zip(s.output_ids, s.output_ids[1:]):
+            assert tok % 5 != prev % 5
+
+
+def test_exact_forward_counts_for_length_caps():
+    eng = make_engine()
+    seqs = [eng.submit([5] * plen, SamplingParams(max_tokens=k, ignore_eos=True))
+            for plen, k in [(1, 1), (3, 2), (40, 17), (150, 64), (9, 5)]]
+    eng.run_until_idle()
+    for s, k in zip(seqs, [1, 2, 17, 64, 5]):
+        assert len(s.output_ids) == k and s.num_dispatched == k and s.zombie_rows == 0
+    assert eng.stats()["sample_rows"] == 1 + 2 + 17 + 64 + 5
+    assert eng.stats()["zombie_rows"] == 0
+    eng.close()
+
+
+def test_seeded_sampling_ignores_batch_mates_and_mode():
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=1234)
+    prompt = [7, 8, 9, 10]
+    eng = make_engine(pipeline=False)
+    alone = eng.generate([prompt], params)[0].output_ids
+    eng.close()
+    eng = make_engine(pipeline=True)
+    mates = [eng.submit([11] * 30, SamplingParams(max_tokens=30, temperature=1.0)) for _ in range(5)]
+    crowd = eng.submit(prompt, params)  # a different batch row, other rows around it
+    eng.run_until_idle()
+    eng.close()
+    assert crowd.row != 0 and crowd.output_ids == alone
+    assert any(m.output_ids != alone for m in mates)
+
+
+# ------------------------------------------------------------------ cancellation
+
+
+def _step_until(eng, cond, limit=500):
+    for _ in range(limit):
+        if cond():
+            return
+        eng.step()
+    raise AssertionError("condition never reached")
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_cancel_at_every_phase(pipelined):
+    eng = make_engine(pipeline=pipelined, prefill_budget=16)
+    p = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    queued = eng.submit([3] * 10, p)
+    eng.cancel(queued)
+    eng.step()
+    assert queued.finish_reason == "cancelled" and not queued.admitted and queued.output_ids == []
+
+    mid_prefill = eng.submit([4] * 100, p)  # 7 chunks of 16
+    _step_until(eng, lambda: 0 < mid_prefill.num_prefilled < 100)
+    eng.cancel(mid_prefill)
+
+    in_flight = eng.submit([5] * 5, p)
+    _step_until(eng, lambda: len(in_flight.output_ids) >= 3)
+    eng.cancel(in_flight)
+    n = len(in_flight.output_ids)
+
+    eng.run_until_idle()
+    assert mid_prefill.finish_reason == "cancelled" and mid_prefill.output_ids == []
+    assert in_flight.finish_reason == "cancelled" and len(in_flight.output_ids) <= n + 1
+    for s in (mid_prefill, in_flight):
+        assert s.released
+    assert eng.idle
+    eng.close()
+
+
+def test_cancel_on_the_eos_step_and_as_zombie():
+    eng = make_engine(pipeline=True)
+    base = eng.generate([[9] * 6], SamplingParams(max_tokens=10))[0].output_ids
+    first = next(i for i in range(2, 10) if base.index(base[i]) == i)
+    stop = base[first]
+    # Cancel lands in the same tick as the stop token's commit.
+    s = eng.submit([9] * 6, SamplingParams(max_tokens=10, stop_token_ids=[stop]))
+    _step_until(eng, lambda: len(s.output_ids) == first)  # the stop token is next to commit
+    eng.cancel(s)
+    eng.run_until_idle()
+    assert s.finish_reason in ("stop", "cancelled") and s.released
+    # Cancel a zombie: already finalized by its stop, a step still in flight.
+    z = eng.submit([9] * 6, SamplingParams(max_tokens=10, stop_token_ids=[stop]))
+    _step_until(eng, lambda: z.finalized)
+    assert z.inflight_refs == 1 and not z.released  # it rides one extra step
+    eng.cancel(z)
+    eng.run_until_idle()
+    assert z.finish_reason == "stop" and z.output_ids == base[: first + 1] and z.released
+    assert eng.idle
+    eng.close()
+
+
+# ------------------------------------------------------------------ failures and bad input
+
+
+def test_debug_poison_catches_a_gather_of_an_unwritten_token():
+    eng = make_engine()
+    import torch
+
+    with pytest.raises(RuntimeError, match="unwritten pending token"):
+        eng.runner.gather_pending(torch.tensor([3]))
+    eng.close()
+
+
+def test_bad_input_fails_that_request_only():
+    eng = make_engine(max_model_len=256)
+    with pytest.raises(ValueError, match="top_p"):
+        eng.submit([1, 2], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit([1] * 300, SamplingParams())
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit([VOCAB + 5], SamplingParams())
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit([], SamplingParams())
+    ok = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0]
+    assert len(ok.output_ids) == 4 and eng.idle
+    eng.close()
+
+
+def test_mask_failure_fails_only_that_request():
+    eng = make_engine()
+
+    def provider(seqs, step):
+        words = np.full((len(seqs), WORDS), -1, dtype=np.int32)
+        return words, np.array([s.seq_id == bad.seq_id for s in seqs])
+
+    eng.mask_provider = provider
+    bad = eng.submit([1, 2, 3], SamplingParams(max_tokens=8), constrained=True)
+    good = eng.submit([1, 2, 3], SamplingParams(max_tokens=8), constrained=True)
+    free = eng.submit([1, 2, 3], SamplingParams(max_tokens=8))
+    eng.run_until_idle()
+    assert bad.finish_reason == "error" and "mask" in bad.error
+    assert len(good.output_ids) == 8 and len(free.output_ids) == 8
+    assert eng.idle
+    eng.close()
+
+
+def test_device_error_fails_requests_and_engine_keeps_serving():
+    eng = make_engine()
+    real = eng.runner.model.forward
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    eng.runner.model.forward = flaky
+    victims = [eng.submit([1, 2, 3], SamplingParams(max_tokens=10)) for _ in range(2)]
+    eng.run_until_idle()
+    assert all(v.finish_reason == "error" for v in victims)
+    after = eng.generate([[4, 5]], SamplingParams(max_tokens=3))[0]
+    assert len(after.output_ids) == 3 and eng.idle
+    eng.close()
+    assert DeviceError  # the error type the host sees
