@@ -80,7 +80,7 @@ __all__ = [
     "Side", "Kind", "TokenFlag", "AckKind", "FinishReason",
     "Layout", "WakeFds", "Arena",
     "Entry", "PendingEntry", "TokenRingWriter", "TokenRingReader",
-    "AckEvent", "AckWriter", "AckReader", "MaskWriter", "MaskReader",
+    "AckEvent", "AckWriter", "AckReader", "MaskWriter", "MaskReader", "mask_stamp",
 ]
 
 MAGIC = int.from_bytes(b"TANDEMAR", "little")
@@ -1008,3 +1008,16 @@ class MaskReader:
                 raise RingCorrupt(f"mask rows stamped but their words carry the wrong tag "
                                   f"for > {self._corrupt_after_s} s")
             time.sleep(0)  # let the other side's stores land
+
+
+def mask_stamp(seq_id: int, token_index: int) -> int:
+    """The stamp of the mask for a request's ``token_index``-th generated token.
+
+    Masks are stamped per (request, token) rather than per engine step: the
+    frontend knows how many tokens it has committed, not which engine step will
+    sample the next one. The worker samples token k only with a row stamped
+    exactly ``mask_stamp(seq, k)``, i.e. built after token k-1 was committed.
+    """
+    if not (0 <= seq_id <= 0xFFFFFFFF and 0 <= token_index < (1 << 24)):
+        raise ValueError("mask_stamp: seq_id must fit 32 bits and token_index 24 bits")
+    return (seq_id << 24) | token_index

@@ -1,0 +1,343 @@
+"""The frontend's commit side: requests in, worker tokens out, text to clients.
+
+``Service`` owns one GPU worker (``WorkerHandle``) and every live request. It
+reads the token ring in order and, per row, does the work the worker must not:
+incremental detokenization, stop strings (the final answer goes out at once and
+a finalize goes back to the worker), constraint masks for the next token, and
+the final output. It acknowledges consumed ring entries, and frees a request's
+state only when the worker reports the sequence released.
+
+Invariants:
+- a row of an unknown or already-ended request is skipped: a stale or zombie
+  row never recreates per-request state, and nothing is sent after a terminal
+  event;
+- every request gets exactly one terminal event (done or error);
+- a constrained request's mask for token k is written only after token k-1
+  was committed here, stamped (request, k), so the worker can never sample
+  with an older one;
+- if the worker dies, every in-flight request fails with ``worker_failed``
+  within the heartbeat timeout, and a new generation is started (or
+  ``WorkerFailed`` is raised, with ``restart=False``, for systemd to act on).
+
+Single-threaded: call ``poll()`` from one thread (the server loop).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import select
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from shared.messages import Cancel, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
+from shared.models import load_tokenizer, resolve_model
+from shared.sampling import SamplingParams
+from shared.shm import AckKind, FinishReason, TokenFlag, mask_stamp
+
+from .detokenizer import IncrementalDetokenizer
+from .worker_handle import WorkerFailed, WorkerHandle
+
+log = logging.getLogger("tandem.frontend")
+
+PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "internal"}
+
+
+@dataclass
+class ServiceConfig:
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    pipeline: bool = True
+    max_batch: int = 64
+    max_model_len: int = 2048
+    page_size: int = 16
+    kv_pages: int | None = None
+    kv_memory_fraction: float = 0.5
+    prefill_budget: int = 512
+    cuda_graphs: bool = True
+    restart: bool = True  # restart a dead worker (False: raise WorkerFailed, e.g. under systemd)
+    mask_timeout_s: float = 5.0
+    worker_stale_s: float = 5.0
+    ready_timeout_s: float = 900.0
+    ring_entries: int = 64
+    log_level: str = "WARNING"
+
+    def engine_config(self) -> dict:
+        keys = ("model", "device", "pipeline", "max_batch", "max_model_len", "page_size", "kv_pages",
+                "kv_memory_fraction", "prefill_budget", "cuda_graphs")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass(eq=False)
+class Request:
+    """Frontend state of one request. ``on_event(request, kind, payload)`` receives
+    ("chunk", {"text", "token_ids"}), then exactly one of ("done", {...}) / ("error", {"code", "message"})."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    constraint: Any  # a grammar matcher (fill_mask / accept / is_terminated / output) or None
+    logprobs: bool
+    on_event: Callable[["Request", str, dict], None] | None
+    user_data: Any = None
+    detok: IncrementalDetokenizer | None = None
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    mask_slot: int = -1
+    submitted: bool = False  # sent to the worker (else waiting for a mask slot)
+    ended: bool = False
+    finish_reason: str | None = None
+    error: tuple[str, str] | None = None
+    output: Any = None
+    text: str = ""
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_end: float | None = None
+
+
+class Service:
+    def __init__(self, config: ServiceConfig | None = None, tokenizer=None) -> None:
+        self.config = cfg = config or ServiceConfig()
+        self.model_path = resolve_model(cfg.model)  # converts once, with progress, before the worker starts
+        self.tokenizer = tokenizer or load_tokenizer(self.model_path)
+        self.vocab_size = int(json.loads((self.model_path / "config.json").read_text())["vocab_size"])
+        self.generation = 0
+        self.requests: dict[int, Request] = {}  # by seq_id, until the worker releases it
+        self.waiting_for_slot: deque[Request] = deque()
+        self.free_mask_slots = list(range(cfg.max_batch - 1, -1, -1))
+        self._next_seq = 1
+        self._stats: dict | None = None
+        self.worker: WorkerHandle | None = None
+        self._start_worker()
+
+    # ------------------------------------------------------------------ worker lifecycle
+    def _start_worker(self) -> None:
+        self.generation += 1
+        engine_config = dict(self.config.engine_config(), model=str(self.model_path))
+        self.worker = WorkerHandle(engine_config, self.vocab_size, self.generation,
+                                   ring_entries=self.config.ring_entries, mask_timeout_s=self.config.mask_timeout_s,
+                                   stale_s=self.config.worker_stale_s, log_level=self.config.log_level)
+        self.info = self.worker.wait_ready(self.config.ready_timeout_s)
+        log.info("worker generation %d ready: %s", self.generation, self.info)
+
+    def _worker_died(self, why: str) -> None:
+        tail = self.worker.stderr_tail()
+        log.error("worker generation %d failed: %s\n%s", self.generation, why, tail)
+        self.worker.kill()
+        for req in list(self.requests.values()):
+            self._end(req, error=("worker_failed", f"the GPU worker failed ({why}); retry the request"))
+        self.requests.clear()
+        self.waiting_for_slot.clear()
+        self.free_mask_slots = list(range(self.config.max_batch - 1, -1, -1))
+        if not self.config.restart:
+            raise WorkerFailed(why)
+        self._start_worker()
+
+    @property
+    def worker_pid(self) -> int:
+        return self.worker.pid
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, stop=(), constraint=None,
+               logprobs: bool = False, on_event=None, user_data=None) -> Request:
+        params = params or SamplingParams()
+        params.validate(self.vocab_size)
+        seq_id = self._next_seq
+        self._next_seq = self._next_seq % 0xFFFFFFFF + 1
+        req = Request(seq_id, list(prompt_ids), params, tuple(s for s in stop if s), constraint, logprobs, on_event,
+                      user_data)
+        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
+        self.requests[seq_id] = req
+        if constraint is not None and not self.free_mask_slots:
+            self.waiting_for_slot.append(req)
+        else:
+            self._send_submit(req)
+        return req
+
+    def _send_submit(self, req: Request) -> None:
+        if req.constraint is not None:
+            req.mask_slot = self.free_mask_slots.pop()
+            self._write_mask(req)  # the initial mask exists before the first token can be sampled
+        req.submitted = True
+        self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
+                                        sampling=Sampling.from_params(req.params),
+                                        constrained=req.constraint is not None, logprobs=req.logprobs,
+                                        mask_slot=req.mask_slot))
+
+    def cancel(self, req: Request) -> None:
+        """Client cancel or disconnect: terminal ``done`` (cancelled) now, resources freed in the worker."""
+        if req.ended:
+            return
+        self._end(req, reason="cancelled")
+        self._stop_worker_side(req, FinishReason.ABORT)
+
+    def _stop_worker_side(self, req: Request, reason: int) -> None:
+        if not req.submitted:
+            self._forget(req)
+        elif not self.worker.acks.try_push(AckKind.CANCEL if reason == FinishReason.ABORT else AckKind.FINALIZE,
+                                           req.seq_id, reason):
+            # Ack ring full (the worker is far behind): the control channel also cancels.
+            self.worker.channel.send(Cancel(seq_id=req.seq_id))
+
+    # ------------------------------------------------------------------ the loop
+    def fds(self) -> list[int]:
+        """File descriptors that become readable when poll() has work (for external pollers)."""
+        return [self.worker.tokens.fileno(), self.worker.channel.fileno()]
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Process what the worker sent; wait up to ``timeout`` if there was nothing. Returns entries processed."""
+        n = self._process()
+        if n == 0 and timeout > 0:
+            self.worker.tokens.clear_wakeup()
+            if not self.worker.tokens.ready():
+                select.select(self.fds(), [], [], timeout)
+            n = self._process()
+        return n
+
+    def _process(self) -> int:
+        why = self.worker.failure()
+        if why is not None:
+            self._worker_died(why)
+            return 0
+        try:
+            messages = self.worker.channel.receive()
+        except ConnectionError:
+            self._worker_died(self.worker.failure() or "control channel closed")
+            return 0
+        # Drain the ring before applying the messages: the worker publishes a
+        # sequence's last entry before it reports the sequence released.
+        n = 0
+        reader = self.worker.tokens
+        while (entry := reader.poll()) is not None:
+            self._commit(entry)
+            reader.consume(entry.seq)
+            n += 1
+        for msg in messages:
+            self._control_message(msg)
+        return n
+
+    def _control_message(self, msg) -> None:
+        if isinstance(msg, Released):
+            for seq_id in msg.seq_ids:
+                req = self.requests.pop(seq_id, None)
+                if req is not None:
+                    if not req.ended:
+                        self._end(req, error=("internal", "the worker released a live request"))
+                    self._forget(req)
+        elif isinstance(msg, RequestFailed):
+            req = self.requests.get(msg.seq_id)
+            if req is not None and not req.ended:
+                code = msg.code if msg.code in PROTOCOL_CODES else "internal"
+                message = msg.message if code == msg.code else f"{msg.code}: {msg.message}"
+                self._end(req, error=(code, message))
+        elif isinstance(msg, Stats):
+            self._stats = dict(msg.values)
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.seq_id, None)
+        if req.mask_slot >= 0:
+            self.free_mask_slots.append(req.mask_slot)
+            req.mask_slot = -1
+            if self.waiting_for_slot:
+                self._send_submit(self.waiting_for_slot.popleft())
+
+    def _commit(self, entry) -> None:
+        """Frontend commit of one step: every row, in order."""
+        now = time.perf_counter()
+        lps = entry.logprobs
+        for i, (seq_id, token, flags) in enumerate(zip(entry.seq_ids.tolist(), entry.token_ids.tolist(),
+                                                       entry.flags.tolist())):
+            req = self.requests.get(seq_id)
+            if req is None or req.ended or flags & TokenFlag.ZOMBIE:
+                continue  # stale row: never recreates state, never reaches a client
+            if req.t_first is None:
+                req.t_first = now
+            req.token_ids.append(token)
+            if req.logprobs and lps is not None:
+                req.token_logprobs.append(float(lps[i]))
+            if req.constraint is not None and not req.constraint.accept(token):
+                self._end(req, error=("internal", f"token {token} violated the request's constraint"))
+                self._stop_worker_side(req, FinishReason.ERROR)
+                continue
+            text = req.detok.add(token)
+            finish = None
+            if req.detok.stopped:
+                finish = "stop"
+                self._stop_worker_side(req, FinishReason.STOP)  # the worker stops generating at once
+            elif flags & TokenFlag.FINISHED:
+                finish = "length" if flags & TokenFlag.LENGTH and not flags & (TokenFlag.EOS | TokenFlag.STOP_TOKEN) \
+                    else "stop"
+                text += req.detok.finish()
+            self._emit_chunk(req, text, token)
+            if finish is not None:
+                self._end(req, reason=finish)
+            elif req.constraint is not None:
+                self._write_mask(req)
+
+    def _write_mask(self, req: Request) -> None:
+        words = np.empty((1, self.worker.masks.words_per_row), dtype=np.int32)
+        req.constraint.fill_mask(words[0])
+        self.worker.masks.write_rows([req.mask_slot], mask_stamp(req.seq_id, len(req.token_ids)), words)
+
+    # ------------------------------------------------------------------ events
+    def _emit_chunk(self, req: Request, text: str, token: int) -> None:
+        if req.on_event is not None:
+            req.on_event(req, "chunk", {"text": text, "token_ids": [token]})
+
+    def _end(self, req: Request, reason: str | None = None, error: tuple[str, str] | None = None) -> None:
+        if req.ended:
+            return
+        req.ended = True
+        req.t_end = time.perf_counter()
+        req.text = req.detok.text if req.detok else ""
+        if error is not None:
+            req.error = error
+            if req.on_event is not None:
+                req.on_event(req, "error", {"code": error[0], "message": error[1]})
+            return
+        req.finish_reason = reason
+        payload = {"finish_reason": reason, "text": req.text, "token_ids": list(req.token_ids),
+                   "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids)},
+                   "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
+        if req.constraint is not None and reason == "stop":
+            try:
+                req.output = req.constraint.output(req.text)
+                payload["output"] = req.output
+            except ValueError as e:  # incomplete structure: reported, never repaired
+                payload["output_error"] = str(e)
+        if req.logprobs:
+            payload["logprobs"] = list(req.token_logprobs)
+        if req.on_event is not None:
+            req.on_event(req, "done", payload)
+
+    # ------------------------------------------------------------------ helpers for tests and tools
+    def run_until(self, cond: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError("service did not reach the condition in time")
+            self.poll(0.05)
+
+    def idle(self) -> bool:
+        return not self.requests
+
+    def stats(self, timeout: float = 10.0) -> dict:
+        self._stats = None
+        self.worker.channel.send(StatsRequest())
+        self.run_until(lambda: self._stats is not None, timeout)
+        return self._stats
+
+    def close(self) -> None:
+        if self.worker is not None:
+            for req in list(self.requests.values()):
+                self._end(req, error=("internal", "the server is shutting down"))
+            self.worker.shutdown()
+            self.worker = None
+
+
+def _ms(t0: float, t1: float | None) -> float | None:
+    return None if t1 is None else round((t1 - t0) * 1e3, 3)

@@ -1,0 +1,105 @@
+"""Spawning, talking to and supervising one GPU worker process.
+
+The frontend creates the worker's arena (memfd + eventfds) and control
+socketpair, then spawns ``python -m gpu_worker.worker`` (a fresh interpreter:
+never a fork of a process that may have touched CUDA) with those fds inherited.
+Nothing is created on the filesystem, so a kill -9 of either side leaks nothing.
+Each (re)start gets a new generation number and a new arena.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from shared.control import ChannelClosed, ControlChannel
+from shared.messages import Ready, Shutdown
+from shared.shm import Arena, Layout, Side
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class WorkerHandle:
+    def __init__(self, engine_config: dict, vocab_size: int, generation: int, *, ring_entries: int = 64,
+                 mask_timeout_s: float = 5.0, stale_s: float = 5.0, log_level: str = "WARNING") -> None:
+        self.engine_config = engine_config
+        self.generation = generation
+        self.stale_s = stale_s
+        max_batch = int(engine_config.get("max_batch", 64))
+        self.arena = Arena.create(Layout(vocab_size=vocab_size, ring_entries=ring_entries, max_rows=max_batch,
+                                         max_batch_rows=max_batch), generation=generation)
+        self._beating = self.arena.start_heartbeat(Side.FRONTEND)
+        self.channel, child_end = ControlChannel.pair()
+        self.stderr = tempfile.TemporaryFile()  # unlinked at once: kept only for failure reports
+        cmd = [sys.executable, "-m", "gpu_worker.worker", "--arena", self.arena.fd_spec(),
+               "--control", str(child_end.fileno()), "--config", json.dumps(engine_config),
+               "--generation", str(generation), "--parent-pid", str(os.getpid()),
+               "--mask-timeout", str(mask_timeout_s), "--log-level", log_level]
+        self.proc = subprocess.Popen(cmd, pass_fds=(*self.arena.pass_fds, child_end.fileno()),
+                                     stdin=subprocess.DEVNULL, stderr=self.stderr)
+        child_end.close()
+        self.tokens = self.arena.token_reader()
+        self.acks = self.arena.ack_writer()
+        self.masks = self.arena.mask_writer()
+        self.info: dict = {}
+        self.ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float) -> dict:
+        """Block until the worker has loaded and warmed up; returns its info."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise WorkerFailed(f"worker exited with {self.proc.returncode} while starting: {self.stderr_tail()}")
+            select.select([self.channel], [], [], 0.1)
+            try:
+                messages = self.channel.receive()
+            except ChannelClosed:
+                continue  # the exit is reported by proc.poll() above
+            for msg in messages:
+                if isinstance(msg, Ready):
+                    self.info, self.ready = dict(msg.info), True
+                    return self.info
+        self.kill()
+        raise WorkerFailed(f"worker not ready after {timeout:.0f} s")
+
+    def failure(self) -> str | None:
+        """Why the worker is unusable, or None while it is healthy."""
+        code = self.proc.poll()
+        if code is not None:
+            return f"worker exited with code {code}"
+        if self.ready and not self.arena.is_alive(Side.WORKER, self.stale_s):
+            return f"worker heartbeat stale for more than {self.stale_s:.0f} s"
+        return None
+
+    def stderr_tail(self, limit: int = 2000) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-limit:].strip()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.channel.send(Shutdown())
+                self.proc.wait(timeout)
+            except (ChannelClosed, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()  # reaped: no zombie process
+        self._beating.set()
+        self.channel.close()
+        self.arena.close()
+        self.stderr.close()
