@@ -36,7 +36,7 @@ import numpy as np
 from shared.messages import Cancel, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
 from shared.models import load_tokenizer, resolve_model
 from shared.sampling import SamplingParams
-from shared.shm import AckKind, FinishReason, TokenFlag, mask_stamp
+from shared.shm import AckKind, FinishReason, RingCorrupt, TokenFlag, mask_stamp
 
 from .detokenizer import IncrementalDetokenizer
 from .worker_handle import WorkerFailed, WorkerHandle
@@ -212,10 +212,14 @@ class Service:
         # sequence's last entry before it reports the sequence released.
         n = 0
         reader = self.worker.tokens
-        while (entry := reader.poll()) is not None:
-            self._commit(entry)
-            reader.consume(entry.seq)
-            n += 1
+        try:
+            while (entry := reader.poll()) is not None:
+                self._commit(entry)
+                reader.consume(entry.seq)
+                n += 1
+        except RingCorrupt as e:  # never deliver unvalidated tokens: treat as a failed worker
+            self._worker_died(f"token ring corrupt: {e}")
+            return n
         for msg in messages:
             self._control_message(msg)
         return n

@@ -10,9 +10,7 @@ import pytest
 from gpu_worker.device import DeviceError
 from gpu_worker.engine import Engine, EngineConfig
 from shared.sampling import SamplingParams
-
-VOCAB = 49152
-WORDS = (VOCAB + 31) // 32
+from workload import VOCAB, WORDS, BannedByLastToken, workload
 
 
 def make_engine(pipeline=True, device="cpu", **kw) -> Engine:
@@ -22,46 +20,6 @@ def make_engine(pipeline=True, device="cpu", **kw) -> Engine:
     kw.setdefault("page_size", 8)
     return Engine(EngineConfig(model="tiny-random", device=device, pipeline=pipeline, debug=True, **kw),
                   mask_provider=BannedByLastToken())
-
-
-class BannedByLastToken:
-    """A constraint that depends on the last committed token: tokens congruent to
-    it mod 5 are banned. A mask built before that commit would be detectably stale."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, seqs, step):
-        words = np.full((len(seqs), WORDS), -1, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            # Never stale: every token before the one being sampled is committed.
-            assert len(seq.output_ids) == seq.num_dispatched - 1, (seq.seq_id, step)
-            if seq.output_ids:
-                banned = np.arange(seq.output_ids[-1] % 5, VOCAB, 5)
-                bits = np.zeros(WORDS * 32, dtype=bool)
-                bits[:VOCAB] = True
-                bits[banned] = False
-                words[i] = np.packbits(bits, bitorder="little").view("<i4")
-        self.calls += 1
-        return words, None
-
-
-def workload(seed=0, n=64):
-    """Mixed requests: prompt lengths 1..200, max_tokens 1..64, greedy and seeded
-    temperature/top-p/top-k, stop token ids, a constrained subset."""
-    rng = random.Random(seed)
-    reqs = []
-    for i in range(n):
-        plen = rng.choice([1, 2, 7, 31, 64, 97, 150, 200, rng.randint(1, 200)])
-        prompt = [rng.randrange(3, VOCAB) for _ in range(plen)]
-        kind = i % 4
-        kw = dict(max_tokens=rng.randint(1, 64))
-        if kind == 1:
-            kw |= dict(temperature=1.0, seed=rng.randrange(2**40))
-        elif kind == 2:
-            kw |= dict(temperature=0.8, top_p=0.9, top_k=rng.choice([0, 20, 200]), seed=rng.randrange(2**40))
-        reqs.append(dict(prompt=prompt, params=kw, constrained=(i % 5 == 0)))
-    return reqs
 
 
 def run(engine, reqs, stops=None):

@@ -1,0 +1,111 @@
+"""Smoke tests of the decode benchmark on the tiny model: it runs in seconds and
+emits every field of its JSON. No timing thresholds (timings belong to BENCHMARKS.md)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import decode
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_FIELDS = {"streams", "mode", "ms_per_step", "ms_per_step_spread", "device_idle_fraction", "host_ms_per_step",
+              "zombie_tax", "tokens_per_s"}
+QUICK = ["--model", "tiny-random", "--tokens", "4", "--prompt-len", "8", "--repeats", "1", "--quiet"]
+
+
+def run_json(capsys, *argv) -> dict:
+    decode.main([*QUICK, *argv, "--json"])
+    out = capsys.readouterr().out
+    return json.loads(out)  # exactly one JSON object on stdout
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim:1"])
+def test_decode_emits_every_field(capsys, device):
+    result = run_json(capsys, "--device", device, "--streams", "1,2")
+    assert result["device"] == device and result["model"] == "tiny-random"
+    rows = result["rows"]
+    assert {(r["streams"], r["mode"]) for r in rows} == {(s, m) for s in (1, 2) for m in ("blocking", "pipelined")}
+    for r in rows:
+        assert ROW_FIELDS <= r.keys(), ROW_FIELDS - r.keys()
+        lo, hi = r["ms_per_step_spread"]
+        assert 0 < lo <= r["ms_per_step"] <= hi
+        assert 0.0 <= r["device_idle_fraction"] <= 1.0
+        assert r["host_ms_per_step"] > 0 and r["tokens_per_s"] > 0
+        assert r["zombie_tax"] == 0  # ignore_eos + length caps never make zombies
+        assert r["decode_steps"] == 4
+    for r in rows:
+        if r["mode"] == "pipelined":
+            assert r["tokens_match_blocking"] is True
+    assert set(result["speedup"]) == {"1", "2"}
+    assert all(v > 0 for v in result["speedup"].values())
+
+
+def test_decode_single_mode_and_table(capsys):
+    decode.main([*QUICK, "--device", "cpu", "--streams", "1", "--mode", "pipelined"])
+    out = capsys.readouterr().out
+    assert "| 1 | pipelined |" in out and "| blocking |" not in out
+
+
+def test_baseline_transformers(capsys):
+    result = run_json(capsys, "--device", "cpu", "--streams", "2", "--baseline", "transformers")
+    modes = {r["mode"]: r for r in result["rows"]}
+    assert set(modes) == {"blocking", "pipelined", "transformers"}
+    hf = modes["transformers"]
+    assert ROW_FIELDS <= hf.keys()
+    assert hf["ms_per_step"] > 0 and hf["tokens_per_s"] > 0
+    # Same weights, same prompts, greedy: the tokens agree (fp32 on the CPU).
+    assert hf["token_agreement_with_tandem"] == 1.0
+    assert result["baseline_ratio"]["2"] > 0
+    assert modes["pipelined"]["ratio_vs_transformers"] == result["baseline_ratio"]["2"]
+
+
+def test_zombie_case(capsys):
+    result = run_json(capsys, "--device", "cpu", "--zombie-case", "--no-throughput")
+    assert result["rows"] == []
+    z = {r["mode"]: r for r in result["zombie"]}
+    assert z["pipelined"]["zombie_tax"] > 0 and z["pipelined"]["zombie_rows_per_request"] == 1
+    assert z["blocking"]["zombie_tax"] == 0 and z["blocking"]["zombie_rows"] == 0
+    for r in z.values():
+        assert ROW_FIELDS <= r.keys()
+        assert abs(r["answer_tokens"] - decode.ZOMBIE_TARGET) <= 20
+
+
+def test_click_command():
+    from click.testing import CliRunner
+
+    res = CliRunner().invoke(decode.decode_command, [*QUICK, "--device", "sim:1", "--streams", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    assert len(result["rows"]) == 2
+    bad = CliRunner().invoke(decode.decode_command, ["--mode", "nonsense"])
+    assert bad.exit_code != 0 and "nonsense" in bad.output
+
+
+def test_runs_without_server_libraries():
+    """The benchmark must not need pyzmq, msgspec or grammar libraries (GPU images lack them)."""
+    code = (
+        "import sys\n"
+        "for m in ('zmq', 'msgspec', 'xgrammar', 'msgpack'): sys.modules[m] = None  # importing them fails\n"
+        "from bench import decode\n"
+        "decode.main(['--model', 'tiny-random', '--device', 'cpu', '--streams', '1', '--tokens', '2',"
+        " '--prompt-len', '4', '--repeats', '1', '--quiet', '--json'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["rows"]
+
+
+def test_random_model_configs():
+    """random-135m / random-1b have the published shapes (built on the meta device: no memory)."""
+    from gpu_worker.model import Llama, LlamaConfig
+
+    sizes = {}
+    for name, cfg in decode.RANDOM_MODELS.items():
+        model = Llama(LlamaConfig(**cfg), device="meta")
+        sizes[name] = model.num_params()
+    assert 130e6 < sizes["random-135m"] < 140e6
+    assert 1.1e9 < sizes["random-1b"] < 1.3e9

@@ -1,0 +1,256 @@
+"""The two-process service: frontend + GPU worker over shared memory."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from frontend.service import Service, ServiceConfig
+from gpu_worker.engine import Engine, EngineConfig
+from shared.control import ControlChannel
+from shared.sampling import SamplingParams
+from workload import BannedByLastToken, BannedMatcher, workload
+
+SIZES = dict(max_batch=32, prefill_budget=96, kv_pages=1200, page_size=8)
+
+
+def make_service(**kw) -> Service:
+    return Service(ServiceConfig(**{"model": "tiny-random", "device": "cpu", **SIZES, **kw}))
+
+
+def submit_all(svc, reqs, stops, stream_log=None):
+    out = []
+    for i, r in enumerate(reqs):
+        kw = dict(r["params"])
+        if i in stops:
+            kw["stop_token_ids"] = [stops[i]]
+        on_event = None
+        if stream_log is not None:
+            on_event = lambda req, kind, p: stream_log.append((req.seq_id, kind, p))  # noqa: E731
+        out.append(svc.submit(r["prompt"], SamplingParams(**kw), on_event=on_event,
+                              constraint=BannedMatcher() if r["constrained"] else None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """In-process engine outputs for the mixed workload (with stops at varied positions)."""
+    reqs = workload(seed=3, n=48)
+    eng = Engine(EngineConfig(model="tiny-random", device="cpu", **SIZES), mask_provider=BannedByLastToken())
+    base = [eng.submit(r["prompt"], SamplingParams(**r["params"]), constrained=r["constrained"]) for r in reqs]
+    eng.run_until_idle()
+    rng = random.Random(2)
+    stops = {i: s.output_ids[rng.randrange(len(s.output_ids))] for i, s in enumerate(base)
+             if i % 3 == 0 and len(s.output_ids) > 1}
+    seqs = []
+    for i, r in enumerate(reqs):
+        kw = dict(r["params"], **({"stop_token_ids": [stops[i]]} if i in stops else {}))
+        seqs.append(eng.submit(r["prompt"], SamplingParams(**kw), constrained=r["constrained"]))
+    eng.run_until_idle()
+    eng.close()
+    return reqs, stops, [(s.output_ids, s.finish_reason) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = make_service()
+    yield svc
+    svc.close()
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_two_processes_equal_in_process(reference, service, pipeline):
+    reqs, stops, expected = reference
+    svc = service if pipeline else make_service(pipeline=False)
+    try:
+        log = []
+        got = submit_all(svc, reqs, stops, log)
+        svc.run_until(svc.idle, 120)
+        assert [(r.token_ids, r.finish_reason) for r in got] == expected
+        assert sum(reason == "stop" for _, reason in expected) >= 5
+        # Streaming: chunks in order, exactly one terminal event, concatenation == final text.
+        for r in got:
+            events = [(k, p) for sid, k, p in log if sid == r.seq_id]
+            assert [k for k, _ in events].count("done") == 1 and events[-1][0] == "done"
+            assert "".join(p["text"] for k, p in events if k == "chunk") == events[-1][1]["text"]
+        stats = svc.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["rows_free"] == stats["rows_total"]
+        assert len(svc.free_mask_slots) == SIZES["max_batch"]
+    finally:
+        if svc is not service:
+            svc.close()
+
+
+def test_non_vacuity_different_tokens_are_noticed(reference, service):
+    reqs, stops, expected = reference
+    changed = [dict(r, params=dict(r["params"], temperature=1.0, seed=7)) for r in reqs[:6]]
+    got = submit_all(service, changed, {})
+    service.run_until(service.idle, 60)
+    assert [r.token_ids for r in got] != [e[0] for e in expected[:6]]
+
+
+def test_ring_wraps_many_times_with_a_slow_reader():
+    svc = make_service(ring_entries=4)
+    try:
+        eng = Engine(EngineConfig(model="tiny-random", device="cpu", **SIZES))
+        prompts = [[11, 12, 13 + i] for i in range(3)]
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        expected = [s.output_ids for s in eng.generate(prompts, params)]
+        eng.close()
+
+        def slow(req, kind, payload):
+            time.sleep(0.002)  # a frontend that cannot keep up
+
+        got = [svc.submit(p, params, on_event=slow) for p in prompts]
+        svc.run_until(svc.idle, 120)
+        assert [r.token_ids for r in got] == expected  # no loss, no corruption, in order
+        stats = svc.stats()
+        assert stats["steps"] >= 10 * 4  # wrapped >= 10 times
+        assert stats["ring_blocked"] > 0  # the worker waited while the ring was full
+    finally:
+        svc.close()
+
+
+def test_stop_strings_end_requests_and_are_never_streamed(service):
+    tok = service.tokenizer
+    prompt = [101, 102, 103]
+    base = service.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    service.run_until(lambda: base.ended)
+    text = base.text
+    assert len(text) > 20
+    cases = [
+        [text[5:13]],  # spans several tokens
+        [text[:3]],  # at the very first token
+        [text[10:16], text[12:20]],  # overlapping candidates
+        [text[8:12], text[8:30]],  # one a prefix of another
+    ]
+    for stops in cases:
+        log = []
+        req = service.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True), stop=stops,
+                             on_event=lambda r, k, p: log.append((k, p)))
+        service.run_until(lambda: req.ended)
+        chunks = [p["text"] for k, p in log if k == "chunk"]
+        done = log[-1][1]
+        assert log[-1][0] == "done" and done["finish_reason"] == "stop"
+        assert "".join(chunks) == done["text"]
+        first = min(text.find(s) + len(s) for s in stops)
+        assert text.startswith(done["text"]) and len(done["text"]) < first
+        for s in stops:
+            assert s not in done["text"]
+            assert not any(s in c for c in chunks)
+        assert len(req.token_ids) < len(base.token_ids)  # ended early, not at max_tokens
+    service.run_until(service.idle)
+    assert tok is not None
+
+
+def test_cancel_frees_worker_resources(service):
+    reqs = [service.submit([7] * 20, SamplingParams(max_tokens=500, ignore_eos=True)) for _ in range(4)]
+    service.run_until(lambda: all(len(r.token_ids) >= 3 for r in reqs))
+    for r in reqs:
+        service.cancel(r)
+    assert all(r.finish_reason == "cancelled" for r in reqs)
+    service.run_until(service.idle)
+    stats = service.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_mask_stall_fails_only_constrained_requests():
+    svc = make_service(mask_timeout_s=0.3)
+    try:
+        class Stalling(BannedMatcher):
+            def accept(self, token):
+                ok = super().accept(token)
+                time.sleep(1.0)  # the frontend stops answering masks for a while
+                return ok
+
+        free = svc.submit([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+        stuck = svc.submit([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), constraint=Stalling())
+        svc.run_until(lambda: free.ended and stuck.ended, 60)
+        assert stuck.error is not None and "mask" in stuck.error[1]
+        assert free.finish_reason == "length" and len(free.token_ids) == 20
+        ok = svc.submit([4, 5], SamplingParams(max_tokens=5), constraint=BannedMatcher())
+        svc.run_until(svc.idle, 30)
+        assert ok.finish_reason == "length"
+    finally:
+        svc.close()
+
+
+def test_malformed_control_messages_are_rejected_not_fatal(service):
+    service.worker.channel.send_raw(b"\xc1 not msgpack")
+    service.worker.channel.send_raw(b"\x81\xa4type\xa6submit")  # truncated / missing fields
+    req = service.submit([1, 2, 3], SamplingParams(max_tokens=4))
+    service.run_until(lambda: req.ended)
+    assert req.finish_reason == "length"
+    a, b = ControlChannel.pair()
+    peer = ControlChannel(b)
+    peer.send_raw(b"garbage")
+    b_len = (1 << 30).to_bytes(4, "little")
+    b.sendall(b_len + b"xx")
+    time.sleep(0.05)
+    assert a.receive() == [] and a.rejected == 2
+    a.close()
+    b.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_kill_worker_mid_generation_fails_requests_and_restarts():
+    svc = make_service()
+    try:
+        old_pid, old_gen = svc.worker_pid, svc.generation
+        events = []
+        reqs = [svc.submit([9] * 10, SamplingParams(max_tokens=2000, ignore_eos=True),
+                           on_event=lambda r, k, p: events.append((r.seq_id, k, p))) for _ in range(3)]
+        svc.run_until(lambda: all(len(r.token_ids) > 2 for r in reqs))
+        os.kill(old_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        svc.run_until(lambda: all(r.ended for r in reqs), 10)
+        assert time.monotonic() - t0 < 5
+        for r in reqs:
+            assert r.error[0] == "worker_failed"
+            assert [k for sid, k, _ in events if sid == r.seq_id].count("error") == 1
+        assert svc.generation == old_gen + 1 and svc.worker_pid != old_pid
+        assert not _alive(old_pid)  # reaped: no zombie
+        again = svc.submit([1, 2], SamplingParams(max_tokens=3))
+        svc.run_until(lambda: again.ended)
+        assert again.finish_reason == "length"
+    finally:
+        svc.close()
+
+
+def test_kill_frontend_makes_the_worker_exit():
+    shm_before = set(os.listdir("/dev/shm"))
+    code = textwrap.dedent("""
+        import sys, time
+        from frontend.service import Service, ServiceConfig
+        from shared.sampling import SamplingParams
+        svc = Service(ServiceConfig(model="tiny-random", device="cpu", max_batch=4, kv_pages=300, page_size=8))
+        svc.submit([5, 6], SamplingParams(max_tokens=100000 // 100, ignore_eos=True))
+        print(svc.worker_pid, flush=True)
+        while True:
+            svc.poll(0.05)
+    """)
+    front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    worker_pid = int(front.stdout.readline())
+    assert _alive(worker_pid)
+    with open(f"/proc/{worker_pid}/cmdline", "rb") as f:
+        assert b"gpu_worker" in f.read()  # operators can tell the processes apart
+    front.kill()
+    front.wait()
+    deadline = time.monotonic() + 5
+    while _alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker_pid)
+    assert set(os.listdir("/dev/shm")) == shm_before  # memfd: nothing named, nothing left
