@@ -64,6 +64,8 @@ def build_engine_config(model, device, no_pipeline, max_batch, max_model_len, kv
 @main.command()
 @click.argument("prompt", required=False)
 @engine_options
+@click.option("--connect", default=None, help="Use a running server (e.g. tcp://127.0.0.1:5557) instead of "
+              "an in-process engine.")
 @click.option("--raw", is_flag=True, help="Send PROMPT as plain text, without the chat template.")
 @click.option("--max-tokens", default=256, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
@@ -73,58 +75,127 @@ def build_engine_config(model, device, no_pipeline, max_batch, max_model_len, kv
 @click.option("--stop", multiple=True, help="Stop string (repeatable); never part of the output.")
 @click.option("--stop-token-id", multiple=True, type=int, help="Stop token id (repeatable).")
 @click.option("--ignore-eos", is_flag=True)
+@click.option("--grammar", type=click.Choice(["point", "box"]), default=None,
+              help="Constrain the answer to points or boxes (normalised coordinates).")
+@click.option("--max-objects", default=8, show_default=True, help="With --grammar: most items.")
+@click.option("--regex", default=None, help="Constrain the answer to a regular expression.")
+@click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
+              help="Constrain the answer to a JSON schema (file).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"text", "token_ids", "finish_reason", "usage"}.')
-def generate(prompt, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id, ignore_eos, stream,
-             as_json, **engine_kw):
-    """Generate a completion in-process.
+def generate(prompt, connect, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id, ignore_eos,
+             grammar, max_objects, regex, json_schema, stream, as_json, **engine_kw):
+    """Generate a completion (in-process, or from a server with --connect).
 
     \b
     Examples:
       tandem generate "What is the capital of France?"
       tandem generate "Write a haiku" --temperature 0.8 --seed 1 --json
       echo "Once upon a time" | tandem generate - --raw --max-tokens 40
+      tandem generate "Point at the cat" --grammar point --max-objects 3
+      tandem generate "Hi" --connect tcp://127.0.0.1:5557 --stream
     """
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read() if prompt == "-" or not sys.stdin.isatty() else "What is the capital of France?"
+    kinds = [g for g in (grammar, regex, json_schema) if g is not None]
+    if len(kinds) > 1:
+        raise click.UsageError("use at most one of --grammar, --regex, --json-schema")
+    spec = None
+    if grammar:
+        spec = {"kind": grammar, "max_objects": max_objects}
+    elif regex is not None:
+        spec = {"kind": "regex", "pattern": regex}
+    elif json_schema is not None:
+        spec = {"kind": "json_schema", "schema": json.load(json_schema)}
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                    stop_token_ids=list(stop_token_id), ignore_eos=ignore_eos)
+    live = stream and not as_json
+    echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
+    run = _generate_remote if connect else _generate_local
+    result = run(prompt, raw, sampling, list(stop), spec, echo, connect=connect, engine_kw=engine_kw)
+    if live:
+        click.echo()
+    if as_json:
+        click.echo(json.dumps(result))
+    elif not live:
+        click.echo(result["text"])
+    if "output" in result and not as_json:
+        click.echo(json.dumps(result["output"]), err=True)
+
+
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, connect, engine_kw) -> dict:
+    from frontend.client import Client
+
+    kw = dict(sampling, stop=stop or None, grammar=spec)
+    kw["stop_token_ids"] = kw["stop_token_ids"] or None
+    if raw:
+        kw["prompt"] = prompt
+    else:
+        kw["messages"] = [{"role": "user", "content": prompt}]
+    with Client(connect) as client:
+        stream = client.stream(**kw)
+        for chunk in stream:
+            echo(chunk.text)
+        r = stream.result
+    out = {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason, "usage": r.usage}
+    if r.output is not None:
+        out["output"] = r.output
+    return out
+
+
+def _generate_local(prompt, raw, sampling, stop, spec, echo, connect, engine_kw) -> dict:
+    import numpy as np
+
     from frontend.detokenizer import IncrementalDetokenizer
+    from frontend.grammars import GrammarCompiler
     from frontend.tokenization import chat_prompt_ids, text_prompt_ids
     from gpu_worker.engine import Engine
     from shared.models import load_tokenizer
     from shared.sampling import SamplingParams
 
-    if prompt is None or prompt == "-":
-        prompt = sys.stdin.read() if prompt == "-" or not sys.stdin.isatty() else "What is the capital of France?"
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            stop_token_ids=stop_token_id, ignore_eos=ignore_eos)
+    params = SamplingParams(**sampling)
     tokenizer = load_tokenizer(engine_kw["model"])
     ids = text_prompt_ids(tokenizer, prompt) if raw else chat_prompt_ids(tokenizer, [{"role": "user",
                                                                                       "content": prompt}])
-    engine = Engine(build_engine_config(**engine_kw))
-    detok = IncrementalDetokenizer(tokenizer, stop=list(stop))
-    live = stream and not as_json
+    config = build_engine_config(**engine_kw)
+    matcher = None
+    provider = None
+    if spec is not None:
+        from shared.models import resolve_model
+
+        model_cfg = json.loads((resolve_model(config.model) / "config.json").read_text())
+        eos = model_cfg.get("eos_token_id")
+        compiler = GrammarCompiler(tokenizer, model_cfg["vocab_size"], tuple(eos if isinstance(eos, list) else [eos]))
+        matcher = compiler.compile(spec).matcher()
+
+        def provider(seqs, step):  # called after the previous token's commit: never stale
+            words = np.empty((len(seqs), (model_cfg["vocab_size"] + 31) // 32), dtype=np.int32)
+            matcher.fill_mask(words[0])
+            return words, None
+
+    engine = Engine(config, mask_provider=provider)
+    detok = IncrementalDetokenizer(tokenizer, stop=stop)
 
     def on_token(seq, token):
-        text = detok.add(token)
-        if live and text:
-            click.echo(text, nl=False)
+        if matcher is not None:
+            matcher.accept(token)
+        echo(detok.add(token))
         if detok.stopped:
             engine.cancel(seq, "stop")  # a stop string ends the request at once
 
     try:
-        seq = engine.submit(ids, params, on_token=on_token)
+        seq = engine.submit(ids, params, on_token=on_token, constrained=matcher is not None)
         engine.run_until_idle()
     finally:
         engine.close()
     if seq.error:
         raise click.ClickException(seq.error)
-    tail = detok.finish()
-    if live:
-        click.echo(tail)
-    text = detok.text
-    if as_json:
-        click.echo(json.dumps({"text": text, "token_ids": seq.output_ids, "finish_reason": seq.finish_reason,
-                               "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.output_ids)}}))
-    elif not live:
-        click.echo(text)
+    echo(detok.finish())
+    out = {"text": detok.text, "token_ids": seq.output_ids, "finish_reason": seq.finish_reason,
+           "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.output_ids)}}
+    if matcher is not None and seq.finish_reason == "stop":
+        out["output"] = matcher.output(detok.text)
+    return out
 
 
 @main.command()
@@ -156,6 +227,84 @@ def pull(name: str) -> None:
     if name not in BUILTIN:
         raise click.ClickException(f"unknown model {name!r}; built-in: {', '.join(BUILTIN)}")
     click.echo(f"{name}: ready at {resolve_model(name)}")
+
+
+@main.command()
+@engine_options
+@click.option("--bind", default="tcp://127.0.0.1:5557", show_default=True, help="ZeroMQ endpoint to listen on.")
+@click.option("--max-queue", default=1024, show_default=True, help="Requests in flight before 'overloaded'.")
+@click.option("--exit-on-worker-failure", is_flag=True,
+              help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
+def serve(bind, max_queue, exit_on_worker_failure, **engine_kw):
+    """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
+
+    \b
+    Examples:
+      tandem serve                                  # smollm2-135m on tcp://127.0.0.1:5557
+      tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
+      tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
+    """
+    from frontend.server import Server, install_signal_handlers
+    from frontend.service import Service, ServiceConfig
+
+    level = logging.getLogger().level
+    cfg = ServiceConfig(model=engine_kw["model"], device=engine_kw["device"], pipeline=not engine_kw["no_pipeline"],
+                        max_batch=engine_kw["max_batch"], max_model_len=engine_kw["max_model_len"],
+                        kv_pages=engine_kw["kv_pages"], kv_memory_fraction=engine_kw["kv_memory_fraction"],
+                        restart=not exit_on_worker_failure, log_level=logging.getLevelName(level))
+    click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
+    service = Service(cfg)
+    server = Server(service, bind, max_queue=max_queue)
+    install_signal_handlers(server)
+    click.echo(f"tandem: serving {cfg.model} on {server.endpoint} "
+               f"(device {service.info.get('device')}, pipeline {'on' if cfg.pipeline else 'off'}, "
+               f"worker pid {service.worker_pid})", err=True)
+    server.serve_forever()
+    click.echo("tandem: stopped", err=True)
+
+
+@main.command()
+@click.option("--connect", default="tcp://127.0.0.1:5557", show_default=True)
+@click.option("--timeout", default=10.0, show_default=True)
+def info(connect, timeout):
+    """Ask a running server what it serves.
+
+    \b
+    Example:
+      tandem info --connect tcp://127.0.0.1:5557
+    """
+    from frontend.client import Client
+
+    with Client(connect, timeout=timeout) as client:
+        click.echo(json.dumps(client.info(), indent=2))
+
+
+class _LazyGroup(click.Group):
+    """Subcommands imported on use, so `tandem --help` stays fast."""
+
+    lazy = {"decode": ("bench.decode", "decode_command"), "serve": ("bench.serve", "serve_command")}
+
+    def list_commands(self, ctx):
+        return sorted(self.lazy)
+
+    def get_command(self, ctx, name):
+        if name not in self.lazy:
+            return None
+        import importlib
+
+        module, attr = self.lazy[name]
+        return getattr(importlib.import_module(module), attr)
+
+
+@main.group(cls=_LazyGroup)
+def bench():
+    """Benchmarks (see BENCHMARKS.md).
+
+    \b
+    Examples:
+      tandem bench decode --model tiny-random --device sim:2.6 --streams 1,32
+      tandem bench serve --connect tcp://127.0.0.1:5557 --concurrency 1,8,32
+    """
 
 
 if __name__ == "__main__":

@@ -1,0 +1,223 @@
+"""The ZeroMQ server: PROTOCOL.md over a ROUTER socket, in front of a ``Service``.
+
+One thread runs one loop: it polls the client socket and the worker's fds
+(token-ring eventfd, control socket), validates and admits requests, lets the
+service commit tokens, and sends chunks, done and errors back.
+
+- ``ROUTER_MANDATORY`` is on: a message to a peer that is gone or cannot take
+  more raises instead of being dropped silently; that peer's requests are
+  cancelled (their resources freed in the worker) and the loop never blocks.
+- At most one chunk per request per step: the service emits one event per
+  committed token, and each ring entry is one step.
+- Every request gets exactly one terminal message, also on shutdown.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from . import protocol as P
+from .grammars import GrammarCompiler, GrammarError
+from .service import Request, Service
+from .systemd import Notifier
+from .tokenization import chat_prompt_ids, text_prompt_ids
+
+log = logging.getLogger("tandem.server")
+
+
+@dataclass
+class ClientRequest:
+    identity: bytes
+    id: str
+    stream: bool
+    seq: int = 0  # next chunk number
+
+
+class Server:
+    def __init__(self, service: Service, bind: str = "tcp://127.0.0.1:5557", *, max_queue: int = 1024,
+                 limits: P.Limits | None = None, notifier: Notifier | None = None) -> None:
+        self.service = service
+        self.max_queue = max_queue
+        self.limits = limits or P.Limits(vocab_size=service.vocab_size)
+        self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
+        self.notifier = notifier or Notifier()
+        self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size,
+                                        tuple(_eos_ids(service)))
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + 4096)
+        self.sock.bind(bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.live: dict[tuple[bytes, str], Request] = {}
+        self._stop = threading.Event()
+        self._last_watchdog = 0.0
+
+    # ------------------------------------------------------------------ loop
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        self.notifier.ready(f"serving on {self.endpoint}")
+        poller, generation = None, -1
+        try:
+            while not self._stop.is_set():
+                if generation != self.service.generation:  # a restarted worker has new fds
+                    poller, generation = self._poller(), self.service.generation
+                events = dict(poller.poll(20))
+                if self.sock in events:
+                    self._read_clients()
+                self.service.poll(0)
+                self._feed_watchdog()
+        finally:
+            self.notifier.stopping()
+            self._shutdown()
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        for fd in self.service.fds():
+            poller.register(fd, zmq.POLLIN)
+        return poller
+
+    def _feed_watchdog(self) -> None:
+        interval = self.notifier.watchdog_interval_s
+        if interval is None or time.monotonic() - self._last_watchdog < interval:
+            return
+        if self.service.worker is not None and self.service.worker.failure() is None:
+            self.notifier.watchdog()  # only while the worker's heartbeat is fresh
+            self._last_watchdog = time.monotonic()
+
+    def _shutdown(self) -> None:
+        for (identity, rid), req in list(self.live.items()):
+            self._send(identity, P.encode_error(rid, "internal", "the server is shutting down"))
+        self.live.clear()
+        self.service.close()
+        self.sock.close()
+
+    # ------------------------------------------------------------------ client messages
+    def _read_clients(self) -> None:
+        for _ in range(256):  # bounded: the worker's tokens must not wait behind a flood
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                self._handle(identity, P.parse_client_message(body, self.limits))
+            except P.ProtocolError as e:
+                self._send(identity, e.to_frames())
+            except Exception as e:  # noqa: BLE001 - one bad request never takes the server down
+                log.exception("internal error handling a client message")
+                self._send(identity, P.encode_error(None, "internal", f"{type(e).__name__}: {e}"))
+
+    def _handle(self, identity: bytes, msg) -> None:
+        if isinstance(msg, P.PingRequest):
+            self._send(identity, P.encode_pong(msg.nonce))
+        elif isinstance(msg, P.InfoRequest):
+            info = self.service.info
+            self._send(identity, P.encode_info(
+                model=self.service.config.model, max_batch=info.get("max_batch", 0),
+                max_model_len=self.max_model_len, pipeline=bool(info.get("pipeline")),
+                device=str(info.get("device")), generation=self.service.generation,
+                live_requests=len(self.live)))
+        elif isinstance(msg, P.CancelRequest):
+            req = self.live.get((identity, msg.id))
+            if req is not None:
+                self.service.cancel(req)  # emits the terminal done(cancelled)
+        else:
+            self._generate(identity, msg)
+
+    def _generate(self, identity: bytes, msg: P.GenerateRequest) -> None:
+        key = (identity, msg.id)
+        if key in self.live:
+            raise P.ProtocolError("duplicate_id", f"request id {msg.id!r} is already live on this connection",
+                                  msg.id)
+        if len(self.live) >= self.max_queue:
+            raise P.ProtocolError("overloaded", f"{len(self.live)} requests in flight; retry later", msg.id)
+        try:
+            ids = self._prompt_ids(msg)
+            constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
+        except GrammarError as e:
+            raise P.ProtocolError("bad_request", f"grammar: {e}", msg.id) from None
+        except ValueError as e:
+            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+        if not ids:
+            raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
+        if len(ids) >= self.max_model_len:
+            raise P.ProtocolError("too_long", f"the prompt has {len(ids)} tokens; the context holds "
+                                  f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
+        state = ClientRequest(identity, msg.id, msg.stream)
+        try:
+            req = self.service.submit(ids, msg.sampling_params(), stop=msg.stop, constraint=constraint,
+                                      logprobs=msg.logprobs, on_event=self._on_event, user_data=state)
+        except ValueError as e:
+            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+        if not req.ended:
+            self.live[key] = req
+
+    def _prompt_ids(self, msg: P.GenerateRequest) -> list[int]:
+        tok = self.service.tokenizer
+        if msg.prompt_token_ids is not None:
+            return list(msg.prompt_token_ids)
+        if msg.messages is not None:
+            return chat_prompt_ids(tok, msg.messages)
+        return text_prompt_ids(tok, msg.prompt)
+
+    # ------------------------------------------------------------------ service events
+    def _on_event(self, req: Request, kind: str, payload: dict[str, Any]) -> None:
+        state: ClientRequest = req.user_data
+        if kind == "chunk":
+            if state.stream:
+                ok = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
+                                                               payload["token_ids"]))
+                state.seq += 1
+                if not ok:
+                    self._client_gone(state.identity)
+            return
+        self.live.pop((state.identity, state.id), None)
+        if kind == "done":
+            frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
+                                   payload["usage"], payload["metrics"], payload.get("output"),
+                                   payload.get("logprobs"))
+        else:
+            frames = P.encode_error(state.id, payload["code"], payload["message"])
+        self._send(state.identity, frames)
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> bool:
+        try:
+            self.sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError) as e:  # unreachable or not taking messages: never block
+            log.info("client %s cannot take messages (%s)", identity.hex(), e)
+            return False
+
+    def _client_gone(self, identity: bytes) -> None:
+        """A client that cannot take messages: cancel its requests, free their resources."""
+        for (ident, _rid), req in list(self.live.items()):
+            if ident == identity:
+                self.service.cancel(req)
+
+
+def _eos_ids(service: Service) -> list[int]:
+    import json
+
+    cfg = json.loads((service.model_path / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    return list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+
+
+def install_signal_handlers(server: Server) -> None:
+    def handler(signum, frame):
+        log.warning("signal %d: shutting down", signum)
+        server.stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
