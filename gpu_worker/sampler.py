@@ -39,8 +39,10 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> t
     hi = (seed >> 32) & m
     h = _mix32(lo ^ _mix32(hi ^ _mix32(position & m)))  # [R]
     x = _mix32(h[:, None] ^ _mix32(token[None, :] + 0x9E3779B9 & m))
-    # 24 high-quality bits -> (0, 1), never exactly 0 or 1.
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits -> (0, 1), never exactly 0 or 1: k + 0.5 is exact in float32 for k < 2**23
+    # (with 24 bits the top value rounds to 1.0, the Gumbel noise becomes inf, and a
+    # masked -inf logit plus inf is NaN, which argmax would pick).
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 class RowParams:
