@@ -9,8 +9,11 @@ The engine is written once against this small interface:
   (event waits, slot reuse, copy ordering) runs, and races show up, in CI.
 - ``stream.record()`` returns an event; ``event.synchronize()`` blocks the host
   until the stream reached it; ``other.wait(event)`` orders a stream after it.
-- ``compute_begin()/compute_end()`` bracket one step's device work; the meter
-  sums the compute stream's idle gaps between consecutive steps: the bubble.
+- ``mark()`` records a timestamped event on the compute stream. A step's work
+  is bracketed by marks (forward, then sampling); the meter sums the gaps
+  between consecutive busy intervals in stream order: the bubble. That counts
+  both the gap between steps and, for constrained rows, a forward that finished
+  before its masks arrived.
 
 The simulated device is the CPU stream plus a fixed time per forward (``sim:MS``):
 each forward is padded with a sleep to take MS milliseconds, reproducing a given
@@ -183,30 +186,28 @@ class Device:
         return t
 
     # -- bubble meter ----------------------------------------------------------
-    # A step's device work is bracketed by begin/end marks recorded on the
-    # compute stream. Idle = begin(step n+1) - end(step n), counted only when
-    # step n+1 was already enqueued when step n ended would be ideal; we count
-    # every gap inside a run and reset the chain when the engine goes idle.
-    def compute_begin(self):
+    def mark(self):
+        """A timestamped event on the compute stream (reached even after a failure)."""
         if self.is_cuda:
             return self.compute.record(timing=True)
-        return self.compute.record()  # reached (and timestamped) even after a failure
+        return self.compute.record()
 
-    def compute_end(self):
-        return self.compute_begin()
-
-    def account(self, begin, end) -> None:
-        """Fold a finished step's marks into the meter (both events complete)."""
-        if self.is_cuda:
-            busy = begin.elapsed_time(end) / 1e3
-            gap = self._last_end.elapsed_time(begin) / 1e3 if self._last_end is not None else 0.0
-        else:
-            busy = end.time - begin.time
-            gap = begin.time - self._last_end.time if self._last_end is not None else 0.0
+    def account(self, marks: list) -> None:
+        """Fold a finished step's marks [begin, end, begin, end, ...] into the meter."""
+        busy = idle = 0.0
+        prev_end = self._last_end
+        for begin, end in zip(marks[::2], marks[1::2]):
+            busy += self._elapsed(begin, end)
+            if prev_end is not None:
+                idle += max(self._elapsed(prev_end, begin), 0.0)
+            prev_end = end
         self.bubble.steps += 1
         self.bubble.busy_s += busy
-        self.bubble.idle_s += max(gap, 0.0)
-        self._last_end = end
+        self.bubble.idle_s += idle
+        self._last_end = prev_end
+
+    def _elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.is_cuda else b.time - a.time
 
     def reset_chain(self) -> None:
         """The engine ran out of work: the next gap is not a bubble."""

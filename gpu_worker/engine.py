@@ -69,8 +69,7 @@ class StepRecord:
     seqs: list[Sequence]  # every sequence in the launch
     sample_seqs: list[Sequence]  # one per logits row, in row order
     inputs: LaunchInputs
-    begin: object = None
-    end: object = None
+    marks: list = field(default_factory=list)  # compute-stream marks: forward begin/end, sampling begin/end
     copy_done: object = None
     dropped: bool = False  # discarded after a device failure
 
@@ -243,8 +242,9 @@ class Engine:
         for seq in seqs:
             seq.inflight_refs += 1
         rec = StepRecord(step, slot, "prefill" if plan.prefill else "decode", seqs, sample_seqs, inp)
-        rec.begin = self.device.compute_begin()
+        rec.marks.append(self.device.mark())
         self.runner.enqueue_forward(slot, inp)
+        rec.marks.append(self.device.mark())
         self.records.append(rec)
         return rec
 
@@ -304,10 +304,12 @@ class Engine:
                 mask_index = np.asarray(idx, dtype=np.int64)
                 mask_words = np.ascontiguousarray(words, dtype=np.int32)
         if rec.sample_seqs:
-            rec.end, rec.copy_done = self.runner.enqueue_sample(rec.slot, rec.inputs, mask_index, mask_words,
-                                                                self.device.compute_end)
+            rec.marks.append(self.device.mark())
+            end, rec.copy_done = self.runner.enqueue_sample(rec.slot, rec.inputs, mask_index, mask_words,
+                                                            self.device.mark)
+            rec.marks.append(end)
         else:  # a launch of non-final prefill chunks samples nothing
-            rec.end = rec.copy_done = self.device.compute_end()
+            rec.copy_done = rec.marks[-1]
 
     # ------------------------------------------------------------------ commit
     def _commit(self) -> None:
@@ -327,7 +329,7 @@ class Engine:
         if error is not None:
             self._device_failed(rec, error)
             return
-        self.device.account(rec.begin, rec.end)
+        self.device.account(rec.marks)
         self.stats_.steps += 1
         if rec.kind == "decode":
             self.stats_.decode_steps += 1
