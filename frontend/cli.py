@@ -54,7 +54,7 @@ def engine_options(fn):
 
 
 def build_engine_config(model, device, no_pipeline, max_batch, max_model_len, kv_pages, kv_memory_fraction, **extra):
-    from gpu_worker.engine import EngineConfig
+    from shared.config import EngineConfig
 
     return EngineConfig(model=model, device=device, pipeline=not no_pipeline, max_batch=max_batch,
                         max_model_len=max_model_len, kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from shared.config import EngineConfig
 from shared.messages import Cancel, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
 from shared.models import load_tokenizer, resolve_model
 from shared.sampling import SamplingParams
@@ -47,28 +48,17 @@ PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "int
 
 
 @dataclass
-class ServiceConfig:
+class ServiceConfig(EngineConfig):
+    """The engine's configuration (carried to the worker) plus the frontend's own settings."""
+
     model: str = "smollm2-135m"
     device: str = "auto"
-    pipeline: bool = True
-    max_batch: int = 64
-    max_model_len: int = 2048
-    page_size: int = 16
-    kv_pages: int | None = None
-    kv_memory_fraction: float = 0.5
-    prefill_budget: int = 512
-    cuda_graphs: bool = True
     restart: bool = True  # restart a dead worker (False: raise WorkerFailed, e.g. under systemd)
     mask_timeout_s: float = 5.0
     worker_stale_s: float = 5.0
     ready_timeout_s: float = 900.0
     ring_entries: int = 64
     log_level: str = "WARNING"
-
-    def engine_config(self) -> dict:
-        keys = ("model", "device", "pipeline", "max_batch", "max_model_len", "page_size", "kv_pages",
-                "kv_memory_fraction", "prefill_budget", "cuda_graphs")
-        return {k: getattr(self, k) for k in keys}
 
 
 @dataclass(eq=False)
@@ -117,7 +107,7 @@ class Service:
     # ------------------------------------------------------------------ worker lifecycle
     def _start_worker(self) -> None:
         self.generation += 1
-        engine_config = dict(self.config.engine_config(), model=str(self.model_path))
+        engine_config = dict(self.config.engine_fields(), model=str(self.model_path))
         self.worker = WorkerHandle(engine_config, self.vocab_size, self.generation,
                                    ring_entries=self.config.ring_entries, mask_timeout_s=self.config.mask_timeout_s,
                                    stale_s=self.config.worker_stale_s, log_level=self.config.log_level)

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
 from .block_manager import BlockManager
@@ -43,22 +44,6 @@ log = logging.getLogger("tandem.engine")
 # (constrained sequences, step) -> (int32 bitmask words [n, ceil(V/32)], failed [n] bool or None).
 # Called after commit t for the rows sampled at t+1; a failed row ends its request only.
 MaskProvider = Callable[[list[Sequence], int], tuple[np.ndarray, "np.ndarray | None"]]
-
-
-@dataclass
-class EngineConfig:
-    model: str = "tiny-random"
-    device: str = "cpu"  # auto | cpu | cuda | sim:MS
-    pipeline: bool = True
-    max_batch: int = 64
-    max_model_len: int = 2048
-    page_size: int = 16
-    kv_pages: int | None = None
-    kv_memory_fraction: float = 0.5
-    prefill_budget: int = 512
-    dtype: str | None = None  # float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU
-    cuda_graphs: bool = True
-    debug: bool = False
 
 
 @dataclass

@@ -29,7 +29,9 @@ from shared.messages import (Cancel, Ready, Released, RequestFailed, Shutdown, S
                              to_sampling_params)
 from shared.shm import AckKind, Arena, Kind, RingAborted, Side, TokenFlag, mask_stamp
 
-from .engine import Engine, EngineConfig
+from shared.config import EngineConfig
+
+from .engine import Engine
 from .sampler import FLAG_STOP
 
 log = logging.getLogger("tandem.worker")

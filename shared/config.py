@@ -1,0 +1,29 @@
+"""Engine configuration: one definition for the worker, the frontend that spawns it, and the CLI.
+
+Pure Python, so the frontend can carry it to the worker (as JSON on the
+command line) without importing torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-random"
+    device: str = "cpu"  # auto | cpu | cuda | sim:MS
+    pipeline: bool = True
+    max_batch: int = 64
+    max_model_len: int = 2048
+    page_size: int = 16
+    kv_pages: int | None = None
+    kv_memory_fraction: float = 0.5
+    prefill_budget: int = 512
+    dtype: str | None = None  # float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU
+    cuda_graphs: bool = True
+    debug: bool = False
+
+    def engine_fields(self) -> dict:
+        """Just the EngineConfig fields (also of a subclass such as the frontend's ServiceConfig)."""
+        names = {f.name for f in fields(EngineConfig)}
+        return {k: v for k, v in asdict(self).items() if k in names}
