@@ -197,7 +197,11 @@ class ModelRunner:
         meta = [inp.sample_rows, inp.sample_pos]
         if mask_index is not None:
             meta.append(mask_index)
-        masks = torch.from_numpy(mask_words) if mask_words is not None else None
+        masks = None
+        if mask_words is not None:
+            masks = torch.from_numpy(mask_words)
+            if self.device.is_cuda:
+                masks = masks.pin_memory()  # an async upload: never a host stall behind the forward
 
         def run() -> None:
             dev_meta = self._upload(meta)

@@ -109,3 +109,4 @@ def test_random_model_configs():
         sizes[name] = model.num_params()
     assert 130e6 < sizes["random-135m"] < 140e6
     assert 1.1e9 < sizes["random-1b"] < 1.3e9
+    assert sizes["random-tiny"] < 1e6
