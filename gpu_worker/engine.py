@@ -218,7 +218,7 @@ class Engine:
     def _launch(self) -> StepRecord | None:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
-            self.runner.set_row(seq.row, seq.params, seq.seed)
+            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
         if not plan:
             return None
         step, slot = self.pipeline.launch()
@@ -236,15 +236,13 @@ class Engine:
     def _inputs(self, plan: Plan) -> tuple[LaunchInputs, list[Sequence]]:
         """Host metadata of a launch, and the counters it advances."""
         decode = plan.decode
-        chunks = []
         sample_seqs = list(decode)
-        sample_pos = []
+        decode_pos = np.fromiter((s.next_position for s in decode), np.int64, len(decode))
         for seq in decode:
-            chunks.append((seq.next_position, 1, seq.pages))
-            sample_pos.append(seq.prompt_len + seq.num_dispatched)
             seq.num_dispatched += 1
+        sample_pos = list(decode_pos + 1)  # the position of the token each row samples
         logits_index = list(range(len(decode)))
-        prefill_ids = []
+        prefill_ids, chunks = [], []
         offset = len(decode)
         for c in plan.prefill:
             seq = c.seq
@@ -261,8 +259,9 @@ class Engine:
         params = [s.params for s in sample_seqs]
         inp = LaunchInputs(
             decode_rows=np.fromiter((s.row for s in decode), np.int64, len(decode)),
+            decode_pos=decode_pos,
             prefill_ids=np.asarray(prefill_ids, dtype=np.int64),
-            chunks=chunks,
+            prefill_chunks=chunks,
             logits_index=np.asarray(logits_index, dtype=np.int64),
             sample_rows=np.fromiter((s.row for s in sample_seqs), np.int64, len(sample_seqs)),
             sample_pos=np.asarray(sample_pos, dtype=np.int64),

@@ -37,8 +37,9 @@ class LaunchInputs:
     """Host-built description of one forward (numpy, built by the engine)."""
 
     decode_rows: np.ndarray  # [D] batch rows whose input is their pending token
+    decode_pos: np.ndarray  # [D] position of each decode row's input token
     prefill_ids: np.ndarray  # [Tp] prompt tokens of this launch's prefill chunks
-    chunks: list  # [(start_pos, num_tokens, pages)] decode rows first, then prefill chunks
+    prefill_chunks: list  # [(start_pos, num_tokens, pages)] after the decode rows
     logits_index: np.ndarray  # [R] token index of each sampling row
     sample_rows: np.ndarray  # [R] batch row of each sampling row
     sample_pos: np.ndarray  # [R] position of the token each row samples (RNG counter)
@@ -113,14 +114,19 @@ class ModelRunner:
         self.pending = torch.full((max_rows + 1,), POISON if debug else 0, dtype=torch.int64, device=dev)
         self.pending[max_rows] = 0
         self.params = RowParams(max_rows + 1, dev)
+        # Host copy of every row's page table, written at admission, so a decode
+        # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
+        self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
         self.slots = [SlotBuffers(device, max_rows) for _ in range(2)]
         self.use_graphs = cuda_graphs and device.is_cuda
         self.graphs: dict[tuple[int, int, int], "_DecodeGraph"] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     # -- rows -----------------------------------------------------------------
-    def set_row(self, row: int, params, seed: int) -> None:
-        """Admission: the row's sampling parameters, written once (on the compute stream)."""
+    def set_row(self, row: int, params, seed: int, pages: list[int]) -> None:
+        """Admission: the row's page table (host) and sampling parameters (device, on the compute stream)."""
+        self.block_tables[row, :len(pages)] = pages
+        self.block_tables[row, len(pages):] = 0
         self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids))
 
     def poison_row(self, row: int) -> None:
@@ -140,22 +146,25 @@ class ModelRunner:
     # -- forward ----------------------------------------------------------------
     def enqueue_forward(self, slot: int, inp: LaunchInputs) -> None:
         """Enqueue the forward; its logits land in ``self.slots[slot].logits``."""
-        host_batch = Batch.build(inp.chunks, self.page_size, device="cpu")
         num_decode = len(inp.decode_rows)
-        pure_decode = len(inp.prefill_ids) == 0
-        graph = self._graph_for(slot, num_decode, host_batch.block_tables.shape[1]) if pure_decode else None
-        if graph is not None:
-            rows = np.full(graph.batch_size, self.max_rows, dtype=np.int64)
-            rows[:num_decode] = inp.decode_rows
-            padded = Batch.build(inp.chunks, self.page_size, device="cpu", num_pages_per_seq=graph.num_pages,
-                                 pad_sequences_to=graph.batch_size)
-            fields = [padded.positions.numpy(), padded.slot_mapping.numpy(), padded.block_tables.numpy(),
-                      padded.query_index.numpy(), padded.query_pos.numpy(), padded.token_to_padded.numpy(), rows]
+        if len(inp.prefill_ids) == 0:  # pure decode: vectorised metadata, maybe a CUDA graph
+            pages = int(inp.decode_pos.max()) // self.page_size + 1
+            graph = self._graph_for(slot, num_decode, pages)
+            rows, pos = inp.decode_rows, inp.decode_pos
+            if graph is not None:
+                rows = np.concatenate([rows, np.full(graph.batch_size - num_decode, self.max_rows)])
+                pos = np.concatenate([pos, np.zeros(graph.batch_size - num_decode, dtype=np.int64)])
+                pages = graph.num_pages
+            fields = [*self._decode_metadata(rows, pos, pages), rows]
+            if graph is None:
+                fields += [inp.prefill_ids, np.arange(num_decode)]
         else:
-            fields = [host_batch.positions.numpy(), host_batch.slot_mapping.numpy(),
-                      host_batch.block_tables.numpy(), host_batch.query_index.numpy(),
-                      host_batch.query_pos.numpy(), host_batch.token_to_padded.numpy(),
-                      inp.decode_rows, inp.prefill_ids, inp.logits_index]
+            graph = None
+            chunks = [(int(p), 1, self.block_tables[r]) for r, p in zip(inp.decode_rows, inp.decode_pos)]
+            b = Batch.build(chunks + inp.prefill_chunks, self.page_size, device="cpu")
+            fields = [b.positions.numpy(), b.slot_mapping.numpy(), b.block_tables.numpy(), b.query_index.numpy(),
+                      b.query_pos.numpy(), b.token_to_padded.numpy(), inp.decode_rows, inp.prefill_ids,
+                      inp.logits_index]
         buf = self.slots[slot]
 
         def run() -> None:
@@ -172,6 +181,14 @@ class ModelRunner:
             self.device.pad_forward(t0)
 
         self.device.compute.submit(run)
+
+    def _decode_metadata(self, rows: np.ndarray, pos: np.ndarray, pages: int) -> list[np.ndarray]:
+        """Batch fields (positions .. token_to_padded) for one token per row: Qmax == 1, T == S."""
+        tables = self.block_tables[rows, :pages]
+        n = len(rows)
+        slots = tables[np.arange(n), pos // self.page_size] * self.page_size + pos % self.page_size
+        index = np.arange(n)
+        return [pos, slots, tables, index[:, None], pos[:, None], index]
 
     def gather_pending(self, rows: torch.Tensor) -> torch.Tensor:
         ids = self.pending[rows]
