@@ -59,6 +59,18 @@ class SlotBuffers:
         self.keep: list = []  # device tensors that must live until the step's copy is done
 
 
+def default_dtype(device: Device) -> torch.dtype:
+    """bf16 on CUDA and on CPUs with native bf16 math (AVX512-BF16 / AMX), else fp32."""
+    if device.is_cuda:
+        return torch.bfloat16
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     for b in buckets:
         if b >= n:
@@ -83,7 +95,7 @@ class ModelRunner:
     ) -> None:
         self.device = device
         dev = device.torch_device
-        self.dtype = dtype or (torch.bfloat16 if device.is_cuda else torch.float32)
+        self.dtype = dtype or default_dtype(device)
         if llama is None:
             path = resolve_model(model)
             cfg = LlamaConfig.from_pretrained(path)

@@ -63,12 +63,13 @@ def reference():
     return reqs, stops
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim:1"])
-def test_pipelined_equals_blocking(reference, device):
+@pytest.mark.parametrize("device, dtype", [("cpu", None), ("cpu", "float32"), ("sim:1", None)])
+def test_pipelined_equals_blocking(reference, device, dtype):
+    """Default dtype (bf16 where the CPU has native bf16) and fp32."""
     reqs, stops = reference
     outs = {}
     for pipelined in (False, True):
-        eng = make_engine(pipeline=pipelined, device=device)
+        eng = make_engine(pipeline=pipelined, device=device, dtype=dtype)
         seqs = run(eng, reqs, stops)
         check_accounting(eng, seqs, pipelined)
         outs[pipelined] = [(s.output_ids, s.finish_reason) for s in seqs]
