@@ -1,0 +1,131 @@
+"""Helpers of bench/gpu.sh: a correctness pre-check on the GPU, and the final summary table.
+
+    python -m bench.gpu_check precheck [MODEL [DEVICE]]  # pipelined == blocking tokens on CUDA (exit 1 otherwise)
+    python -m bench.gpu_check summary A.json ...  # one short table from bench.decode JSON files
+
+Needs only torch, numpy (and transformers through the model code's imports);
+no pyzmq, msgspec or grammar libraries.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+
+def precheck(model: str = "random-135m", device: str = "cuda") -> int:
+    import torch
+
+    from bench.decode import load_model, make_engine
+    from shared.sampling import SamplingParams
+
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("PRECHECK FAILED: torch sees no CUDA device", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    where = torch.cuda.get_device_name() if cuda else device
+    print(f"precheck: {where}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    loaded = load_model(model, device, "bfloat16" if cuda else None, seed=1, max_model_len=512)
+    vocab = loaded.llama.config.vocab_size
+    rng = random.Random(0)
+    # Mixed prompts and lengths, greedy and seeded sampling. Length caps only (ignore_eos):
+    # then both modes launch identical batches, so bf16 kernels see identical shapes and the
+    # tokens must be bit-identical (an EOS zombie changes the batch, hence the bf16 rounding).
+    reqs = []
+    for i in range(24):
+        plen = rng.choice([1, 3, 17, 33, 64, 100, rng.randint(1, 120)])
+        kw = dict(max_tokens=rng.randint(1, 48), ignore_eos=True)
+        if i % 3 == 1:
+            kw |= dict(temperature=0.8, top_p=0.9, top_k=rng.choice([0, 50]), seed=rng.randrange(2**40))
+        reqs.append(([rng.randrange(3, vocab) for _ in range(plen)], SamplingParams(**kw)))
+    # And a 32-stream lockstep batch like the benchmark's.
+    reqs32 = [([rng.randrange(3, vocab) for _ in range(32)], SamplingParams(max_tokens=40, ignore_eos=True))
+              for _ in range(32)]
+    outs, stats = {}, {}
+    for mode in ("blocking", "pipelined"):
+        engine = make_engine(loaded, device, mode == "pipelined", max_batch=32, max_model_len=512, kv_pages=600,
+                             prefill_budget=256, cuda_graphs=True)
+        try:
+            got = []
+            for batch in (reqs, reqs32):
+                seqs = [engine.submit(p, sp) for p, sp in batch]
+                engine.run_until_idle()
+                got += [(s.output_ids, s.finish_reason, s.error) for s in seqs]
+            if not engine.idle:
+                print(f"PRECHECK FAILED: {mode} engine not idle after the run (leaked rows or pages)")
+                return 1
+            outs[mode], stats[mode] = got, engine.stats()
+        finally:
+            engine.close()
+    bad = [i for i, (a, b) in enumerate(zip(outs["blocking"], outs["pipelined"])) if a != b]
+    errors = [o for o in outs["blocking"] + outs["pipelined"] if o[2]]
+    ntok = sum(len(o[0]) for o in outs["blocking"])
+    if errors:
+        print(f"PRECHECK FAILED: request errors {errors[:3]}")
+        return 1
+    if bad:
+        i = bad[0]
+        a, b = outs["blocking"][i][0], outs["pipelined"][i][0]
+        k = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
+        print(f"PRECHECK FAILED: pipelined != blocking for {len(bad)}/{len(outs['blocking'])} requests; "
+              f"first: request {i}, token {k}: blocking {a[k:k + 5]} pipelined {b[k:k + 5]}")
+        return 1
+    for mode, st in stats.items():
+        if not (st["bubble_busy_s"] > 0 and 0 <= st["device_idle_fraction"] <= 1):
+            print(f"PRECHECK FAILED: the CUDA-event bubble meter reads nothing in {mode} mode: {st}")
+            return 1
+    print(f"precheck OK: {len(outs['blocking'])} requests, {ntok} tokens identical in blocking and pipelined "
+          f"({'bf16, CUDA graphs' if cuda else str(loaded.dtype)}); zombie rows {stats['pipelined']['zombie_rows']}; "
+          f"{time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def summary(paths: list[str]) -> int:
+    results = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as e:
+            print(f"(skipping {p}: {e})")
+    if not results:
+        print("no results")
+        return 1
+    gpu = next((r["machine"].get("gpu") for r in results if r["machine"].get("gpu")), results[0]["device"])
+    r0 = results[0]
+    kind = f"{r0['dtype']}{', CUDA graphs' if r0['cuda_graphs'] else ''}"
+    print(f"\n=== Tandem decode on {gpu} ({kind}; ms per decode step, median of {r0['repeats']} repeats, "
+          f"{r0['tokens']} steps) ===")
+    print("| model | streams | blocking | pipelined | gain | idle blocking | idle pipelined | host ms/step pip. "
+          "| transformers | pipelined vs transformers |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ok = True
+    for r in results:
+        by = {(x["streams"], x["mode"]): x for x in r["rows"]}
+        for s in sorted({x["streams"] for x in r["rows"]}):
+            b, p, t = by.get((s, "blocking")), by.get((s, "pipelined")), by.get((s, "transformers"))
+            if not (b and p):
+                continue
+            ok &= p["device_idle_fraction"] < 0.03
+            tr = f"{t['ms_per_step']:.2f}" if t else "-"
+            ratio = f"{p['tokens_per_s'] / t['tokens_per_s']:.2f}x" if t else "-"
+            print(f"| {r['model']}{' (partial)' if r.get('partial') else ''} | {s} | {b['ms_per_step']:.2f} | "
+                  f"{p['ms_per_step']:.2f} | {100 * (b['ms_per_step'] / p['ms_per_step'] - 1):+.1f}% | "
+                  f"{100 * b['device_idle_fraction']:.1f}% | {100 * p['device_idle_fraction']:.1f}% | "
+                  f"{p['host_ms_per_step']:.3f} | {tr} | {ratio} |")
+        for z in r.get("zombie", []):
+            print(f"  zombie case {r['model']} {z['mode']}: {z['zombie_rows_per_request']:.0f} zombie rows per "
+                  f"{z['answer_tokens']}-token answer (tax {z['zombie_tax']:.4f})")
+    print(f"target pipelined idle < 3%: {'met' if ok else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else "precheck"
+    if cmd == "precheck":
+        sys.exit(precheck(*sys.argv[2:4]))
+    if cmd == "summary":
+        sys.exit(summary(sys.argv[2:]))
+    sys.exit(f"usage: python -m bench.gpu_check precheck [MODEL [DEVICE]] | summary FILE.json ...")
