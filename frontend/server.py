@@ -53,7 +53,10 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + 4096)
+        # ZeroMQ drops the connection of a peer that exceeds MAXMSGSIZE (its other requests
+        # would lose their terminal messages), so the hard cap sits far above the protocol
+        # limit and oversized messages are answered with too_long by the parser instead.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, 4 * self.limits.max_message_bytes))
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.live: dict[tuple[bytes, str], Request] = {}
@@ -96,11 +99,9 @@ class Server:
             self._last_watchdog = time.monotonic()
 
     def _shutdown(self) -> None:
-        for (identity, rid), req in list(self.live.items()):
-            self._send(identity, P.encode_error(rid, "internal", "the server is shutting down"))
+        self.service.close()  # ends every live request: exactly one terminal message each
         self.live.clear()
-        self.service.close()
-        self.sock.close()
+        self.sock.close(linger=2000)  # let those terminal messages go out
 
     # ------------------------------------------------------------------ client messages
     def _read_clients(self) -> None:
@@ -123,11 +124,16 @@ class Server:
             self._send(identity, P.encode_pong(msg.nonce))
         elif isinstance(msg, P.InfoRequest):
             info = self.service.info
+            extra = {"generation": self.service.generation, "live_requests": len(self.live)}
+            try:
+                stats = self.service.stats(timeout=2.0)
+                extra |= {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total")}
+            except (TimeoutError, KeyError):
+                pass  # a busy or restarting worker: answer without the KV figures
             self._send(identity, P.encode_info(
                 model=self.service.config.model, max_batch=info.get("max_batch", 0),
                 max_model_len=self.max_model_len, pipeline=bool(info.get("pipeline")),
-                device=str(info.get("device")), generation=self.service.generation,
-                live_requests=len(self.live)))
+                device=str(info.get("device")), **extra))
         elif isinstance(msg, P.CancelRequest):
             req = self.live.get((identity, msg.id))
             if req is not None:

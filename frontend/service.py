@@ -180,11 +180,14 @@ class Service:
 
     def poll(self, timeout: float = 0.0) -> int:
         """Process what the worker sent; wait up to ``timeout`` if there was nothing. Returns entries processed."""
+        # Drain the wakeup first, then read: a publish after this re-signals, so
+        # nothing is missed, and an external poller never sees a stale readable fd.
+        self.worker.tokens.clear_wakeup()
         n = self._process()
         if n == 0 and timeout > 0:
-            self.worker.tokens.clear_wakeup()
             if not self.worker.tokens.ready():
                 select.select(self.fds(), [], [], timeout)
+            self.worker.tokens.clear_wakeup()
             n = self._process()
         return n
 

@@ -351,12 +351,16 @@ class Engine:
 
     # ------------------------------------------------------------------ release and failure
     def _maybe_release(self, seq: Sequence) -> None:
-        if not (seq.finalized and seq.inflight_refs == 0 and seq.admitted) or seq.released:
+        """Release a finalized sequence once no launched step references it (exactly once)."""
+        if seq.released or not seq.finalized or seq.inflight_refs:
             return
         seq.released = True
-        self.blocks.release(seq.row, seq.pages)
-        self.scheduler.remove(seq)
-        self.runner.poison_row(seq.row)
+        if seq.admitted:
+            self.blocks.release(seq.row, seq.pages)
+            self.scheduler.remove(seq)
+            self.runner.poison_row(seq.row)
+        else:  # ended while still queued: it holds nothing but its place in the queue
+            self.scheduler.drop_waiting(seq)
         if seq.error is None:
             self.stats_.finished += 1
         if self.on_release is not None:

@@ -80,6 +80,10 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         self.running.remove(seq)
 
+    def drop_waiting(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

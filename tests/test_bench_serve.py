@@ -1,0 +1,73 @@
+"""Smoke tests of the serving benchmark on the tiny model: it runs in seconds against a server it
+spawns in-process and emits every field of its JSON. No timing thresholds (timings belong to
+BENCHMARKS.md)."""
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from bench import serve
+
+LEVEL_FIELDS = {"concurrency", "requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_ms", "itl_ms",
+                "e2e_ms"}
+PCT_FIELDS = {"p50", "p90", "p99"}
+QUICK = ["--spawn", "--model", "tiny-random", "--device", "cpu", "--max-batch", "8", "--kv-pages", "200",
+         "--requests", "4", "--prompt-len", "4:12", "--max-tokens", "3:6", "--warmup", "1", "--seed", "5"]
+
+
+def check_result(result: dict, levels: list[int], stream: bool) -> None:
+    assert result["model"] == "tiny-random" and result["device"] == "cpu"
+    assert result["stream"] is stream
+    assert [lv["concurrency"] for lv in result["levels"]] == levels
+    for lv in result["levels"]:
+        assert LEVEL_FIELDS <= lv.keys(), LEVEL_FIELDS - lv.keys()
+        assert lv["requests"] == 4 and lv["errors"] == 0, lv.get("error_samples")
+        assert lv["requests_per_s"] > 0 and lv["output_tokens_per_s"] > 0
+        assert 4 * 3 <= lv["output_tokens"] <= 4 * 6  # ignore_eos: every answer is max_tokens long
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            p = lv[key]
+            assert set(p) == PCT_FIELDS, (key, p)
+            assert all(isinstance(p[k], float) and p[k] >= 0 for k in PCT_FIELDS), (key, p)
+            assert p["p50"] <= p["p90"] <= p["p99"], (key, p)
+        assert lv["ttft_ms"]["p50"] <= lv["e2e_ms"]["p99"]
+
+
+def test_spawn_two_levels_json():
+    res = CliRunner().invoke(serve.serve_command, [*QUICK, "--concurrency", "1,3", "--json"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    result = json.loads(res.stdout)  # exactly one JSON object on stdout; the progress bar is on stderr
+    check_result(result, [1, 3], stream=True)
+    assert result["endpoint"] == "spawned in-process"
+    assert "bench serve" in res.stderr
+
+
+def test_no_stream_and_table(capsys):
+    result = serve.main([*QUICK, "--concurrency", "2", "--no-stream", "--quiet"])
+    check_result(result, [2], stream=False)
+    out = capsys.readouterr().out
+    assert "| concurrency | requests | errors |" in out and "\n| 2 | 4 | 0 |" in out
+
+
+def test_option_errors():
+    assert serve.parse_range("16", "--x") == (16, 16) and serve.parse_range("8:64", "--x") == (8, 64)
+    for bad in ("0", "9:3", "a", "1:2:3"):
+        with pytest.raises(click.BadParameter):
+            serve.parse_range(bad, "--x")
+    assert serve.parse_levels("1,8,32") == [1, 8, 32]
+    assert serve.percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    assert serve.percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"p50": 3.0, "p90": 4.6, "p99": 4.96}
+    runner = CliRunner()
+    for argv, text in ((["--concurrency", "0"], "concurrency"), (["--spawn", "--connect", "tcp://x:1"], "either"),
+                       (["--model", "tiny-random"], "--spawn")):
+        res = runner.invoke(serve.serve_command, argv)
+        assert res.exit_code != 0 and text in res.output, res.output
+
+
+def test_registered_in_the_cli():
+    from frontend.cli import main
+
+    res = CliRunner().invoke(main, ["bench", "serve", "--help"])
+    assert res.exit_code == 0 and "--concurrency" in res.output and "--spawn" in res.output
