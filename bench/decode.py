@@ -92,7 +92,8 @@ OPTIONS = [
     (("--repeats",), dict(default=3, type=int, help="timed repetitions (interleaved across modes)")),
     (("--warmup",), dict(default=1, type=int, help="untimed passes per (streams, mode) before timing")),
     (("--seed",), dict(default=0, type=int, help="prompt and random-weight seed")),
-    (("--dtype",), dict(default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 else)")),
+    (("--dtype",), dict(default=None, help="float32 | bfloat16 | float16 (default: the engine's, bf16 on CUDA and "
+                                                   "on CPUs with native bf16, fp32 else)")),
     (("--no-cuda-graphs",), dict(flag=True, help="disable CUDA graphs (CUDA only)")),
     (("--baseline",), dict(default=None, choices=["transformers"],
                            help="also time transformers generate on the same weights and prompts")),
@@ -145,7 +146,9 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
     torch_device = "cuda" if device.startswith("cuda") else "cpu"
     if device.startswith("cuda:"):
         torch_device = device
-    dtype = getattr(torch, dtype_name) if dtype_name else (torch.bfloat16 if torch_device != "cpu" else torch.float32)
+    from gpu_worker.model_runner import default_dtype
+
+    dtype = getattr(torch, dtype_name) if dtype_name else default_dtype(torch_device != "cpu")
     if name in RANDOM_MODELS:
         cfg = LlamaConfig(**RANDOM_MODELS[name])
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)

@@ -21,9 +21,10 @@ from frontend.service import Service, ServiceConfig
 from shared.sampling import SamplingParams
 
 
-def run(model: str, device: str, pipeline: bool, streams: int, tokens: int, repeats: int) -> dict:
+def run(model: str, device: str, pipeline: bool, streams: int, tokens: int, repeats: int,
+        dtype: str | None = None) -> dict:
     svc = Service(ServiceConfig(model=model, device=device, pipeline=pipeline, max_batch=streams,
-                                max_model_len=512, prefill_budget=512))
+                                max_model_len=512, prefill_budget=512, dtype=dtype))
     try:
         eos = json.loads((svc.model_path / "config.json").read_text()).get("eos_token_id", 2)
         compiler = GrammarCompiler(svc.tokenizer, svc.vocab_size, tuple(eos if isinstance(eos, list) else [eos]))
@@ -62,12 +63,13 @@ def main(argv=None) -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the engine's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = []
     for pipeline in (False, True):
         print(f"{args.model} {args.device} {'pipelined' if pipeline else 'blocking'} ...", file=sys.stderr)
-        rows.append(run(args.model, args.device, pipeline, args.streams, args.tokens, args.repeats))
+        rows.append(run(args.model, args.device, pipeline, args.streams, args.tokens, args.repeats, args.dtype))
     if args.json:
         print(json.dumps(rows))
         return

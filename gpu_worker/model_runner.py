@@ -59,9 +59,9 @@ class SlotBuffers:
         self.keep: list = []  # device tensors that must live until the step's copy is done
 
 
-def default_dtype(device: Device) -> torch.dtype:
+def default_dtype(is_cuda: bool) -> torch.dtype:
     """bf16 on CUDA and on CPUs with native bf16 math (AVX512-BF16 / AMX), else fp32."""
-    if device.is_cuda:
+    if is_cuda:
         return torch.bfloat16
     try:
         with open("/proc/cpuinfo") as f:
@@ -95,7 +95,7 @@ class ModelRunner:
     ) -> None:
         self.device = device
         dev = device.torch_device
-        self.dtype = dtype or default_dtype(device)
+        self.dtype = dtype or default_dtype(device.is_cuda)
         if llama is None:
             path = resolve_model(model)
             cfg = LlamaConfig.from_pretrained(path)
