@@ -95,6 +95,9 @@ class Engine:
         self.stats_ = EngineStats()
         self.on_commit: Callable[[StepRecord, np.ndarray, np.ndarray, np.ndarray, list[int]], None] | None = None
         self.on_release: Callable[[Sequence], None] | None = None
+        # Optional: where the copy stream should also write a step's sampled ids (int32 [rows]),
+        # e.g. straight into a shared-memory ring entry (called at finalize, in step order).
+        self.token_sink: Callable[[StepRecord], np.ndarray | None] | None = None
         self._inbox: list[tuple[str, Sequence]] = []
         self._lock = threading.Lock()
         self._next_id = 0
@@ -288,9 +291,10 @@ class Engine:
                 mask_index = np.asarray(idx, dtype=np.int64)
                 mask_words = np.ascontiguousarray(words, dtype=np.int32)
         if rec.sample_seqs:
+            sink = self.token_sink(rec) if self.token_sink is not None else None
             rec.marks.append(self.device.mark())
             end, rec.copy_done = self.runner.enqueue_sample(rec.slot, rec.inputs, mask_index, mask_words,
-                                                            self.device.mark)
+                                                            self.device.mark, sink)
             rec.marks.append(end)
         else:  # a launch of non-final prefill chunks samples nothing
             rec.copy_done = rec.marks[-1]

@@ -214,12 +214,14 @@ class ModelRunner:
 
     # -- sampling -----------------------------------------------------------------
     def enqueue_sample(self, slot: int, inp: LaunchInputs, mask_index: np.ndarray | None,
-                       mask_words: np.ndarray | None, sampled_event_factory):
+                       mask_words: np.ndarray | None, sampled_event_factory, sink: np.ndarray | None = None):
         """Enqueue sampling (with masks for the constrained rows) and the copy to the host.
 
         ``sampled_event_factory()`` records the end-of-step mark on the compute
         stream right after sampling; the copy stream waits on it. Returns
         (end-of-step mark, copy-done event); the commit waits only on the latter.
+        ``sink``: an int32 host array (e.g. a page-locked ring entry) the copy
+        stream also writes the sampled ids into.
         """
         buf = self.slots[slot]
         num = len(inp.sample_rows)
@@ -245,14 +247,16 @@ class ModelRunner:
                                                  inp.any_filter, inp.want_logprobs)
                 self.pending.index_copy_(0, rows, tokens)
             buf.logits = None
-            buf.keep = [tokens, flags, logprobs]
+            buf.keep = [tokens, flags, logprobs, tokens.to(torch.int32) if sink is not None else None]
 
         self.device.compute.submit(run)
         sampled = sampled_event_factory()
         self.device.copy.wait(sampled)
 
         def copy() -> None:
-            tokens, flags, logprobs = buf.keep
+            tokens, flags, logprobs, tokens32 = buf.keep
+            if sink is not None:
+                torch.from_numpy(sink).copy_(tokens32, non_blocking=True)
             buf.tokens[:num].copy_(tokens, non_blocking=True)
             buf.flags[:num].copy_(flags, non_blocking=True)
             if logprobs is not None:

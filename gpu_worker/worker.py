@@ -55,6 +55,10 @@ class Worker:
         self.engine = Engine(config, mask_provider=self.masks_for)
         self.engine.on_commit = self._publish
         self.engine.on_release = self._on_release
+        if self.engine.device.is_cuda and not _page_lock(arena):
+            log.warning("could not page-lock the arena: sampled ids are copied into the ring by the host")
+        else:  # the copy stream writes sampled ids straight into the ring entry
+            self.engine.token_sink = self._reserve_entry
         self.eos_ids = np.asarray(self.engine.runner.eos_ids or (-1,), dtype=np.int64)
         self.ring = arena.token_writer()
         self.acks = arena.ack_reader()
@@ -63,6 +67,7 @@ class Worker:
         self.mask_slots: dict[int, int] = {}
         self.ended: set[int] = set()  # finalize/cancel acks seen, not yet applied by the engine
         self._released: list[int] = []
+        self._entries: dict = {}  # step -> reserved ring entry the copy stream writes into
         self._failed: list[RequestFailed] = []
         self.running = True
 
@@ -153,26 +158,56 @@ class Worker:
             self._released = []
 
     # ------------------------------------------------------------------ engine hooks
-    def _publish(self, rec, tokens, flags, logprobs, committed) -> None:
-        """Commit hook: one ring entry per committed step (committed rows only)."""
-        if not committed:
-            return
-        idx = np.asarray(committed, dtype=np.int64)
-        seqs = [rec.sample_seqs[i] for i in committed]
-        toks = tokens[idx]
-        stop = (flags[idx] & FLAG_STOP) != 0
-        eos = stop & np.isin(toks, self.eos_ids)
-        first = np.fromiter((len(s.output_ids) == 1 for s in seqs), bool, len(seqs))
-        length = np.fromiter((s.finish_reason == "length" for s in seqs), bool, len(seqs))
-        out = (eos * int(TokenFlag.EOS) | (stop & ~eos) * int(TokenFlag.STOP_TOKEN)
-               | first * int(TokenFlag.FIRST) | length * int(TokenFlag.LENGTH)).astype(np.uint32)
-        seq_ids = np.fromiter((s.seq_id for s in seqs), np.uint32, len(seqs))
-        lp = logprobs[idx] if any(s.logprobs for s in seqs) else None
+    def _reserve_entry(self, rec):
+        """Token sink: reserve step t's ring entry at its finalize, so the copy stream
+        writes the sampled ids straight into it (page-locked on CUDA)."""
+        self._flush_stale(rec.step)
+        p = self._reserve(rec)
+        self._entries[rec.step] = p
+        return p.token_ids
+
+    def _reserve(self, rec):
+        n = len(rec.sample_seqs)
         kind = Kind.PREFILL if rec.kind == "prefill" else Kind.DECODE
         try:
-            self.ring.publish(rec.step, kind, seq_ids, toks, out, lp, abort=self.frontend_gone)
+            p = self.ring.reserve(rec.step, kind, n, logprobs=any(s.logprobs for s in rec.sample_seqs),
+                                  abort=self.frontend_gone)
         except RingAborted:
             raise FrontendGone(3) from None
+        return p
+
+    def _flush_stale(self, step: int) -> None:
+        """Entries of steps dropped after a device failure: publish them as all-zombie rows."""
+        for old in sorted(k for k in self._entries if k < step):
+            p = self._entries.pop(old)
+            p.token_ids[:] = 0
+            self.ring.commit(p, np.zeros(p.nrows, np.uint32), np.full(p.nrows, int(TokenFlag.ZOMBIE), np.uint32),
+                             np.zeros(p.nrows, np.float32) if p.logprobs else None)
+
+    def _publish(self, rec, tokens, flags, logprobs, committed) -> None:
+        """Commit hook: stamp the step's ring entry (its token ids are already there).
+        Rows of sequences that ended before this commit are flagged ZOMBIE."""
+        self._flush_stale(rec.step)
+        seqs = rec.sample_seqs
+        if not seqs:
+            return
+        p = self._entries.pop(rec.step, None)
+        token_ids = None
+        if p is None:  # no direct device copy into the ring: copy the ids here
+            p = self._reserve(rec)
+            token_ids = tokens[:len(seqs)].astype(np.int32)
+        n = len(seqs)
+        live = np.zeros(n, dtype=bool)
+        live[committed] = True
+        stop = (flags & FLAG_STOP) != 0
+        eos = stop & np.isin(tokens, self.eos_ids)
+        first = np.fromiter((len(s.output_ids) == 1 for s in seqs), bool, n)
+        length = np.fromiter((s.finish_reason == "length" for s in seqs), bool, n)
+        out = (eos * int(TokenFlag.EOS) | (stop & ~eos) * int(TokenFlag.STOP_TOKEN)
+               | first * int(TokenFlag.FIRST) | length * int(TokenFlag.LENGTH)).astype(np.uint32)
+        out = np.where(live, out, np.uint32(TokenFlag.ZOMBIE)).astype(np.uint32)
+        seq_ids = np.fromiter((s.seq_id for s in seqs), np.uint32, n)
+        self.ring.commit(p, seq_ids, out, logprobs[:n].astype(np.float32) if p.logprobs else None, token_ids)
 
     def _on_release(self, seq) -> None:
         ended_by_frontend = seq.seq_id in self.ended
@@ -213,6 +248,21 @@ class Worker:
         failed = np.zeros(len(seqs), dtype=bool)
         failed[pending] = True
         return words, failed
+
+
+def _page_lock(arena: Arena) -> bool:
+    """cudaHostRegister the whole arena so device copies into it are async DMA."""
+    import ctypes
+
+    import torch
+
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(arena.buffer))
+        err = torch.cuda.cudart().cudaHostRegister(addr, arena.layout.total_bytes, 0)
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use the direct path
+        log.warning("cudaHostRegister failed: %r", e)
+        return False
+    return int(err) == 0
 
 
 def main(argv=None) -> None:
