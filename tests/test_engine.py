@@ -255,3 +255,18 @@ def test_device_error_fails_requests_and_engine_keeps_serving():
     assert len(after.output_ids) == 3 and eng.idle
     eng.close()
     assert DeviceError  # the error type the host sees
+
+
+def test_default_model_answers_paris():
+    """The embedded default model, converted from GGUF, greedy, with the chat template."""
+    from frontend.tokenization import chat_prompt_ids
+    from shared.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    ids = chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    for pipelined in (True, False):
+        eng = Engine(EngineConfig(model="smollm2-135m", device="cpu", pipeline=pipelined, max_batch=4))
+        seq = eng.generate([ids], SamplingParams(max_tokens=24))[0]
+        eng.close()
+        assert "Paris" in tok.decode(seq.output_ids, skip_special_tokens=True)
+        assert seq.finish_reason == "stop"  # ended on EOS
