@@ -276,28 +276,36 @@ class Engine:
 
     # ------------------------------------------------------------------ finalize sampling
     def _finalize(self, rec: StepRecord) -> None:
-        mask_index = mask_words = None
-        if self.mask_provider is not None and rec.sample_seqs:
-            # Built now, after the commit of the previous step: never a stale mask.
-            # Zombie rows (already finalized) are never queried.
-            idx = [i for i, s in enumerate(rec.sample_seqs) if s.constrained and not s.finalized]
-            if idx:
-                words, failed = self.mask_provider([rec.sample_seqs[i] for i in idx], rec.step)
-                if failed is not None:
-                    for i, bad in zip(idx, failed):
-                        if bad:
-                            self._fail(rec.sample_seqs[i], "mask_timeout",
-                                       "the constraint mask for this request did not arrive in time")
-                mask_index = np.asarray(idx, dtype=np.int64)
-                mask_words = np.ascontiguousarray(words, dtype=np.int32)
-        if rec.sample_seqs:
-            sink = self.token_sink(rec) if self.token_sink is not None else None
-            rec.marks.append(self.device.mark())
-            end, rec.copy_done = self.runner.enqueue_sample(rec.slot, rec.inputs, mask_index, mask_words,
-                                                            self.device.mark, sink)
-            rec.marks.append(end)
-        else:  # a launch of non-final prefill chunks samples nothing
+        if not rec.sample_seqs:  # a launch of non-final prefill chunks samples nothing
             rec.copy_done = rec.marks[-1]
+            return
+        sink = self.token_sink(rec) if self.token_sink is not None else None
+        constrained = []
+        if self.mask_provider is not None:
+            # Zombie rows (already finalized) are never queried.
+            constrained = [i for i, s in enumerate(rec.sample_seqs) if s.constrained and not s.finalized]
+        rec.marks.append(self.device.mark())
+        if not constrained:
+            self.runner.enqueue_sample(rec.slot, rec.inputs)
+        else:
+            # Unconstrained rows are sampled first: they never wait for a mask.
+            free = np.setdiff1d(np.arange(len(rec.sample_seqs)), constrained)
+            if len(free):
+                self.runner.enqueue_sample(rec.slot, rec.inputs, free)
+                rec.marks.append(self.device.mark())
+            # Built now, after the commit of the previous step: never a stale mask.
+            words, failed = self.mask_provider([rec.sample_seqs[i] for i in constrained], rec.step)
+            if failed is not None:
+                for i, bad in zip(constrained, failed):
+                    if bad:
+                        self._fail(rec.sample_seqs[i], "mask_timeout",
+                                   "the constraint mask for this request did not arrive in time")
+            if len(free):
+                rec.marks.append(self.device.mark())
+            self.runner.enqueue_sample(rec.slot, rec.inputs, np.asarray(constrained, dtype=np.int64),
+                                       np.ascontiguousarray(words, dtype=np.int32))
+        rec.marks.append(self.device.mark())
+        rec.copy_done = self.runner.enqueue_copy(rec.slot, rec.inputs, sink)
 
     # ------------------------------------------------------------------ commit
     def _commit(self) -> None:

@@ -56,6 +56,7 @@ class SlotBuffers:
         self.flags = device.pinned_empty((max_rows,), torch.int32)
         self.logprobs = device.pinned_empty((max_rows,), torch.float32)
         self.logits: torch.Tensor | None = None  # the forward's output, read by sampling
+        self.out: tuple | None = None  # the step's sampled ids, flags, logprobs, filled part by part
         self.keep: list = []  # device tensors that must live until the step's copy is done
 
 
@@ -213,21 +214,16 @@ class ModelRunner:
         return ids
 
     # -- sampling -----------------------------------------------------------------
-    def enqueue_sample(self, slot: int, inp: LaunchInputs, mask_index: np.ndarray | None,
-                       mask_words: np.ndarray | None, sampled_event_factory, sink: np.ndarray | None = None):
-        """Enqueue sampling (with masks for the constrained rows) and the copy to the host.
-
-        ``sampled_event_factory()`` records the end-of-step mark on the compute
-        stream right after sampling; the copy stream waits on it. Returns
-        (end-of-step mark, copy-done event); the commit waits only on the latter.
-        ``sink``: an int32 host array (e.g. a page-locked ring entry) the copy
-        stream also writes the sampled ids into.
+    def enqueue_sample(self, slot: int, inp: LaunchInputs, part: np.ndarray | None = None,
+                       mask_words: np.ndarray | None = None) -> None:
+        """Enqueue sampling of some of the step's rows (``part``: indices into the
+        sampling rows; None = all), with ``mask_words`` (one bitmask per row of
+        ``part``) if they are constrained. A step may sample in several parts, so
+        unconstrained rows are sampled before the host waits for any mask.
         """
         buf = self.slots[slot]
         num = len(inp.sample_rows)
-        meta = [inp.sample_rows, inp.sample_pos]
-        if mask_index is not None:
-            meta.append(mask_index)
+        meta = [inp.sample_rows, inp.sample_pos] + ([part] if part is not None else [])
         masks = None
         if mask_words is not None:
             masks = torch.from_numpy(mask_words)
@@ -239,19 +235,50 @@ class ModelRunner:
             rows, pos = dev_meta[0], dev_meta[1]
             with torch.inference_mode():
                 logits = buf.logits
-                if masks is not None:
+                if buf.out is None:  # the step's first part: full-size outputs
+                    buf.out = (torch.empty(num, dtype=torch.int64, device=logits.device),
+                               torch.empty(num, dtype=torch.int32, device=logits.device),
+                               torch.empty(num, dtype=torch.float32, device=logits.device))
+                if part is not None:
                     idx = dev_meta[2]
-                    words = masks.to(logits.device, non_blocking=True)
-                    logits = logits.index_copy(0, idx, apply_bitmask(logits[idx], words))
+                    logits, rows, pos = logits[idx], rows[idx], pos[idx]
+                if masks is not None:
+                    logits = apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
                 tokens, flags, logprobs = sample(logits, rows, pos, self.params, inp.any_random,
                                                  inp.any_filter, inp.want_logprobs)
                 self.pending.index_copy_(0, rows, tokens)
-            buf.logits = None
-            buf.keep = [tokens, flags, logprobs, tokens.to(torch.int32) if sink is not None else None]
+                out_tokens, out_flags, out_logprobs = buf.out
+                if part is None:
+                    out_tokens.copy_(tokens)
+                    out_flags.copy_(flags)
+                    if logprobs is not None:
+                        out_logprobs.copy_(logprobs)
+                else:
+                    out_tokens.index_copy_(0, idx, tokens)
+                    out_flags.index_copy_(0, idx, flags)
+                    if logprobs is not None:
+                        out_logprobs.index_copy_(0, idx, logprobs)
 
         self.device.compute.submit(run)
-        sampled = sampled_event_factory()
-        self.device.copy.wait(sampled)
+
+    def enqueue_copy(self, slot: int, inp: LaunchInputs, sink: np.ndarray | None = None):
+        """After the step's sampling parts: copy the sampled ids (and flags, logprobs)
+        to the slot's page-locked buffers, and to ``sink`` (an int32 host array such
+        as a ring entry) if given, on the copy stream. Returns the copy-done event:
+        the only thing the commit waits on."""
+        buf = self.slots[slot]
+        num = len(inp.sample_rows)
+        want_lp = inp.want_logprobs
+
+        def release() -> None:
+            tokens, flags, logprobs = buf.out
+            buf.keep = [tokens, flags, logprobs if want_lp else None,
+                        tokens.to(torch.int32) if sink is not None else None]
+            buf.out = None
+            buf.logits = None
+
+        self.device.compute.submit(release)
+        self.device.copy.wait(self.device.compute.record())  # after sampling and release()
 
         def copy() -> None:
             tokens, flags, logprobs, tokens32 = buf.keep
@@ -263,7 +290,7 @@ class ModelRunner:
                 buf.logprobs[:num].copy_(logprobs, non_blocking=True)
 
         self.device.copy.submit(copy)
-        return sampled, self.device.copy.record()
+        return self.device.copy.record()
 
     def read_step(self, slot: int, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The committed step's sampled ids, flags and logprobs (after the copy event)."""

@@ -130,13 +130,14 @@ def test_a_stale_mask_is_never_used():
         real = svc._write_mask
 
         def stale(req):
-            real(req)
-            if req.token_ids:  # re-stamp the fresh mask with the previous token's stamp
-                import numpy as np
+            if not req.token_ids:
+                return real(req)  # the initial mask (token 0) is correct
+            import numpy as np
 
-                words = np.empty((1, svc.worker.masks.words_per_row), dtype=np.int32)
-                req.constraint.fill_mask(words[0])
-                svc.worker.masks.write_rows([req.mask_slot], mask_stamp(req.seq_id, len(req.token_ids) - 1), words)
+            # The fresh mask, but stamped for the previous token: never written with the right stamp.
+            words = np.empty((1, svc.worker.masks.words_per_row), dtype=np.int32)
+            req.constraint.fill_mask(words[0])
+            svc.worker.masks.write_rows([req.mask_slot], mask_stamp(req.seq_id, len(req.token_ids) - 1), words)
 
         svc._write_mask = stale
         r = svc.submit([1, 2, 3], SamplingParams(max_tokens=40), constraint=comp.compile(
