@@ -270,3 +270,32 @@ def test_default_model_answers_paris():
         eng.close()
         assert "Paris" in tok.decode(seq.output_ids, skip_special_tokens=True)
         assert seq.finish_reason == "stop"  # ended on EOS
+
+
+def test_unconstrained_rows_are_sampled_before_masks_are_awaited():
+    """In a mixed batch the host asks for masks only after the unconstrained rows'
+    sampling is enqueued: their tokens are on the device while the constrained rows
+    (still poisoned in debug mode) wait."""
+    from gpu_worker.model_runner import POISON
+
+    eng = make_engine()
+    checked = {"n": 0}
+    inner = BannedByLastToken()
+
+    def provider(seqs, step):
+        eng.device.compute.record().synchronize()  # everything enqueued so far has run
+        rec = eng.records[-1]
+        assert rec.step == step
+        for s in rec.sample_seqs:
+            if s.num_dispatched >= 2 and not s.finalized:  # a decode row of this step
+                value = int(eng.runner.pending[s.row])
+                assert (value == POISON) == s.constrained, (s.seq_id, s.constrained, value)
+                checked["n"] += 1
+        return inner(seqs, step)
+
+    eng.mask_provider = provider
+    seqs = [eng.submit([3, 4, 5 + i], SamplingParams(max_tokens=12, ignore_eos=True), constrained=i % 2 == 0)
+            for i in range(6)]
+    eng.run_until_idle()
+    eng.close()
+    assert checked["n"] > 20 and all(len(s.output_ids) == 12 for s in seqs)
