@@ -203,6 +203,11 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
+# Sampling and output options of ``generate`` (PROTOCOL.md); None = the server's default.
+GENERATE_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                              "ignore_eos", "logprobs", "grammar"})
+
+
 def _generate_msg(
     request_id: str | None,
     prompt: str | None,
@@ -211,6 +216,9 @@ def _generate_msg(
     stream: bool,
     options: dict[str, Any],
 ) -> dict[str, Any]:
+    unknown = sorted(set(options) - GENERATE_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown generate option(s): {', '.join(unknown)}; known: {', '.join(sorted(GENERATE_OPTIONS))}")
     given = [n for n, v in (("prompt", prompt), ("messages", messages), ("prompt_token_ids", prompt_token_ids)) if v is not None]
     if len(given) != 1:
         raise ValueError(
@@ -526,31 +534,18 @@ class Client:
         *,
         messages: Sequence[dict] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        logprobs: bool | None = None,
-        grammar: dict | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        **options: Any,
     ) -> Result:
         """Run one request to completion (``stream: false``); returns its :class:`Result`.
 
-        Options left as None are not sent (the server's defaults apply:
+        ``options``: max_tokens, temperature, top_p, top_k, seed, stop,
+        stop_token_ids, ignore_eos, logprobs, grammar (PROTOCOL.md). Options left as None are not sent (the server's defaults apply:
         max_tokens 256, temperature 0 = greedy, top_p 1, top_k 0 = off).
         Raises :class:`TandemError` (subclass per code) for a server ``error``.
         """
-        opts = dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            grammar=grammar,
-        )
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, False, opts)
+        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, False, options)
         s = Stream(self, msg, self._timeout(timeout))
         try:
             for _ in s:  # a server may still send chunks; they are not needed
@@ -566,29 +561,15 @@ class Client:
         *,
         messages: Sequence[dict] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        logprobs: bool | None = None,
-        grammar: dict | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        **options: Any,
     ) -> Stream:
         """Send a streamed request now; iterate the returned :class:`Stream` for chunks.
 
         After the iteration ends, ``stream.result`` is the final :class:`Result`.
         """
-        opts = dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            grammar=grammar,
-        )
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, True, opts)
+        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, True, options)
         return Stream(self, msg, self._timeout(timeout))
 
     def cancel(self, request_id: str) -> None:
@@ -809,26 +790,12 @@ class AsyncClient:
         *,
         messages: Sequence[dict] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        logprobs: bool | None = None,
-        grammar: dict | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        **options: Any,
     ) -> Result:
         """As :meth:`Client.generate`."""
-        opts = dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            grammar=grammar,
-        )
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, False, opts)
+        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, False, options)
         s = AsyncStream(self, msg, self._timeout(timeout))
         try:
             async for _ in s:
@@ -844,29 +811,15 @@ class AsyncClient:
         *,
         messages: Sequence[dict] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        logprobs: bool | None = None,
-        grammar: dict | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        **options: Any,
     ) -> AsyncStream:
         """A streamed request: ``async for chunk in client.stream(...)`` (or ``async with``).
 
         Not a coroutine: the request is sent when iteration (or ``async with``) starts.
         """
-        opts = dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            grammar=grammar,
-        )
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, True, opts)
+        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, True, options)
         return AsyncStream(self, msg, self._timeout(timeout))
 
     async def cancel(self, request_id: str) -> None:
