@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .bitmask import BITMASK_DTYPE
 from .spec import GrammarSpec
 
 
@@ -27,7 +28,16 @@ class Matcher:
 
     __slots__ = ()
 
-    spec: GrammarSpec
+    _g: CompiledGrammar  # set by each implementation
+
+    @property
+    def spec(self) -> GrammarSpec:
+        return self._g.spec
+
+    def _check_row(self, out: np.ndarray) -> None:
+        n = self._g.n_words
+        if out.shape != (n,) or out.dtype != BITMASK_DTYPE:
+            raise ValueError(f"mask row must be int32 of shape ({n},), got {out.dtype} {out.shape}")
 
     def fill_mask(self, out: np.ndarray) -> None:  # pragma: no cover - interface
         """Write the allowed next tokens into ``out`` (int32, shape

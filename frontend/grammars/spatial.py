@@ -31,7 +31,7 @@ import re
 import numpy as np
 
 from .base import CompiledGrammar, Matcher
-from .bitmask import BITMASK_DTYPE, ids_to_words, mask_words
+from .bitmask import ids_to_words, mask_words
 from .spec import GrammarError, GrammarSpec
 
 NONE_TEXT = "none"
@@ -260,14 +260,9 @@ class SpatialMatcher(Matcher):
         self._ids: list = []
         self._finished = False
 
-    @property
-    def spec(self) -> GrammarSpec:
-        return self._g.spec
-
     def fill_mask(self, out: np.ndarray) -> None:
         g = self._g
-        if out.shape != (g.n_words,) or out.dtype != BITMASK_DTYPE:
-            raise ValueError(f"mask row must be int32 of shape ({g.n_words},), got {out.dtype} {out.shape}")
+        self._check_row(out)
         idx, vals = g._eos_entry if self._finished else g.entry(self._st)
         out.fill(0)
         out[idx] = vals

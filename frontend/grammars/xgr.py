@@ -152,14 +152,9 @@ class XGrammarMatcher(Matcher):
         self._finished = False
         self._final = None
 
-    @property
-    def spec(self) -> GrammarSpec:
-        return self._g.spec
-
     def fill_mask(self, out: np.ndarray) -> None:
         g = self._g
-        if out.shape != (g.n_words,) or out.dtype != BITMASK_DTYPE:
-            raise ValueError(f"mask row must be int32 of shape ({g.n_words},), got {out.dtype} {out.shape}")
+        self._check_row(out)
         if self._finished:
             idx, vals = g._eos_entry
             out.fill(0)
