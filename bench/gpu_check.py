@@ -8,10 +8,17 @@ no pyzmq, msgspec or grammar libraries.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+import os
 import random
 import sys
 import time
+import traceback
+import warnings
+
+import numpy as np
 
 
 def precheck(model: str = "random-135m", device: str = "cuda") -> int:
@@ -43,22 +50,30 @@ def precheck(model: str = "random-135m", device: str = "cuda") -> int:
     # And a 32-stream lockstep batch like the benchmark's.
     reqs32 = [([rng.randrange(3, vocab) for _ in range(32)], SamplingParams(max_tokens=40, ignore_eos=True))
               for _ in range(32)]
-    outs, stats = {}, {}
+    outs, stats, syncs = {}, {}, []
     for mode in ("blocking", "pipelined"):
         engine = make_engine(loaded, device, mode == "pipelined", max_batch=32, max_model_len=512, kv_pages=600,
                              prefill_budget=256, cuda_graphs=True)
+        sink = _RingSink(engine)  # sampled ids DMA'd into a page-locked shared-memory arena
         try:
             got = []
-            for batch in (reqs, reqs32):
-                seqs = [engine.submit(p, sp) for p, sp in batch]
-                engine.run_until_idle()
-                got += [(s.output_ids, s.finish_reason, s.error) for s in seqs]
+            with _sync_watch(cuda, syncs, mode):
+                for batch in (reqs, reqs32):
+                    seqs = [engine.submit(p, sp) for p, sp in batch]
+                    engine.run_until_idle()
+                    got += [(s.output_ids, s.finish_reason, s.error) for s in seqs]
             if not engine.idle:
                 print(f"PRECHECK FAILED: {mode} engine not idle after the run (leaked rows or pages)")
                 return 1
+            if sink.mismatches:
+                print(f"PRECHECK FAILED: {mode}: ids copied into the arena differ from the committed ids "
+                      f"at {sink.mismatches} of {sink.checked} steps")
+                return 1
             outs[mode], stats[mode] = got, engine.stats()
+            stats[mode]["sink"] = f"{sink.checked} steps via {'page-locked' if sink.locked else 'pageable'} arena"
         finally:
             engine.close()
+            sink.close()
     bad = [i for i, (a, b) in enumerate(zip(outs["blocking"], outs["pipelined"])) if a != b]
     errors = [o for o in outs["blocking"] + outs["pipelined"] if o[2]]
     ntok = sum(len(o[0]) for o in outs["blocking"])
@@ -78,8 +93,82 @@ def precheck(model: str = "random-135m", device: str = "cuda") -> int:
             return 1
     print(f"precheck OK: {len(outs['blocking'])} requests, {ntok} tokens identical in blocking and pipelined "
           f"({'bf16, CUDA graphs' if cuda else str(loaded.dtype)}); zombie rows {stats['pipelined']['zombie_rows']}; "
-          f"{time.perf_counter() - t0:.0f} s")
+          f"ring sink {stats['pipelined']['sink']}; {time.perf_counter() - t0:.0f} s")
+    if syncs:  # correct but slow: report loudly, keep benchmarking
+        print(f"!!!! {len(syncs)} synchronizing CUDA calls inside the engine loop (outside graph capture); first:")
+        for where in list(dict.fromkeys(syncs))[:5]:
+            print(f"     {where}")
+    elif cuda:
+        print("no synchronizing CUDA call inside the engine loop (torch.cuda.set_sync_debug_mode)")
     return 0
+
+
+class _RingSink:
+    """The worker's direct path, without the worker: the engine's copy stream writes
+    each step's sampled ids into a shared-memory arena (page-locked on CUDA), and
+    every commit checks them against the committed ids."""
+
+    def __init__(self, engine) -> None:
+        from shared.shm import Arena, Layout
+
+        self.arena = Arena.create(Layout(vocab_size=engine.vocab_size, ring_entries=8,
+                                         max_rows=engine.config.max_batch))
+        self.locked = engine.device.page_lock(self.arena.buffer, self.arena.layout.total_bytes)
+        self.stage = self.arena.region("ring_stage")
+        self.views: dict = {}
+        self.checked = self.mismatches = 0
+        engine.token_sink = self._reserve
+        engine.on_commit = self._check
+
+    def _reserve(self, rec):
+        view = self.stage[rec.step % self.stage.shape[0], :len(rec.sample_seqs)]
+        view[:] = -1
+        self.views[rec.step] = view
+        return view
+
+    def _check(self, rec, tokens, flags, logprobs, committed) -> None:
+        view = self.views.pop(rec.step, None)
+        if view is None:
+            return
+        self.checked += 1
+        self.mismatches += not np.array_equal(view, tokens[:len(view)].astype(np.int32))
+
+    def close(self) -> None:
+        import torch
+
+        if self.locked:
+            torch.cuda.cudart().cudaHostUnregister(ctypes.addressof(ctypes.c_char.from_buffer(self.arena.buffer)))
+        self.views.clear()
+        self.stage = None
+        self.arena.close()
+
+
+@contextlib.contextmanager
+def _sync_watch(cuda: bool, found: list, mode: str):
+    """Collect every synchronizing CUDA call (``torch.cuda.set_sync_debug_mode``)
+    made inside the block, except during CUDA-graph capture, which may sync."""
+    if not cuda:
+        yield
+        return
+    import torch
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        stack = traceback.extract_stack()[:-1]
+        if any(f.name == "__init__" and f.filename.endswith("model_runner.py") for f in stack):
+            return  # _DecodeGraph capture
+        ours = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack
+                if "/gpu_worker/" in f.filename or "/bench/" in f.filename]
+        found.append(f"{mode}: " + " <- ".join(reversed(ours[-4:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        saved, warnings.showwarning = warnings.showwarning, record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = saved
 
 
 def summary(paths: list[str]) -> int:

@@ -124,7 +124,8 @@ class Server:
             self._send(identity, P.encode_pong(msg.nonce))
         elif isinstance(msg, P.InfoRequest):
             info = self.service.info
-            extra = {"generation": self.service.generation, "live_requests": len(self.live)}
+            extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
+                     "live_requests": len(self.live)}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total")}

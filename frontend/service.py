@@ -18,6 +18,9 @@ Invariants:
 - if the worker dies, every in-flight request fails with ``worker_failed``
   within the heartbeat timeout, and a new generation is started (or
   ``WorkerFailed`` is raised, with ``restart=False``, for systemd to act on).
+  The restart does not block: while the new worker loads, ``poll`` keeps
+  running and new requests wait in ``unsent`` (a failed restart raises
+  ``WorkerFailed``: a worker that cannot start is not retried in a loop).
 
 Single-threaded: call ``poll()`` from one thread (the server loop).
 """
@@ -97,33 +100,41 @@ class Service:
         self.vocab_size = int(json.loads((self.model_path / "config.json").read_text())["vocab_size"])
         self.generation = 0
         self.requests: dict[int, Request] = {}  # by seq_id, until the worker releases it
-        self.waiting_for_slot: deque[Request] = deque()
+        # Accepted but not sent to the worker: it is (re)starting, or no mask slot is free.
+        self.unsent: deque[Request] = deque()
         self.free_mask_slots = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
         self.worker: WorkerHandle | None = None
         self._start_worker()
+        self.info = self.worker.wait_ready()  # the first start blocks: serve only a warmed-up worker
+        log.info("worker generation %d ready: %s", self.generation, self.info)
 
     # ------------------------------------------------------------------ worker lifecycle
     def _start_worker(self) -> None:
+        """Spawn a worker generation; ``poll`` notices when it is ready."""
         self.generation += 1
         engine_config = dict(self.config.engine_fields(), model=str(self.model_path))
         self.worker = WorkerHandle(engine_config, self.vocab_size, self.generation,
                                    ring_entries=self.config.ring_entries, mask_timeout_s=self.config.mask_timeout_s,
-                                   stale_s=self.config.worker_stale_s, log_level=self.config.log_level)
-        self.info = self.worker.wait_ready(self.config.ready_timeout_s)
-        log.info("worker generation %d ready: %s", self.generation, self.info)
+                                   stale_s=self.config.worker_stale_s, ready_timeout_s=self.config.ready_timeout_s,
+                                   log_level=self.config.log_level)
+
+    @property
+    def worker_ready(self) -> bool:
+        return self.worker is not None and self.worker.ready
 
     def _worker_died(self, why: str) -> None:
         tail = self.worker.stderr_tail()
+        was_ready = self.worker.ready
         log.error("worker generation %d failed: %s\n%s", self.generation, why, tail)
         self.worker.kill()
         for req in list(self.requests.values()):
             self._end(req, error=("worker_failed", f"the GPU worker failed ({why}); retry the request"))
         self.requests.clear()
-        self.waiting_for_slot.clear()
+        self.unsent.clear()
         self.free_mask_slots = list(range(self.config.max_batch - 1, -1, -1))
-        if not self.config.restart:
+        if not (self.config.restart and was_ready):
             raise WorkerFailed(why)
         self._start_worker()
 
@@ -142,11 +153,25 @@ class Service:
                       user_data)
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
         self.requests[seq_id] = req
-        if constraint is not None and not self.free_mask_slots:
-            self.waiting_for_slot.append(req)
-        else:
+        if self.worker.ready and (constraint is None or self.free_mask_slots):
             self._send_submit(req)
+        else:
+            self.unsent.append(req)
         return req
+
+    def _send_unsent(self) -> None:
+        """Send what waited: everything once the worker is ready, constrained requests while mask slots last."""
+        if not self.worker.ready:
+            return
+        waiting = self.unsent
+        self.unsent = deque()
+        for req in waiting:
+            if req.ended:  # cancelled while it waited
+                continue
+            if req.constraint is not None and not self.free_mask_slots:
+                self.unsent.append(req)
+            else:
+                self._send_submit(req)
 
     def _send_submit(self, req: Request) -> None:
         if req.constraint is not None:
@@ -167,6 +192,8 @@ class Service:
 
     def _stop_worker_side(self, req: Request, reason: int) -> None:
         if not req.submitted:
+            if req in self.unsent:
+                self.unsent.remove(req)
             self._forget(req)
         elif not self.worker.acks.try_push(AckKind.CANCEL if reason == FinishReason.ABORT else AckKind.FINALIZE,
                                            req.seq_id, reason):
@@ -196,6 +223,11 @@ class Service:
         if why is not None:
             self._worker_died(why)
             return 0
+        if not self.worker.ready:
+            if not self.worker.poll_ready():
+                return 0
+            log.info("worker generation %d ready", self.generation)
+            self._send_unsent()
         try:
             messages = self.worker.channel.receive()
         except ConnectionError:
@@ -239,8 +271,8 @@ class Service:
         if req.mask_slot >= 0:
             self.free_mask_slots.append(req.mask_slot)
             req.mask_slot = -1
-            if self.waiting_for_slot:
-                self._send_submit(self.waiting_for_slot.popleft())
+            if self.unsent:
+                self._send_unsent()
 
     def _commit(self, entry) -> None:
         """Frontend commit of one step: every row, in order."""
@@ -323,6 +355,9 @@ class Service:
         return not self.requests
 
     def stats(self, timeout: float = 10.0) -> dict:
+        """The worker's engine statistics (TimeoutError while a worker is starting)."""
+        if not self.worker.ready:
+            raise TimeoutError(f"worker generation {self.generation} is starting")
         self._stats = None
         self.worker.channel.send(StatsRequest())
         self.run_until(lambda: self._stats is not None, timeout)

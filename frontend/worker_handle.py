@@ -28,10 +28,13 @@ class WorkerFailed(RuntimeError):
 
 class WorkerHandle:
     def __init__(self, engine_config: dict, vocab_size: int, generation: int, *, ring_entries: int = 64,
-                 mask_timeout_s: float = 5.0, stale_s: float = 5.0, log_level: str = "WARNING") -> None:
+                 mask_timeout_s: float = 5.0, stale_s: float = 5.0, ready_timeout_s: float = 900.0,
+                 log_level: str = "WARNING") -> None:
         self.engine_config = engine_config
         self.generation = generation
         self.stale_s = stale_s
+        self.ready_timeout_s = ready_timeout_s
+        self.started = time.monotonic()
         max_batch = int(engine_config.get("max_batch", 64))
         self.arena = Arena.create(Layout(vocab_size=vocab_size, ring_entries=ring_entries, max_rows=max_batch,
                                          max_batch_rows=max_batch), generation=generation)
@@ -55,31 +58,41 @@ class WorkerHandle:
     def pid(self) -> int:
         return self.proc.pid
 
-    def wait_ready(self, timeout: float) -> dict:
-        """Block until the worker has loaded and warmed up; returns its info."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise WorkerFailed(f"worker exited with {self.proc.returncode} while starting: {self.stderr_tail()}")
+    def poll_ready(self) -> bool:
+        """Non-blocking: has the worker loaded and warmed up (``Ready`` received)?
+        Whether it died or timed out while starting is ``failure()``'s to say."""
+        if self.ready or self.proc.poll() is not None:
+            return self.ready
+        try:
+            messages = self.channel.receive()
+        except ChannelClosed:
+            return False  # the exit is reported by failure()
+        for msg in messages:
+            if isinstance(msg, Ready):
+                self.info, self.ready = dict(msg.info), True
+        return self.ready
+
+    def wait_ready(self) -> dict:
+        """Block until the worker is ready; returns its info (raises WorkerFailed)."""
+        while not self.poll_ready():
+            why = self.failure()
+            if why is not None:
+                self.kill()
+                raise WorkerFailed(why)
             select.select([self.channel], [], [], 0.1)
-            try:
-                messages = self.channel.receive()
-            except ChannelClosed:
-                continue  # the exit is reported by proc.poll() above
-            for msg in messages:
-                if isinstance(msg, Ready):
-                    self.info, self.ready = dict(msg.info), True
-                    return self.info
-        self.kill()
-        raise WorkerFailed(f"worker not ready after {timeout:.0f} s")
+        return self.info
 
     def failure(self) -> str | None:
-        """Why the worker is unusable, or None while it is healthy."""
+        """Why the worker is unusable, or None while it is healthy (or still starting in time)."""
         code = self.proc.poll()
         if code is not None:
+            if not self.ready:
+                return f"worker exited with code {code} while starting: {self.stderr_tail()}"
             return f"worker exited with code {code}"
         if self.ready and not self.arena.is_alive(Side.WORKER, self.stale_s):
             return f"worker heartbeat stale for more than {self.stale_s:.0f} s"
+        if not self.ready and time.monotonic() - self.started > self.ready_timeout_s:
+            return f"worker not ready after {self.ready_timeout_s:.0f} s"
         return None
 
     def stderr_tail(self, limit: int = 2000) -> str:

@@ -21,12 +21,16 @@ GPU's regime on a CPU for the cost-model benchmark.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("tandem.worker")
 
 
 class DeviceError(RuntimeError):
@@ -182,8 +186,21 @@ class Device:
         return self.kind == "cuda"
 
     def pinned_empty(self, shape, dtype) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
-        return t
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def page_lock(self, buffer, nbytes: int) -> bool:
+        """cudaHostRegister ``nbytes`` of a writable buffer (e.g. the shared-memory
+        arena's mmap) so device copies into it run as async DMA. False when not
+        on CUDA or when the driver refuses; callers then copy on the host."""
+        if not self.is_cuda:
+            return False
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+            err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0)
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use the direct path
+            log.warning("cudaHostRegister failed: %r", e)
+            return False
+        return int(err) == 0
 
     # -- bubble meter ----------------------------------------------------------
     def mark(self):

@@ -55,7 +55,8 @@ class Worker:
         self.engine = Engine(config, mask_provider=self.masks_for)
         self.engine.on_commit = self._publish
         self.engine.on_release = self._on_release
-        if self.engine.device.is_cuda and not _page_lock(arena):
+        device = self.engine.device
+        if device.is_cuda and not device.page_lock(arena.buffer, arena.layout.total_bytes):
             log.warning("could not page-lock the arena: sampled ids are copied into the ring by the host")
         else:  # the copy stream writes sampled ids straight into the ring entry
             self.engine.token_sink = self._reserve_entry
@@ -248,21 +249,6 @@ class Worker:
         failed = np.zeros(len(seqs), dtype=bool)
         failed[pending] = True
         return words, failed
-
-
-def _page_lock(arena: Arena) -> bool:
-    """cudaHostRegister the whole arena so device copies into it are async DMA."""
-    import ctypes
-
-    import torch
-
-    try:
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(arena.buffer))
-        err = torch.cuda.cudart().cudaHostRegister(addr, arena.layout.total_bytes, 0)
-    except Exception as e:  # noqa: BLE001 - any failure means: do not use the direct path
-        log.warning("cudaHostRegister failed: %r", e)
-        return False
-    return int(err) == 0
 
 
 def main(argv=None) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import decode
@@ -110,3 +111,20 @@ def test_random_model_configs():
     assert 130e6 < sizes["random-135m"] < 140e6
     assert 1.1e9 < sizes["random-1b"] < 1.3e9
     assert sizes["random-tiny"] < 1e6
+
+
+def test_gpu_precheck_runs_on_cpu_and_can_fail(monkeypatch, capsys):
+    """bench/gpu.sh's pre-check (pipelined == blocking, ids copied into a shared-memory
+    arena by the copy stream) passes on the CPU backend, and fails when the arena
+    never receives the ids (non-vacuity of the sink check)."""
+    from bench import gpu_check
+
+    assert gpu_check.precheck("random-tiny", "cpu") == 0
+    assert "precheck OK" in capsys.readouterr().out
+    def reserve_elsewhere(self, rec):  # the arena view is checked, the copy goes to another array
+        self.views[rec.step] = np.full(len(rec.sample_seqs), -1, np.int32)
+        return np.empty(len(rec.sample_seqs), np.int32)
+
+    monkeypatch.setattr(gpu_check._RingSink, "_reserve", reserve_elsewhere)
+    assert gpu_check.precheck("random-tiny", "cpu") == 1
+    assert "differ from the committed ids" in capsys.readouterr().out

@@ -169,3 +169,27 @@ def test_stop_strings_cancel_and_length_with_grammars(service, compiler):
     assert stopped.finish_reason == "stop" and ";" not in stopped.text
     assert cancelled.finish_reason == "cancelled" and cancelled.output is None
     assert len(service.free_mask_slots) == SIZES["max_batch"]
+
+
+def test_cancel_while_waiting_for_a_mask_slot(compiler):
+    """A constrained request cancelled before a mask slot freed up never reaches the worker,
+    and takes no slot when one frees (one slot here: max_batch=1)."""
+    svc = make_service(max_batch=1)
+    try:
+        spec = {"kind": "box", "max_objects": 2}
+        first = svc.submit([5, 6], SamplingParams(max_tokens=30, temperature=1.0, seed=1),
+                           constraint=compiler.compile(spec).matcher())
+        queued = svc.submit([5, 6], SamplingParams(max_tokens=30, temperature=1.0, seed=2),
+                            constraint=compiler.compile(spec).matcher())
+        after = svc.submit([5, 6], SamplingParams(max_tokens=5, temperature=1.0, seed=3),
+                           constraint=compiler.compile(spec).matcher())
+        assert first.submitted and list(svc.unsent) == [queued, after]
+        svc.cancel(queued)
+        assert queued.finish_reason == "cancelled" and list(svc.unsent) == [after]
+        svc.run_until(lambda: first.ended and after.ended, 60)
+        svc.run_until(svc.idle, 30)
+        assert not queued.submitted and after.submitted and after.error is None and after.token_ids
+        assert svc.free_mask_slots == [0] and not svc.unsent
+        assert svc.stats()["finished"] == 2  # the worker ran first and after, never queued
+    finally:
+        svc.close()

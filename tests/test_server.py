@@ -108,7 +108,7 @@ class LiveServer:
         server, svc = self.server, self.svc
         deadline = time.monotonic() + timeout
         while True:
-            state = self.on_server_thread(lambda: (len(server.live), len(svc.waiting_for_slot),
+            state = self.on_server_thread(lambda: (len(server.live), len(svc.unsent),
                                                    len(svc.free_mask_slots),
                                                    len(svc.requests) if frontend_requests else 0))
             stats = self.on_server_thread(svc.stats)
@@ -1249,6 +1249,35 @@ def _gpu_workers_of(pid: int) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"gpu_worker" in cmd:
             out.append(int(d.name))
     return out
+
+
+def test_worker_restart_keeps_the_server_answering(ctx):
+    """kill -9 of the worker: its requests fail with worker_failed, and while the next
+    worker generation loads the server still answers pings and info, and queues new
+    requests, which are served once it is ready."""
+    srv = LiveServer()  # its own server: this test kills the worker
+    c = Raw(ctx, srv.endpoint)
+    try:
+        c.generate("inflight", max_tokens=LONG, ignore_eos=True)
+        c.wait_for(lambda: len(c.by_id["inflight"]) >= 1, what="a chunk")
+        os.kill(srv.svc.worker_pid, signal.SIGKILL)
+        err = check_request(c.request("inflight", timeout_s=10))
+        assert err["type"] == "error" and err["code"] == "worker_failed", err
+        c.ping()  # a fresh interpreter importing torch takes seconds: the new worker is still loading
+        c.send({"type": "info"})
+        info = c.reply()
+        assert info["generation"] == 2 and info["worker_ready"] is False and "kv_pages_free" not in info, info
+        c.generate("queued", max_tokens=5, ignore_eos=True)
+        done = check_request(c.request("queued", timeout_s=120))
+        assert done["type"] == "done" and done["finish_reason"] == "length", done
+        c.send({"type": "info"})
+        info = c.reply()
+        assert info["generation"] == 2 and info["worker_ready"] is True and "kv_pages_free" in info, info
+        srv.assert_no_leak()
+        c.assert_quiet(0.1)
+    finally:
+        c.close()
+        srv.close()
 
 
 def test_serve_ready_after_warmup_watchdog_and_worker_kill(tmp_path, ctx):

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from frontend.service import Service, ServiceConfig
+from frontend.worker_handle import WorkerFailed
 from gpu_worker.engine import Engine, EngineConfig
 from shared.control import ControlChannel
 from shared.sampling import SamplingParams
@@ -223,9 +224,37 @@ def test_kill_worker_mid_generation_fails_requests_and_restarts():
             assert [k for sid, k, _ in events if sid == r.seq_id].count("error") == 1
         assert svc.generation == old_gen + 1 and svc.worker_pid != old_pid
         assert not _alive(old_pid)  # reaped: no zombie
+        # The restart does not block the frontend: the new worker is still loading (a
+        # fresh interpreter importing torch takes seconds), requests wait for it.
+        assert not svc.worker_ready
         again = svc.submit([1, 2], SamplingParams(max_tokens=3))
+        dropped = svc.submit([1, 2], SamplingParams(max_tokens=3))
+        assert not again.submitted and list(svc.unsent) == [again, dropped]
+        with pytest.raises(TimeoutError):
+            svc.stats()  # at once, not after its timeout
+        svc.cancel(dropped)  # cancelled while waiting: never reaches the worker
+        assert dropped.finish_reason == "cancelled" and list(svc.unsent) == [again]
         svc.run_until(lambda: again.ended)
-        assert again.finish_reason == "length"
+        assert again.finish_reason == "length" and svc.worker_ready
+        stats = svc.stats()
+        assert stats["finished"] == 1 and stats["failed"] == 0  # the new worker saw only `again`
+        assert svc.idle() and not svc.unsent
+    finally:
+        svc.close()
+
+
+def test_worker_that_cannot_start_is_not_restarted_in_a_loop():
+    """A restarted worker that dies while loading raises WorkerFailed (systemd restarts the server)."""
+    svc = make_service()
+    try:
+        svc.config.ready_timeout_s = 0.0  # the next generation is "not ready in time" at once
+        waiting = []
+        os.kill(svc.worker_pid, signal.SIGKILL)
+        svc.run_until(lambda: not svc.worker_ready, 10)
+        waiting.append(svc.submit([1, 2], SamplingParams(max_tokens=3)))
+        with pytest.raises(WorkerFailed, match="not ready"):
+            svc.run_until(lambda: False, 10)
+        assert waiting[0].error[0] == "worker_failed"  # queued requests get their terminal error
     finally:
         svc.close()
 
