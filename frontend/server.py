@@ -7,6 +7,8 @@ service commit tokens, and sends chunks, done and errors back.
 - ``ROUTER_MANDATORY`` is on: a message to a peer that is gone or cannot take
   more raises instead of being dropped silently; that peer's requests are
   cancelled (their resources freed in the worker) and the loop never blocks.
+- A closed client connection cancels its requests at once, ``stream: false``
+  ones included (``connections.py``: the socket monitor, by fd).
 - At most one chunk per request per step: the service emits one event per
   committed token, and each ring entry is one step.
 - Every request gets exactly one terminal message, also on shutdown.
@@ -23,6 +25,7 @@ from typing import Any
 import zmq
 
 from . import protocol as P
+from .connections import Connections
 from .grammars import GrammarCompiler, GrammarError
 from .service import Request, Service
 from .systemd import Notifier
@@ -59,6 +62,7 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, 4 * self.limits.max_message_bytes))
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.connections = Connections(self.sock)
         self.live: dict[tuple[bytes, str], Request] = {}
         self._stop = threading.Event()
         self._last_watchdog = 0.0
@@ -77,6 +81,8 @@ class Server:
                 events = dict(poller.poll(20))
                 if self.sock in events:
                     self._read_clients()
+                if self.connections.monitor in events:
+                    self._clients_gone(self.connections.poll())
                 self.service.poll(0)
                 self._feed_watchdog()
         finally:
@@ -86,6 +92,7 @@ class Server:
     def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.connections.monitor, zmq.POLLIN)
         for fd in self.service.fds():
             poller.register(fd, zmq.POLLIN)
         return poller
@@ -101,16 +108,18 @@ class Server:
     def _shutdown(self) -> None:
         self.service.close()  # ends every live request: exactly one terminal message each
         self.live.clear()
+        self.connections.close()
         self.sock.close(linger=2000)  # let those terminal messages go out
 
     # ------------------------------------------------------------------ client messages
     def _read_clients(self) -> None:
         for _ in range(256):  # bounded: the worker's tokens must not wait behind a flood
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, body = frames[0], frames[1:]
+            identity, body = frames[0].bytes, [f.bytes for f in frames[1:]]
+            self._clients_gone(self.connections.message_from(identity, frames[-1]))
             try:
                 self._handle(identity, P.parse_client_message(body, self.limits))
             except P.ProtocolError as e:
@@ -187,7 +196,7 @@ class Server:
                                                                payload["token_ids"]))
                 state.seq += 1
                 if not ok:
-                    self._client_gone(state.identity)
+                    self._clients_gone([state.identity])
             return
         self.live.pop((state.identity, state.id), None)
         if kind == "done":
@@ -206,10 +215,14 @@ class Server:
             log.info("client %s cannot take messages (%s)", identity.hex(), e)
             return False
 
-    def _client_gone(self, identity: bytes) -> None:
-        """A client that cannot take messages: cancel its requests, free their resources."""
+    def _clients_gone(self, identities: list[bytes]) -> None:
+        """Clients whose connection closed or that cannot take messages: cancel their
+        requests (streaming or not), free their resources."""
+        if not identities:
+            return
+        gone = set(identities)
         for (ident, _rid), req in list(self.live.items()):
-            if ident == identity:
+            if ident in gone:
                 self.service.cancel(req)
 
 

@@ -1251,6 +1251,40 @@ def _gpu_workers_of(pid: int) -> list[int]:
     return out
 
 
+def test_closed_connection_cancels_its_requests_even_without_streaming(live, ctx):
+    """A client that closes its socket gets its requests cancelled at once, stream: false
+    included (nothing is ever sent to it, so no failed send can tell). A client connecting
+    right after, likely on the reused fd, is not affected."""
+    gone = Raw(ctx, live.endpoint)
+    for rid in ("quiet", "quiet2"):  # no chunk is ever sent to this client
+        gone.generate(rid, max_tokens=LONG, ignore_eos=True, stream=False)
+    gone.ping()
+
+    def running():
+        reqs = {rid: r for (_ident, rid), r in live.server.live.items() if rid in ("quiet", "quiet2")}
+        return reqs if len(reqs) == 2 and all(r.token_ids for r in reqs.values()) else None
+
+    deadline = time.monotonic() + 30
+    while not (reqs := live.on_server_thread(running)):
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.02)
+    gone.close()
+    fresh = Raw(ctx, live.endpoint)
+    try:
+        fresh.generate("after", max_tokens=6, ignore_eos=True, stream=False)
+        done = check_request(fresh.request("after", timeout_s=30), stream=False)
+        assert done["type"] == "done" and done["finish_reason"] == "length", done
+        deadline = time.monotonic() + 10
+        while not live.on_server_thread(lambda: all(r.ended for r in reqs.values())):
+            assert time.monotonic() < deadline, "the closed client's requests are still running"
+            time.sleep(0.02)
+        for r in reqs.values():
+            assert r.finish_reason == "cancelled" and len(r.token_ids) < LONG, (r.finish_reason, len(r.token_ids))
+        live.assert_no_leak()
+    finally:
+        fresh.close()
+
+
 def test_worker_restart_keeps_the_server_answering(ctx):
     """kill -9 of the worker: its requests fail with worker_failed, and while the next
     worker generation loads the server still answers pings and info, and queues new
