@@ -91,9 +91,14 @@ def precheck(model: str = "random-135m", device: str = "cuda") -> int:
         if not (st["bubble_busy_s"] > 0 and 0 <= st["device_idle_fraction"] <= 1):
             print(f"PRECHECK FAILED: the CUDA-event bubble meter reads nothing in {mode} mode: {st}")
             return 1
+    failure = _launch_failure_check(loaded, device)
+    if failure:
+        print(f"PRECHECK FAILED: after a failed launch: {failure}")
+        return 1
     print(f"precheck OK: {len(outs['blocking'])} requests, {ntok} tokens identical in blocking and pipelined "
           f"({'bf16, CUDA graphs' if cuda else str(loaded.dtype)}); zombie rows {stats['pipelined']['zombie_rows']}; "
-          f"ring sink {stats['pipelined']['sink']}; {time.perf_counter() - t0:.0f} s")
+          f"ring sink {stats['pipelined']['sink']}; a failed launch fails only its steps; "
+          f"{time.perf_counter() - t0:.0f} s")
     if syncs:  # correct but slow: report loudly, keep benchmarking
         print(f"!!!! {len(syncs)} synchronizing CUDA calls inside the engine loop (outside graph capture); first:")
         for where in list(dict.fromkeys(syncs))[:5]:
@@ -101,6 +106,36 @@ def precheck(model: str = "random-135m", device: str = "cuda") -> int:
     elif cuda:
         print("no synchronizing CUDA call inside the engine loop (torch.cuda.set_sync_debug_mode)")
     return 0
+
+
+def _launch_failure_check(loaded, device: str) -> str | None:
+    """A launch that raises (as an out-of-memory would) fails the requests in flight,
+    and the engine keeps serving. None when that holds, else what went wrong."""
+    from bench.decode import make_engine
+    from shared.sampling import SamplingParams
+
+    engine = make_engine(loaded, device, True, max_batch=8, max_model_len=512, kv_pages=200, prefill_budget=256,
+                         cuda_graphs=True)
+    real, armed = engine.runner.model.forward, [True]
+
+    def flaky(*args, **kw):  # the next eager forward (a prefill) raises
+        if armed:
+            armed.clear()
+            raise RuntimeError("injected launch failure")
+        return real(*args, **kw)
+
+    try:
+        engine.runner.model.forward = flaky
+        victims = [engine.submit([5, 6, 7], SamplingParams(max_tokens=8)) for _ in range(2)]
+        engine.run_until_idle()
+        if [v.finish_reason for v in victims] != ["error", "error"]:
+            return f"the requests in flight ended with {[(v.finish_reason, v.error) for v in victims]}"
+        after = engine.generate([[4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        if len(after.output_ids) != 3 or after.error or not engine.idle:
+            return f"the next request got {after.output_ids} ({after.error}); engine idle: {engine.idle}"
+        return None
+    finally:
+        engine.close()
 
 
 class _RingSink:

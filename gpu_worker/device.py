@@ -109,25 +109,60 @@ class CpuStream:
 # ----------------------------------------------------------------------------- CUDA
 
 
+class CudaEvent:
+    """A CUDA event plus the error of the work enqueued before it, if any."""
+
+    def __init__(self, event, error: BaseException | None) -> None:
+        self.event, self.error = event, error
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        try:
+            self.event.synchronize()
+        except RuntimeError as e:  # a CUDA fault; sticky: recover() re-raises it
+            raise DeviceError(f"device work failed: {e!r}") from e
+        if self.error is not None:
+            raise DeviceError(f"device work failed: {self.error!r}") from self.error
+
+    def elapsed_time(self, other: "CudaEvent") -> float:
+        return self.event.elapsed_time(other.event)
+
+
 class CudaStream:
+    """``submit`` enqueues kernels at once. An exception while enqueuing (out of
+    memory, a bad shape) is kept and raised at the next event wait, as on the
+    CPU stream, and later work is skipped until ``clear_error``: a failed launch
+    fails the steps in flight, not the worker."""
+
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
         self.stream = torch.cuda.Stream(device=device)
+        self._error: BaseException | None = None
 
     def submit(self, fn) -> None:
-        with torch.cuda.stream(self.stream):
-            fn()
+        if self._error is not None:
+            return
+        try:
+            with torch.cuda.stream(self.stream):
+                fn()
+        except Exception as e:  # noqa: BLE001 - reported at the next event
+            self._error = e
 
-    def record(self, timing: bool = False):
+    def record(self, timing: bool = False) -> CudaEvent:
         ev = torch.cuda.Event(enable_timing=timing)
         ev.record(self.stream)
-        return ev
+        return CudaEvent(ev, self._error)
 
-    def wait(self, event) -> None:
-        self.stream.wait_event(event)
+    def wait(self, event: CudaEvent) -> None:
+        self.stream.wait_event(event.event)
+        if event.error is not None and self._error is None:
+            self._error = event.error  # work ordered after a failure fails too
 
-    def clear_error(self) -> None:
-        return None
+    def clear_error(self) -> BaseException | None:
+        err, self._error = self._error, None
+        return err
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -251,10 +286,11 @@ class Device:
     def recover(self) -> None:
         """After a failure: let both streams run dry, then accept work again."""
         if self.is_cuda:
-            torch.cuda.synchronize(self.torch_device)  # a real CUDA fault is sticky; this raises then
-            return
+            torch.cuda.synchronize(self.torch_device)  # a real CUDA fault is sticky: this raises (worker restarts)
+        else:
+            for stream in (self.compute, self.copy):
+                stream.record()._done.wait()
         for stream in (self.compute, self.copy):
-            stream.record()._done.wait()
             stream.clear_error()
 
     def close(self) -> None:
