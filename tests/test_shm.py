@@ -1,4 +1,4 @@
-"""Tests of shared/shm.py: the arena, token ring, ack ring and mask rows.
+"""Tests of shared/shm/: the arena, token ring, ack ring and mask rows.
 
 Cross-process tests attach a child (``sys.executable -c``) to the parent's
 arena by fd via ``pass_fds``, exactly as the worker is spawned.

@@ -1,0 +1,125 @@
+"""What both processes agree on about the arena's bytes: the header's magic
+and version, the enums stored in ring words, the header word indices, the
+token-ring slot layout and the region offsets (``Layout``)."""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+
+import numpy as np
+
+MAGIC = int.from_bytes(b"TANDEMAR", "little")
+LAYOUT_VERSION = 1
+CACHE_LINE = 64
+
+
+# ------------------------------------------------------------------- constants
+class Side(IntEnum):
+    FRONTEND = 0
+    WORKER = 1
+
+
+class Kind(IntEnum):
+    """What kind of step produced a token-ring entry."""
+    PREFILL = 0
+    DECODE = 1
+
+
+class TokenFlag(IntFlag):
+    """Per-row flags of a token-ring entry (a uint32 bitfield)."""
+    NONE = 0
+    FIRST = 1 << 0       # first generated token of the sequence
+    EOS = 1 << 1         # the token is EOS (sequence finished)
+    LENGTH = 1 << 2      # max_tokens reached with this token
+    STOP_TOKEN = 1 << 3  # the token is one of stop_token_ids
+    ZOMBIE = 1 << 4      # the frontend already finalized/cancelled it: ignore
+    FINISHED = EOS | LENGTH | STOP_TOKEN
+
+
+class AckKind(IntEnum):
+    FINALIZE = 1  # the frontend is done with the sequence: free it
+    CANCEL = 2    # the client went away: stop generating
+
+
+class FinishReason(IntEnum):
+    """Reason carried by a finalize/cancel event (uint16)."""
+    NONE = 0
+    STOP = 1        # a stop string matched (detected by the frontend)
+    EOS = 2
+    LENGTH = 3
+    STOP_TOKEN = 4
+    ABORT = 5       # client disconnected / cancelled
+    ERROR = 6
+
+
+# Header word indices (uint64 words). Line 0-1: static; 2/3: heartbeats;
+# 4: frontend-written control; 5: worker-written control.
+_H_MAGIC, _H_VERSION, _H_TOTAL, _H_GENERATION = 0, 1, 2, 3
+_H_RING, _H_MAX_ROWS, _H_BATCH, _H_VOCAB, _H_ACK = 4, 5, 6, 7, 8
+_H_BEAT = {Side.FRONTEND: 16, Side.WORKER: 24}
+_H_CONSUMED = 32       # frontend: token entries consumed (next seq not consumed)
+_H_ACK_CONSUMED = 40   # worker: ack events consumed
+_HEADER_BYTES = 512
+
+# Token-ring meta words per slot (one cache line per slot).
+_M_STEP_LO, _M_STEP_HI, _M_COMMIT = 0, 1, 2
+# commit payload: nrows in bits 0-23, kind in 24-27, has-logprobs in bit 28.
+# Row columns of a slot (one (4, rows) block so an entry is one vectorised op).
+_C_SEQ, _C_TOK, _C_FLAGS, _C_LOGP, _NCOLS = 0, 1, 2, 3, 4
+_MAX_ROWS_LIMIT = 1 << 24
+
+
+def _align(n: int, a: int = CACHE_LINE) -> int:
+    return (n + a - 1) // a * a
+
+
+# ---------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of an arena; both processes derive identical offsets from it."""
+    vocab_size: int
+    ring_entries: int = 64
+    max_rows: int = 1024        # rows per token-ring entry
+    max_batch_rows: int = 256   # mask rows
+    ack_entries: int = 4096
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("vocab_size", 1, 1 << 31), ("ring_entries", 2, 1 << 20),
+                             ("max_rows", 1, _MAX_ROWS_LIMIT), ("max_batch_rows", 1, 1 << 20),
+                             ("ack_entries", 2, 1 << 24)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+                raise ValueError(f"Layout.{name} must be an integer in [{lo}, {hi}), got {v!r}")
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words per mask row: ceil(vocab / 32)."""
+        return (self.vocab_size + 31) // 32
+
+    def regions(self) -> dict[str, tuple[int, tuple[int, ...], np.dtype]]:
+        """name -> (offset, shape, dtype). Row strides are padded so that every
+        row of every region starts on a cache line."""
+        r, b, a = self.ring_entries, self.max_batch_rows, self.ack_entries
+        rows = _align(self.max_rows, 16)     # 16 int32 = 64 bytes
+        words = _align(self.mask_words, 8)   # 8 uint64 = 64 bytes
+        u64, i32 = np.dtype(np.uint64), np.dtype(np.int32)
+        specs = [
+            ("ring_meta", (r, 8), u64),
+            ("ring_rows", (r, _NCOLS, rows), u64),  # columns: seq, token, flags, logprob
+            ("ring_stage", (r, rows), i32),   # raw token ids from device copies
+            ("ack_events", (a, 2), u64),
+            ("mask_stamp", (b,), u64),
+            ("mask_words", (b, words), u64),
+        ]
+        out, off = {}, _HEADER_BYTES
+        for name, shape, dt in specs:
+            off = _align(off)
+            out[name] = (off, shape, dt)
+            off += int(np.prod(shape)) * dt.itemsize
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        off, shape, dt = self.regions()["mask_words"]
+        return _align(off + int(np.prod(shape)) * dt.itemsize, mmap.PAGESIZE)

@@ -1,0 +1,283 @@
+"""The token ring, worker -> frontend: one slot per committed step
+(``TokenRingWriter`` in the worker, ``TokenRingReader`` in the frontend).
+
+The slot layout, back-pressure and device copies (``reserve`` / ``commit``)
+are described in the package docstring (``shared.shm``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+import numpy as np
+
+from .errors import RingCorrupt, RingTimeout
+from .layout import (
+    _C_FLAGS, _C_LOGP, _C_SEQ, _C_TOK, _H_CONSUMED, _M_COMMIT, _M_STEP_HI, _M_STEP_LO, _NCOLS, Kind,
+)
+from .tags import _U32, _TornClock, _prev_tag, _tag, _tagged, _tags_ok
+from .wake import AbortFn, _drain, _signal, _Waiter
+
+if TYPE_CHECKING:
+    from .arena import Arena
+
+
+class Entry(NamedTuple):
+    """One committed step, copied out of the ring (safe to keep)."""
+    seq: int                      # ring position (0, 1, 2, ...): pass to consume()
+    step: int
+    kind: Kind
+    seq_ids: np.ndarray           # uint32
+    token_ids: np.ndarray         # int32
+    flags: np.ndarray             # uint32 (TokenFlag bits)
+    logprobs: Optional[np.ndarray]  # float32 or None
+
+
+@dataclass
+class PendingEntry:
+    """A reserved slot. ``token_ids`` is the int32 staging view (page-locked
+    arena memory) that a device copy may write into before ``commit``."""
+    seq: int
+    slot: int
+    step: int
+    kind: Kind
+    nrows: int
+    logprobs: bool
+    token_ids: np.ndarray
+
+
+_NARROW_U = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
+_NARROW_I = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
+
+
+def _as_u32(name: str, a, n: int) -> np.ndarray:
+    a = np.asarray(a)
+    if a.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {a.shape}")
+    if a.dtype.kind not in "iu" and n:
+        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
+    if n and a.dtype not in _NARROW_U and (int(a.min()) < 0 or int(a.max()) > _U32):
+        raise ValueError(f"{name} values must fit in uint32")
+    return a.astype(np.uint32, copy=False)
+
+
+class TokenRingWriter:
+    """Worker side of the token ring. ``publish`` = ``reserve`` + ``commit``.
+
+    Several reservations may be outstanding (pipelined device copies) but they
+    must be committed in reservation order.
+    """
+
+    def __init__(self, arena: Arena, spin_s: float = 2e-5, slice_s: float = 0.05):
+        self._a = arena
+        self._cap = arena.layout.ring_entries
+        self._max_rows = arena.layout.max_rows
+        self._meta = arena.region("ring_meta")
+        self._rows = arena.region("ring_rows")
+        self._stage = arena.region("ring_stage")
+        self._next = 0         # next position to reserve
+        self._commit_next = 0  # next position to commit
+        self._waiter = _Waiter(arena.wake.space, spin_s, slice_s)
+        self.blocked = 0       # reservations that found the ring full
+
+    @property
+    def sleeps(self) -> int:
+        return self._waiter.sleeps
+
+    def consumed(self) -> int:
+        return self._a._hword(_H_CONSUMED)
+
+    def has_space(self) -> bool:
+        return self._next - self.consumed() < self._cap
+
+    def try_reserve(self, step: int, kind: Kind, nrows: int, *, logprobs: bool = False
+                    ) -> Optional[PendingEntry]:
+        """Reserve the next slot, or None if the ring is full."""
+        if not 0 <= nrows <= self._max_rows:
+            raise ValueError(f"nrows must be in [0, {self._max_rows}], got {nrows}")
+        if not 0 <= step < 1 << 64:
+            raise ValueError(f"step must be a uint64, got {step}")
+        kind = Kind(kind)
+        if not self.has_space():
+            return None
+        seq, slot = self._next, self._next % self._cap
+        self._next += 1
+        return PendingEntry(seq, slot, step, kind, nrows, bool(logprobs),
+                            self._stage[slot, :nrows])
+
+    def reserve(self, step: int, kind: Kind, nrows: int, *, logprobs: bool = False,
+                timeout: Optional[float] = None, abort: AbortFn = None) -> PendingEntry:
+        """Like ``try_reserve`` but blocks while the ring is full; raises
+        ``RingTimeout`` after ``timeout`` s or ``RingAborted`` when ``abort()``."""
+        p = self.try_reserve(step, kind, nrows, logprobs=logprobs)
+        if p is not None:
+            return p
+        self.blocked += 1
+        if not self._waiter.wait(self.has_space, timeout, abort):
+            raise RingTimeout(f"token ring full for {timeout} s "
+                              f"(consumed={self.consumed()}, next={self._next})")
+        return self.try_reserve(step, kind, nrows, logprobs=logprobs)
+
+    def commit(self, p: PendingEntry, seq_ids, flags, logprobs=None, token_ids=None) -> int:
+        """Stamp a reserved entry and publish it. Token ids come from
+        ``token_ids`` if given, else from ``p.token_ids`` (the staging view a
+        device copy wrote: that copy must have completed, e.g. after
+        ``event.synchronize()``). Returns the ring position."""
+        if p.seq != self._commit_next:
+            raise ValueError(f"commit out of order: got position {p.seq}, expected {self._commit_next}")
+        rows = _normalize_rows(p.nrows, seq_ids, flags, token_ids, logprobs, p.logprobs)
+        return self._write(p, *rows)
+
+    def _write(self, p: PendingEntry, seq_ids, flags, tok, lp) -> int:
+        tag, slot, n = _tag(p.seq), p.slot, p.nrows
+        if tok is None:
+            tok = p.token_ids
+        ncols = _NCOLS if p.logprobs else _C_LOGP
+        payload = np.empty((ncols, n), np.uint32)
+        payload[_C_SEQ], payload[_C_TOK], payload[_C_FLAGS] = seq_ids, tok.view(np.uint32), flags
+        if p.logprobs:
+            payload[_C_LOGP] = lp.view(np.uint32)
+        # Payload words first ...
+        _tagged(tag, payload, self._rows[slot, :ncols, :n])
+        meta, hi = self._meta[slot], tag << 32
+        meta[_M_STEP_LO] = hi | (p.step & _U32)
+        meta[_M_STEP_HI] = hi | (p.step >> 32)
+        # ... the commit word last: readers key on it.
+        meta[_M_COMMIT] = hi | n | (int(p.kind) << 24) | (int(p.logprobs) << 28)
+        self._commit_next += 1
+        _signal(self._a.wake.tokens)
+        return p.seq
+
+    def _no_outstanding(self) -> None:
+        if self._commit_next != self._next:
+            raise ValueError("publish while reservations are outstanding: commit them first")
+
+    def try_publish(self, step: int, kind: Kind, seq_ids, token_ids, flags, logprobs=None
+                    ) -> Optional[int]:
+        """Non-blocking publish: the ring position, or None if the ring is full."""
+        if token_ids is None:
+            raise ValueError("publish needs token_ids (use reserve/commit for device copies)")
+        rows = _normalize_rows(len(seq_ids), seq_ids, flags, token_ids, logprobs, logprobs is not None)
+        self._no_outstanding()
+        p = self.try_reserve(step, kind, len(seq_ids), logprobs=logprobs is not None)
+        return None if p is None else self._write(p, *rows)
+
+    def publish(self, step: int, kind: Kind, seq_ids, token_ids, flags, logprobs=None, *,
+                timeout: Optional[float] = None, abort: AbortFn = None) -> int:
+        """Publish one step; blocks while the ring is full (see ``reserve``)."""
+        # Validate before reserving so a bad call never leaves a dangling slot.
+        if token_ids is None:
+            raise ValueError("publish needs token_ids (use reserve/commit for device copies)")
+        rows = _normalize_rows(len(seq_ids), seq_ids, flags, token_ids, logprobs, logprobs is not None)
+        self._no_outstanding()
+        p = self.reserve(step, kind, len(seq_ids), logprobs=logprobs is not None,
+                         timeout=timeout, abort=abort)
+        return self._write(p, *rows)
+
+
+def _normalize_rows(n: int, seq_ids, flags, token_ids, logprobs, want_lp: bool):
+    """Validated (seq_ids u32, flags u32, token_ids i32 | None, logprobs f32 | None)."""
+    seq_ids = _as_u32("seq_ids", seq_ids, n)
+    flags = _as_u32("flags", flags, n)
+    tok = None
+    if token_ids is not None:
+        tok = np.asarray(token_ids)
+        if tok.shape != (n,) or (n and tok.dtype.kind not in "iu"):
+            raise ValueError(f"token_ids must be an integer array of shape ({n},)")
+        if n and tok.dtype not in _NARROW_I and (int(tok.min()) < -(1 << 31) or int(tok.max()) >= 1 << 31):
+            raise ValueError("token_ids must fit in int32")
+        tok = tok.astype(np.int32, copy=False)
+    lp = None
+    if want_lp:
+        if logprobs is None:
+            raise ValueError("entry was reserved with logprobs=True but none were given")
+        lp = np.asarray(logprobs, dtype=np.float32)
+        if lp.shape != (n,):
+            raise ValueError(f"logprobs must have shape ({n},), got {lp.shape}")
+    elif logprobs is not None:
+        raise ValueError("logprobs given for an entry reserved without them")
+    return seq_ids, flags, tok, lp
+
+
+class TokenRingReader:
+    """Frontend side of the token ring: ``poll``/``wait`` then ``consume``."""
+
+    def __init__(self, arena: Arena, spin_s: float = 5e-5, corrupt_after_s: float = 1.0,
+                 slice_s: float = 0.05):
+        self._a = arena
+        self._cap = arena.layout.ring_entries
+        self._max_rows = arena.layout.max_rows
+        self._meta = arena.region("ring_meta")
+        self._rows = arena.region("ring_rows")
+        self._next = arena._hword(_H_CONSUMED)  # resume after what was consumed
+        self._consumed = self._next
+        self._torn = _TornClock(corrupt_after_s)
+        self._waiter = _Waiter(arena.wake.tokens, spin_s, slice_s)
+
+    @property
+    def next_seq(self) -> int:
+        """Position the next ``poll`` returns."""
+        return self._next
+
+    @property
+    def sleeps(self) -> int:
+        return self._waiter.sleeps
+
+    def fileno(self) -> int:
+        """The tokens eventfd (for zmq.Poller / selectors); -1 if absent."""
+        return self._a.wake.tokens
+
+    def clear_wakeup(self) -> None:
+        """Drain the eventfd after an external poller reported it readable."""
+        _drain(self._a.wake.tokens)
+
+    def _commit_word(self) -> int:
+        return int(self._meta[self._next % self._cap, _M_COMMIT])
+
+    def ready(self) -> bool:
+        """Cheap check: has the next entry's commit word been published?"""
+        return (self._commit_word() >> 32) == _tag(self._next)
+
+    def poll(self) -> Optional[Entry]:
+        """The next entry in order, or None if it is not (fully) visible yet.
+        Raises ``RingCorrupt`` instead of ever returning unvalidated data."""
+        pos = self._next
+        slot, tag = pos % self._cap, _tag(pos)
+        step_lo, step_hi, commit = self._meta[slot, :3].tolist()
+        ctag = commit >> 32
+        if ctag != tag:
+            prev = _prev_tag(pos, self._cap)
+            if ctag == prev:
+                return None
+            raise RingCorrupt(f"token ring slot {slot}: commit tag {ctag:#x} is neither the "
+                              f"expected {tag:#x} (position {pos}) nor the previous {prev:#x}")
+        n, kind_v, has_lp = commit & 0xFFFFFF, (commit >> 24) & 0xF, (commit >> 28) & 1
+        if n > self._max_rows or kind_v not in (Kind.PREFILL, Kind.DECODE) or commit >> 29 & 0x7:
+            raise RingCorrupt(f"token ring slot {slot}: invalid commit word {commit:#018x}")
+        # Copy first, then validate the copy. Load order does not matter: a
+        # step or row word read "too early" carries an older tag and fails.
+        rows = self._rows[slot, :_NCOLS if has_lp else _C_LOGP, :n].copy()
+        if not ((step_lo >> 32) == (step_hi >> 32) == tag and _tags_ok(rows, tag)):
+            if self._torn.expired(pos):
+                raise RingCorrupt(f"token ring slot {slot} (position {pos}) has been published "
+                                  f"for > {self._torn.limit_s} s but its row words carry the wrong tag")
+            return None
+        self._torn.clear()
+        self._next += 1
+        low = rows.astype(np.uint32)  # truncation keeps exactly the payload half
+        return Entry(pos, (step_lo & _U32) | (step_hi & _U32) << 32, Kind(kind_v), low[_C_SEQ],
+                     low[_C_TOK].view(np.int32), low[_C_FLAGS],
+                     low[_C_LOGP].view(np.float32) if has_lp else None)
+
+    def wait(self, timeout: Optional[float] = None, abort: AbortFn = None) -> bool:
+        """Block until the next entry's commit word is visible (spin ``spin_s``,
+        then sleep on the eventfd). Returns False on timeout."""
+        return self._waiter.wait(self.ready, timeout, abort)
+
+    def consume(self, upto_seq: int) -> None:
+        """Hand slots up to and including position ``upto_seq`` back to the writer."""
+        if upto_seq >= self._next:
+            raise ValueError(f"cannot consume position {upto_seq}: only {self._next} polled")
+        if upto_seq + 1 > self._consumed:
+            self._consumed = upto_seq + 1
+            self._a._set_hword(_H_CONSUMED, self._consumed)
+            _signal(self._a.wake.space)
