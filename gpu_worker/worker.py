@@ -79,6 +79,12 @@ class Worker:
     def _beat(self) -> None:
         self.arena.beat(Side.WORKER)
 
+    def _waiting(self) -> bool:
+        """Called while the worker waits for ring space: it is healthy, so it beats.
+        True (stop waiting) when the frontend is gone."""
+        self._beat()
+        return self.frontend_gone()
+
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
         self.engine.runner.warmup()
@@ -172,7 +178,7 @@ class Worker:
         kind = Kind.PREFILL if rec.kind == "prefill" else Kind.DECODE
         try:
             p = self.ring.reserve(rec.step, kind, n, logprobs=any(s.logprobs for s in rec.sample_seqs),
-                                  abort=self.frontend_gone)
+                                  abort=self._waiting)
         except RingAborted:
             raise FrontendGone(3) from None
         return p

@@ -243,6 +243,44 @@ def test_kill_worker_mid_generation_fails_requests_and_restarts():
         svc.close()
 
 
+def test_a_stalled_frontend_is_not_mistaken_for_a_hung_worker():
+    """The frontend stops reading for longer than the worker heartbeat timeout: the
+    token ring fills and the worker waits for space. That worker is healthy (it must
+    keep beating while it waits), so nothing is restarted and nothing fails."""
+    svc = make_service(worker_stale_s=1.0, ring_entries=4)
+    try:
+        reqs = [svc.submit([3, 4], SamplingParams(max_tokens=60, ignore_eos=True)) for _ in range(2)]
+        svc.run_until(lambda: all(r.token_ids for r in reqs))
+        time.sleep(2.5)  # no poll: the 4-entry ring is full long before this ends
+        svc.run_until(lambda: all(r.ended for r in reqs), 30)
+        assert svc.generation == 1, "the worker was declared dead"
+        assert [(r.finish_reason, len(r.token_ids)) for r in reqs] == [("length", 60)] * 2
+        assert svc.stats()["ring_blocked"] > 0  # non-vacuous: the worker did wait for ring space
+    finally:
+        svc.close()
+
+
+def test_hung_worker_is_detected_by_its_heartbeat():
+    """A worker that stops (SIGSTOP: alive, not beating) is declared dead within the
+    heartbeat timeout; its requests fail and a new generation serves."""
+    svc = make_service(worker_stale_s=1.0)
+    try:
+        old_pid = svc.worker_pid
+        req = svc.submit([3, 4], SamplingParams(max_tokens=1900, ignore_eos=True))
+        svc.run_until(lambda: len(req.token_ids) > 2)
+        os.kill(old_pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        svc.run_until(lambda: req.ended, 10)
+        assert req.error[0] == "worker_failed" and "heartbeat" in req.error[1]
+        assert time.monotonic() - t0 < 5
+        assert svc.generation == 2 and not _alive(old_pid)  # killed and reaped though stopped
+        again = svc.submit([1, 2], SamplingParams(max_tokens=3))
+        svc.run_until(lambda: again.ended, 60)
+        assert again.finish_reason == "length"
+    finally:
+        svc.close()
+
+
 def test_worker_that_cannot_start_is_not_restarted_in_a_loop():
     """A restarted worker that dies while loading raises WorkerFailed (systemd restarts the server)."""
     svc = make_service()
