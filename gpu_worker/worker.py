@@ -70,6 +70,7 @@ class Worker:
         self._released: list[int] = []
         self._entries: dict = {}  # step -> reserved ring entry the copy stream writes into
         self._failed: list[RequestFailed] = []
+        self._control_inbox: list = []  # control messages read while waiting, applied by the main loop
         self.running = True
 
     # ------------------------------------------------------------------ liveness
@@ -80,9 +81,16 @@ class Worker:
         self.arena.beat(Side.WORKER)
 
     def _waiting(self) -> bool:
-        """Called while the worker waits for ring space: it is healthy, so it beats.
+        """Called while the worker waits on the frontend (ring space, masks). It is
+        healthy, so it beats; and it keeps reading the control socket, because the
+        frontend may be blocked sending to it (a burst of large submits) while its
+        ring or masks wait: each side would otherwise wait on the other forever.
         True (stop waiting) when the frontend is gone."""
         self._beat()
+        try:
+            self._control_inbox += self.channel.receive()
+        except ChannelClosed:
+            return True
         return self.frontend_gone()
 
     # ------------------------------------------------------------------ main loop
@@ -108,9 +116,10 @@ class Worker:
 
     def _control(self) -> None:
         try:
-            messages = self.channel.receive()
+            messages = self._control_inbox + self.channel.receive()
         except ChannelClosed:
             raise FrontendGone(3) from None
+        self._control_inbox = []
         if self.channel.last_error:
             log.error("rejected a control message: %s", self.channel.last_error)
             self.channel.last_error = None
@@ -243,8 +252,7 @@ class Worker:
             if not pending or time.monotonic() > deadline:
                 break
             self._absorb_acks()
-            self._beat()
-            if self.frontend_gone():
+            if self._waiting():
                 raise FrontendGone(3)
             i = pending[0]
             self.masks.wait_rows(rows[i:i + 1], stamps[i], timeout=0.002)

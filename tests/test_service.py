@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -256,6 +257,32 @@ def test_a_stalled_frontend_is_not_mistaken_for_a_hung_worker():
         assert svc.generation == 1, "the worker was declared dead"
         assert [(r.finish_reason, len(r.token_ids)) for r in reqs] == [("length", 60)] * 2
         assert svc.stats()["ring_blocked"] > 0  # non-vacuous: the worker did wait for ring space
+    finally:
+        svc.close()
+
+
+def test_a_burst_of_large_submits_while_the_ring_is_full_does_not_deadlock():
+    """The frontend sends a burst of large prompts (more bytes than the control socket
+    buffers) without reading the full token ring in between. The worker, waiting for
+    ring space, must keep draining its control channel; otherwise each side waits on
+    the other forever."""
+    svc = make_service(ring_entries=4)
+    try:
+        running = svc.submit([3, 4], SamplingParams(max_tokens=400, ignore_eos=True))
+        svc.run_until(lambda: running.token_ids)
+        time.sleep(0.5)  # no poll: the 4-entry ring fills, the worker waits for space
+        burst = []
+        sender = threading.Thread(target=lambda: burst.extend(
+            svc.submit([5 + i % 7] * 1900, SamplingParams(max_tokens=1)) for i in range(60)), daemon=True)
+        sender.start()  # 60 x 1900 token ids: several times the socket buffer
+        sender.join(30)
+        if sender.is_alive():
+            os.kill(svc.worker_pid, signal.SIGKILL)  # unblock the sender so the test can end
+            sender.join(10)
+            pytest.fail("deadlock: the frontend is blocked sending, the worker waits for ring space")
+        svc.run_until(lambda: running.ended and all(r.ended for r in burst), 120)
+        assert running.finish_reason == "length" and all(r.finish_reason == "length" for r in burst)
+        assert len(burst) == 60 and svc.stats()["ring_blocked"] > 0
     finally:
         svc.close()
 
