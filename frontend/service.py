@@ -47,6 +47,10 @@ from .worker_handle import WorkerFailed, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
 
+# Plain ints for the per-token loop (IntFlag operators cost a Python call each).
+_ZOMBIE, _FINISHED, _LENGTH = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISHED), int(TokenFlag.LENGTH)
+_STOPPED = int(TokenFlag.EOS | TokenFlag.STOP_TOKEN)
+
 PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "internal"}
 
 
@@ -281,7 +285,7 @@ class Service:
         for i, (seq_id, token, flags) in enumerate(zip(entry.seq_ids.tolist(), entry.token_ids.tolist(),
                                                        entry.flags.tolist())):
             req = self.requests.get(seq_id)
-            if req is None or req.ended or flags & TokenFlag.ZOMBIE:
+            if req is None or req.ended or flags & _ZOMBIE:
                 continue  # stale row: never recreates state, never reaches a client
             if req.t_first is None:
                 req.t_first = now
@@ -297,9 +301,8 @@ class Service:
             if req.detok.stopped:
                 finish = "stop"
                 self._stop_worker_side(req, FinishReason.STOP)  # the worker stops generating at once
-            elif flags & TokenFlag.FINISHED:
-                finish = "length" if flags & TokenFlag.LENGTH and not flags & (TokenFlag.EOS | TokenFlag.STOP_TOKEN) \
-                    else "stop"
+            elif flags & _FINISHED:
+                finish = "length" if flags & _LENGTH and not flags & _STOPPED else "stop"
                 text += req.detok.finish()
             self._emit_chunk(req, text, token)
             if finish is not None:
