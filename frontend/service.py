@@ -227,6 +227,11 @@ class Service:
         if why is not None:
             self._worker_died(why)
             return 0
+        try:
+            self.worker.channel.flush()  # submits the socket could not take at once
+        except ConnectionError:
+            self._worker_died(self.worker.failure() or "control channel closed")
+            return 0
         if not self.worker.ready:
             if not self.worker.poll_ready():
                 return 0

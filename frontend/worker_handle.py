@@ -100,12 +100,14 @@ class WorkerHandle:
         return self.stderr.read().decode(errors="replace")[-limit:].strip()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.channel.send(Shutdown())
-                self.proc.wait(timeout)
-            except (ChannelClosed, subprocess.TimeoutExpired):
-                pass
+        deadline = time.monotonic() + timeout
+        try:
+            self.channel.send(Shutdown())
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                self.channel.flush()  # what the worker has not read yet, Shutdown last
+                time.sleep(0.01)
+        except ChannelClosed:
+            pass
         self.kill()
 
     def kill(self) -> None:

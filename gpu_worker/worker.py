@@ -89,6 +89,7 @@ class Worker:
         self._beat()
         try:
             self._control_inbox += self.channel.receive()
+            self.channel.flush()
         except ChannelClosed:
             return True
         return self.frontend_gone()
@@ -111,7 +112,7 @@ class Worker:
             if self.engine.has_work:
                 self.engine.step()
             else:
-                select.select([self.channel], [], [], IDLE_WAIT_S)
+                select.select([self.channel], [self.channel] if self.channel.unsent_bytes else [], [], IDLE_WAIT_S)
             self._flush()
 
     def _control(self) -> None:
@@ -172,6 +173,7 @@ class Worker:
         if self._released:
             self.channel.send(Released(seq_ids=self._released))
             self._released = []
+        self.channel.flush()
 
     # ------------------------------------------------------------------ engine hooks
     def _reserve_entry(self, rec):

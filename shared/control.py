@@ -6,6 +6,11 @@ the frontend and inherited by the worker (``pass_fds``): like the memfd arena,
 there is nothing on the filesystem to leak or unlink when a process dies, and
 the fd sits in a poller next to the ring's eventfd.
 
+Neither side ever blocks on a send: what the socket cannot take now waits in
+an outbox that ``flush`` (called by both processes' loops and waits) pushes
+on. Two processes that block on sending to each other while neither reads
+would deadlock; with non-blocking sends that cannot happen.
+
 Framing: 4-byte little-endian length, then one msgspec-msgpack message
 (``shared.messages``; never pickle). A frame whose payload does not decode is
 rejected (counted in ``rejected``, the error kept in ``last_error``) and the
@@ -32,6 +37,7 @@ class ControlChannel:
         self.sock = sock
         sock.setblocking(False)
         self._buf = bytearray()
+        self._out = bytearray()  # bytes the socket has not taken yet, in order
         self.rejected = 0
         self.last_error: str | None = None
 
@@ -53,14 +59,25 @@ class ControlChannel:
         self.send_raw(encode(msg))
 
     def send_raw(self, payload: bytes) -> None:
-        data = _LEN.pack(len(payload)) + payload
-        self.sock.setblocking(True)
-        try:
-            self.sock.sendall(data)
-        except OSError as e:
-            raise ChannelClosed(f"control channel closed: {e}") from None
-        finally:
-            self.sock.setblocking(False)
+        """Queue one frame and send what the socket takes now (never blocks)."""
+        self._out += _LEN.pack(len(payload)) + payload
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send queued bytes until the socket is full; True when none are left."""
+        while self._out:
+            try:
+                n = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as e:
+                raise ChannelClosed(f"control channel closed: {e}") from None
+            del self._out[:n]
+        return True
+
+    @property
+    def unsent_bytes(self) -> int:
+        return len(self._out)
 
     def receive(self) -> list[Message]:
         """Every complete message available now (non-blocking)."""

@@ -200,6 +200,36 @@ def test_malformed_control_messages_are_rejected_not_fatal(service):
     b.close()
 
 
+def test_control_channel_sends_never_block():
+    """Both ends send megabytes at once and neither reads: no send blocks (a blocking
+    send on both sides is a deadlock). Then reading and flushing in turn delivers
+    every message, in order."""
+    from shared.messages import Cancel, Submit
+
+    a, b_sock = ControlChannel.pair()
+    b = ControlChannel(b_sock)
+    try:
+        big = list(range(2000))
+        t0 = time.monotonic()
+        for i in range(300):  # ~1.2 MB each way, far beyond the socket buffers
+            a.send(Submit(seq_id=i, prompt_ids=big))
+            b.send(Cancel(seq_id=i))
+        assert time.monotonic() - t0 < 10 and a.unsent_bytes > 0  # queued, not blocked
+        got_a, got_b = [], []
+        deadline = time.monotonic() + 30
+        while (len(got_a) < 300 or len(got_b) < 300) and time.monotonic() < deadline:
+            got_b += b.receive()
+            got_a += a.receive()
+            a.flush()
+            b.flush()
+        assert [m.seq_id for m in got_b] == list(range(300)) and got_b[-1].prompt_ids == big
+        assert [m.seq_id for m in got_a] == list(range(300))
+        assert a.unsent_bytes == 0 and b.unsent_bytes == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
