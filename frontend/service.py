@@ -199,9 +199,11 @@ class Service:
             if req in self.unsent:
                 self.unsent.remove(req)
             self._forget(req)
-        elif not self.worker.acks.try_push(AckKind.CANCEL if reason == FinishReason.ABORT else AckKind.FINALIZE,
-                                           req.seq_id, reason):
-            # Ack ring full (the worker is far behind): the control channel also cancels.
+        elif reason == FinishReason.ABORT or not self.worker.acks.try_push(AckKind.FINALIZE, req.seq_id, reason):
+            # A client cancel may come before the worker has read the request's Submit, so it
+            # travels behind it on the control channel (an ack could overtake it and be
+            # dropped as unknown). Stops come after a committed token: the ack ring is safe,
+            # and the channel takes over when the ring is full.
             self.worker.channel.send(Cancel(seq_id=req.seq_id))
 
     # ------------------------------------------------------------------ the loop

@@ -200,6 +200,26 @@ def test_malformed_control_messages_are_rejected_not_fatal(service):
     b.close()
 
 
+def test_cancel_never_overtakes_its_submit():
+    """A request cancelled while its Submit still waits in the control outbox (the
+    worker is not reading) must never run: the cancel travels behind the Submit."""
+    svc = make_service()
+    try:
+        os.kill(svc.worker_pid, signal.SIGSTOP)  # not reading (briefly: the heartbeat allows 5 s)
+        try:
+            while svc.worker.channel.unsent_bytes == 0:  # fill the socket: later sends wait in the outbox
+                svc.worker.channel.send_raw(b"\xc1" * 65536)  # rejected by the worker, harmless
+            req = svc.submit([3, 4], SamplingParams(max_tokens=1900, ignore_eos=True))
+            svc.cancel(req)
+            assert req.finish_reason == "cancelled"
+        finally:
+            os.kill(svc.worker_pid, signal.SIGCONT)
+        svc.run_until(svc.idle, 30)
+        assert svc.stats()["committed_tokens"] == 0  # the cancelled request never ran
+    finally:
+        svc.close()
+
+
 def test_control_channel_sends_never_block():
     """Both ends send megabytes at once and neither reads: no send blocks (a blocking
     send on both sides is a deadlock). Then reading and flushing in turn delivers
