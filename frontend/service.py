@@ -368,9 +368,11 @@ class Service:
         """The worker's engine statistics (TimeoutError while a worker is starting)."""
         if not self.worker.ready:
             raise TimeoutError(f"worker generation {self.generation} is starting")
-        self._stats = None
+        self._stats, generation = None, self.generation
         self.worker.channel.send(StatsRequest())
-        self.run_until(lambda: self._stats is not None, timeout)
+        self.run_until(lambda: self._stats is not None or self.generation != generation, timeout)
+        if self._stats is None:  # the worker died meanwhile: its answer will never come
+            raise TimeoutError(f"worker generation {generation} failed before answering")
         return self._stats
 
     def close(self) -> None:
