@@ -82,10 +82,9 @@ class Worker:
 
     def _waiting(self) -> bool:
         """Called while the worker waits on the frontend (ring space, masks). It is
-        healthy, so it beats; and it keeps reading the control socket, because the
-        frontend may be blocked sending to it (a burst of large submits) while its
-        ring or masks wait: each side would otherwise wait on the other forever.
-        True (stop waiting) when the frontend is gone."""
+        healthy, so it beats (a stalled frontend must not get it killed as hung), and
+        it keeps the control channel moving both ways (messages read now are applied
+        by the main loop). True (stop waiting) when the frontend is gone."""
         self._beat()
         try:
             self._control_inbox += self.channel.receive()
