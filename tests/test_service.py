@@ -313,9 +313,9 @@ def test_a_stalled_frontend_is_not_mistaken_for_a_hung_worker():
 
 def test_a_burst_of_large_submits_while_the_ring_is_full_does_not_deadlock():
     """The frontend sends a burst of large prompts (more bytes than the control socket
-    buffers) without reading the full token ring in between. The worker, waiting for
-    ring space, must keep draining its control channel; otherwise each side waits on
-    the other forever."""
+    buffers) without reading the full token ring in between, while the worker waits
+    for ring space. With a blocking send on either side each would wait on the other
+    forever (this test reproduced that deadlock)."""
     svc = make_service(ring_entries=4)
     try:
         running = svc.submit([3, 4], SamplingParams(max_tokens=400, ignore_eos=True))
