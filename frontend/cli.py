@@ -253,7 +253,7 @@ def serve(bind, max_queue, exit_on_worker_failure, **engine_kw):
                         kv_pages=engine_kw["kv_pages"], kv_memory_fraction=engine_kw["kv_memory_fraction"],
                         restart=not exit_on_worker_failure, log_level=logging.getLevelName(level))
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
-    service = Service(cfg)
+    service = Service(cfg, on_progress=_show_worker_progress)
     server = Server(service, bind, max_queue=max_queue)
     install_signal_handlers(server)
     click.echo(f"tandem: serving {cfg.model} on {server.endpoint} "
@@ -261,6 +261,15 @@ def serve(bind, max_queue, exit_on_worker_failure, **engine_kw):
                f"worker pid {service.worker_pid})", err=True)
     server.serve_forever()
     click.echo("tandem: stopped", err=True)
+
+
+def _show_worker_progress(msg) -> None:
+    """Worker start-up stages on stderr; in a terminal a counted stage updates one line."""
+    line = f"tandem: worker: {msg.stage}" + (f" {msg.done}/{msg.total}" if msg.total else "")
+    if sys.stderr.isatty() and msg.total:
+        click.echo("\r" + line, err=True, nl=msg.done == msg.total)
+    elif not msg.total or msg.done in (1, msg.total):
+        click.echo(line, err=True)
 
 
 @main.command()

@@ -97,7 +97,8 @@ class Request:
 
 
 class Service:
-    def __init__(self, config: ServiceConfig | None = None, tokenizer=None) -> None:
+    def __init__(self, config: ServiceConfig | None = None, tokenizer=None, on_progress=None) -> None:
+        """``on_progress(msg)`` sees the worker's start-up ``Progress`` messages (stage, done, total)."""
         self.config = cfg = config or ServiceConfig()
         self.model_path = resolve_model(cfg.model)  # converts once, with progress, before the worker starts
         self.tokenizer = tokenizer or load_tokenizer(self.model_path)
@@ -110,6 +111,7 @@ class Service:
         self._next_seq = 1
         self._stats: dict | None = None
         self.worker: WorkerHandle | None = None
+        self.on_progress = on_progress
         self._start_worker()
         self.info = self.worker.wait_ready()  # the first start blocks: serve only a warmed-up worker
         log.info("worker generation %d ready: %s", self.generation, self.info)
@@ -122,7 +124,13 @@ class Service:
         self.worker = WorkerHandle(engine_config, self.vocab_size, self.generation,
                                    ring_entries=self.config.ring_entries, mask_timeout_s=self.config.mask_timeout_s,
                                    stale_s=self.config.worker_stale_s, ready_timeout_s=self.config.ready_timeout_s,
-                                   log_level=self.config.log_level)
+                                   log_level=self.config.log_level, on_progress=self._progress)
+
+    def _progress(self, msg) -> None:
+        log.info("worker generation %d: %s %s", self.generation, msg.stage,
+                 f"{msg.done}/{msg.total}" if msg.total else "")
+        if self.on_progress is not None:
+            self.on_progress(msg)
 
     @property
     def worker_ready(self) -> bool:

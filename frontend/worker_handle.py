@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from shared.control import ChannelClosed, ControlChannel
-from shared.messages import Ready, Shutdown
+from shared.messages import Progress, Ready, Shutdown
 from shared.shm import Arena, Layout, Side
 
 
@@ -29,12 +29,13 @@ class WorkerFailed(RuntimeError):
 class WorkerHandle:
     def __init__(self, engine_config: dict, vocab_size: int, generation: int, *, ring_entries: int = 64,
                  mask_timeout_s: float = 5.0, stale_s: float = 5.0, ready_timeout_s: float = 900.0,
-                 log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING", on_progress=None) -> None:
         self.engine_config = engine_config
         self.generation = generation
         self.stale_s = stale_s
         self.ready_timeout_s = ready_timeout_s
         self.started = time.monotonic()
+        self.on_progress = on_progress  # called with each Progress the worker sends while starting
         max_batch = int(engine_config.get("max_batch", 64))
         self.arena = Arena.create(Layout(vocab_size=vocab_size, ring_entries=ring_entries, max_rows=max_batch,
                                          max_batch_rows=max_batch), generation=generation)
@@ -70,6 +71,8 @@ class WorkerHandle:
         for msg in messages:
             if isinstance(msg, Ready):
                 self.info, self.ready = dict(msg.info), True
+            elif isinstance(msg, Progress) and self.on_progress is not None:
+                self.on_progress(msg)
         return self.ready
 
     def wait_ready(self) -> dict:

@@ -314,15 +314,16 @@ class ModelRunner:
                      (time.perf_counter() - t0) * 1e3)
         return self.graphs[key]
 
-    def warmup(self, batch_sizes=(1, 8, 32), pages=(8, 16)) -> None:
-        """Capture the common decode graphs before serving."""
+    def warmup(self, batch_sizes=(1, 8, 32), pages=(8, 16), progress=None) -> None:
+        """Capture the common decode graphs before serving; ``progress(done, total)`` after each."""
         if not self.use_graphs:
             return
-        for slot in range(2):
-            for b in batch_sizes:
-                if b <= self.max_rows:
-                    for p in pages:
-                        self._graph_for(slot, b, min(p, self.max_pages_per_seq))
+        todo = [(slot, b, min(p, self.max_pages_per_seq))
+                for slot in range(2) for b in batch_sizes if b <= self.max_rows for p in pages]
+        for i, key in enumerate(todo):
+            self._graph_for(*key)
+            if progress is not None:
+                progress(i + 1, len(todo))
 
 
 class _DecodeGraph:

@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from shared.control import ChannelClosed, ControlChannel
-from shared.messages import (Cancel, Ready, Released, RequestFailed, Shutdown, Stats, StatsRequest, Submit,
-                             to_sampling_params)
+from shared.messages import (Cancel, Progress, Ready, Released, RequestFailed, Shutdown, Stats, StatsRequest,
+                             Submit, to_sampling_params)
 from shared.shm import AckKind, Arena, Kind, RingAborted, Side, TokenFlag, mask_stamp
 
 from shared.config import EngineConfig
@@ -80,6 +80,10 @@ class Worker:
     def _beat(self) -> None:
         self.arena.beat(Side.WORKER)
 
+    def _progress(self, stage: str, done: int = 0, total: int = 0) -> None:
+        self.channel.send(Progress(stage=stage, done=done, total=total))
+        self.channel.flush()
+
     def _waiting(self) -> bool:
         """Called while the worker waits on the frontend (ring space, masks). It is
         healthy, so it beats (a stalled frontend must not get it killed as hung), and
@@ -95,7 +99,7 @@ class Worker:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
-        self.engine.runner.warmup()
+        self.engine.runner.warmup(progress=lambda done, total: self._progress("capturing CUDA graphs", done, total))
         self._beat()
         info = {"model": self.engine.config.model, "device": self.engine.device.spec,
                 "max_batch": self.engine.config.max_batch, "max_model_len": self.engine.max_model_len,
@@ -279,8 +283,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s gpu_worker %(levelname)s %(message)s")
     arena = Arena.attach_spec(args.arena, expect_generation=args.generation)
     channel = ControlChannel.from_fd(args.control)
-    worker = Worker(arena, channel, EngineConfig(**json.loads(args.config)), args.generation,
-                    args.parent_pid or os.getppid(), args.mask_timeout)
+    config = EngineConfig(**json.loads(args.config))
+    channel.send(Progress(stage=f"loading {config.model} on {config.device}"))
+    worker = Worker(arena, channel, config, args.generation, args.parent_pid or os.getppid(), args.mask_timeout)
     try:
         worker.run()
     except FrontendGone:

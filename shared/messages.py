@@ -21,7 +21,7 @@ from shared.sampling import SamplingParams
 
 __all__ = [
     "MessageError", "Sampling", "Submit", "Cancel", "Shutdown", "StatsRequest", "Stats",
-    "Ready", "Released", "RequestFailed", "Message", "encode", "decode", "to_sampling_params",
+    "Progress", "Ready", "Released", "RequestFailed", "Message", "encode", "decode", "to_sampling_params",
     "MAX_MESSAGE_BYTES",
 ]
 
@@ -81,6 +81,13 @@ class Stats(_Msg, tag="stats"):
     values: dict[str, Union[int, float]] = {}
 
 
+class Progress(_Msg, tag="progress"):
+    """Worker start-up: what it is doing (model load, KV cache, CUDA graphs), ``done`` of ``total``."""
+    stage: str
+    done: int = 0
+    total: int = 0
+
+
 class Ready(_Msg, tag="ready"):
     generation: int
     info: dict[str, Scalar] = {}
@@ -96,8 +103,8 @@ class RequestFailed(_Msg, tag="request_failed"):
     message: str = ""
 
 
-Message = Union[Submit, Cancel, Shutdown, StatsRequest, Stats, Ready, Released, RequestFailed]
-_MESSAGE_TYPES = (Submit, Cancel, Shutdown, StatsRequest, Stats, Ready, Released, RequestFailed)
+Message = Union[Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed]
+_MESSAGE_TYPES = (Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -9,12 +9,12 @@ import msgpack
 import pytest
 
 from shared.messages import (
-    Cancel, Message, MessageError, Ready, Released, RequestFailed, Sampling, Shutdown,
+    Cancel, Message, MessageError, Progress, Ready, Released, RequestFailed, Sampling, Shutdown,
     Stats, StatsRequest, Submit, decode, encode, to_sampling_params,
 )
 from shared.sampling import SamplingParams
 
-MESSAGE_TYPES = (Submit, Cancel, Shutdown, StatsRequest, Stats, Ready, Released, RequestFailed)
+MESSAGE_TYPES = (Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed)
 
 SAMPLES = [
     Submit(seq_id=0, prompt_ids=[]),
@@ -27,6 +27,8 @@ SAMPLES = [
     Shutdown(),
     StatsRequest(),
     Stats(values={"tokens": 10, "tok_per_s": 1234.5, "ünïcode ✓": -1}),
+    Progress(stage="capturing CUDA graphs", done=3, total=12),
+    Progress(stage="loading smollm2-135m on cuda"),
     Ready(generation=3, info={"model": "SmolLM2", "vocab": 49152, "bf16": True, "x": None, "f": 0.5}),
     Released(seq_ids=[1, 2, 0xFFFFFFFF]),
     Released(seq_ids=[]),

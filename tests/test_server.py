@@ -1320,6 +1320,7 @@ def test_serve_ready_after_warmup_watchdog_and_worker_kill(tmp_path, ctx):
         ready = srv.wait_note("READY=1", 180)
         assert ready == 0, f"something before READY: {srv.states()[:ready]}"  # no WATCHDOG before READY
         assert "STATUS=serving on tcp://127.0.0.1:" in srv.states()[0]
+        assert re.search(r"tandem: worker: loading \S*tiny-random on cpu\n", "".join(srv.stderr))  # start-up progress
         # READY means warmed up: the worker exists and a request is served at once.
         deadline = time.monotonic() + 10
         while srv.worker_pid is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,8 +23,8 @@ from workload import BannedByLastToken, BannedMatcher, workload
 SIZES = dict(max_batch=32, prefill_budget=96, kv_pages=1200, page_size=8)
 
 
-def make_service(**kw) -> Service:
-    return Service(ServiceConfig(**{"model": "tiny-random", "device": "cpu", **SIZES, **kw}))
+def make_service(on_progress=None, **kw) -> Service:
+    return Service(ServiceConfig(**{"model": "tiny-random", "device": "cpu", **SIZES, **kw}), on_progress=on_progress)
 
 
 def submit_all(svc, reqs, stops, stream_log=None):
@@ -259,8 +260,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_kill_worker_mid_generation_fails_requests_and_restarts():
-    svc = make_service()
+    progress = []  # the workers' start-up stages, through the control channel
+    svc = make_service(on_progress=lambda msg: progress.append(msg.stage))
     try:
+        assert len(progress) == 1 and re.fullmatch(r"loading \S*tiny-random on cpu", progress[0]), progress
         old_pid, old_gen = svc.worker_pid, svc.generation
         events = []
         reqs = [svc.submit([9] * 10, SamplingParams(max_tokens=2000, ignore_eos=True),
@@ -290,6 +293,7 @@ def test_kill_worker_mid_generation_fails_requests_and_restarts():
         stats = svc.stats()
         assert stats["finished"] == 1 and stats["failed"] == 0  # the new worker saw only `again`
         assert svc.idle() and not svc.unsent
+        assert progress == progress[:1] * 2  # the restarted worker reports too
     finally:
         svc.close()
 
