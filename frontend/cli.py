@@ -233,9 +233,12 @@ def pull(name: str) -> None:
 @engine_options
 @click.option("--bind", default="tcp://127.0.0.1:5557", show_default=True, help="ZeroMQ endpoint to listen on.")
 @click.option("--max-queue", default=1024, show_default=True, help="Requests in flight before 'overloaded'.")
+@click.option("--drain-timeout", default=20.0, show_default=True,
+              help="On SIGTERM/SIGINT: seconds in-flight requests may still finish (new ones get 'overloaded'); "
+                   "a second signal stops at once.")
 @click.option("--exit-on-worker-failure", is_flag=True,
               help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
-def serve(bind, max_queue, exit_on_worker_failure, **engine_kw):
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -254,7 +257,7 @@ def serve(bind, max_queue, exit_on_worker_failure, **engine_kw):
                         restart=not exit_on_worker_failure, log_level=logging.getLevelName(level))
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
-    server = Server(service, bind, max_queue=max_queue)
+    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout)
     install_signal_handlers(server)
     click.echo(f"tandem: serving {cfg.model} on {server.endpoint} "
                f"(device {service.info.get('device')}, pipeline {'on' if cfg.pipeline else 'off'}, "

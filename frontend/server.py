@@ -12,6 +12,9 @@ service commit tokens, and sends chunks, done and errors back.
 - At most one chunk per request per step: the service emits one event per
   committed token, and each ring entry is one step.
 - Every request gets exactly one terminal message, also on shutdown.
+- Stopping drains first (``drain_timeout_s``): new requests are refused with
+  ``overloaded``, those in flight may finish until the deadline; what is left
+  then ends with an error. A second stop request stops at once.
 """
 from __future__ import annotations
 
@@ -44,9 +47,11 @@ class ClientRequest:
 
 class Server:
     def __init__(self, service: Service, bind: str = "tcp://127.0.0.1:5557", *, max_queue: int = 1024,
-                 limits: P.Limits | None = None, notifier: Notifier | None = None) -> None:
+                 limits: P.Limits | None = None, notifier: Notifier | None = None,
+                 drain_timeout_s: float = 0.0) -> None:
         self.service = service
         self.max_queue = max_queue
+        self.drain_timeout_s = drain_timeout_s
         self.limits = limits or P.Limits(vocab_size=service.vocab_size)
         self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
         self.notifier = notifier or Notifier()
@@ -65,17 +70,35 @@ class Server:
         self.connections = Connections(self.sock)
         self.live: dict[tuple[bytes, str], Request] = {}
         self._stop = threading.Event()
+        self._drain_deadline: float | None = None  # set when a graceful stop begins
         self._last_watchdog = 0.0
 
     # ------------------------------------------------------------------ loop
     def stop(self) -> None:
-        self._stop.set()
+        """Begin a graceful stop (drain), or stop at once if one has begun or there is no drain time.
+        Safe from a signal handler or another thread: it only sets flags the loop reads."""
+        if self._drain_deadline is None and self.drain_timeout_s > 0:
+            self._drain_deadline = time.monotonic() + self.drain_timeout_s
+        else:
+            self._stop.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
 
     def serve_forever(self) -> None:
         self.notifier.ready(f"serving on {self.endpoint}")
-        poller, generation = None, -1
+        poller, generation, stopping = None, -1, False
         try:
             while not self._stop.is_set():
+                if self.draining:
+                    if not stopping:
+                        stopping = True
+                        self.notifier.stopping()
+                        log.warning("draining: %d requests in flight, at most %.0f s", len(self.live),
+                                    self.drain_timeout_s)
+                    if not self.live or time.monotonic() > self._drain_deadline:
+                        break
                 if generation != self.service.generation:  # a restarted worker has new fds
                     poller, generation = self._poller(), self.service.generation
                 events = dict(poller.poll(20))
@@ -84,9 +107,11 @@ class Server:
                 if self.connections.monitor in events:
                     self._clients_gone(self.connections.poll())
                 self.service.poll(0)
-                self._feed_watchdog()
+                if not stopping:
+                    self._feed_watchdog()
         finally:
-            self.notifier.stopping()
+            if not stopping:
+                self.notifier.stopping()
             self._shutdown()
 
     def _poller(self) -> zmq.Poller:
@@ -155,6 +180,9 @@ class Server:
         key = (identity, msg.id)
         if key in self.live:
             raise P.ProtocolError("duplicate_id", f"request id {msg.id!r} is already live on this connection",
+                                  msg.id)
+        if self.draining:
+            raise P.ProtocolError("overloaded", "the server is shutting down; retry on another instance or later",
                                   msg.id)
         if len(self.live) >= self.max_queue:
             raise P.ProtocolError("overloaded", f"{len(self.live)} requests in flight; retry later", msg.id)

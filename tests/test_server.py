@@ -61,13 +61,13 @@ def pack(msg) -> bytes:
 class LiveServer:
     """One ``Server`` on a thread, plus a way to run code on that thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, **server_kw) -> None:
         self.svc = Service(ServiceConfig(model="tiny-random", device="cpu", max_batch=MAX_BATCH, kv_pages=1200,
                                          page_size=8))
         try:
-            self.server = Server(self.svc, "tcp://127.0.0.1:0")
+            self.server = Server(self.svc, "tcp://127.0.0.1:0", **server_kw)
         except zmq.ZMQError:  # a libzmq that wants the wildcard form
-            self.server = Server(self.svc, "tcp://127.0.0.1:*")
+            self.server = Server(self.svc, "tcp://127.0.0.1:*", **server_kw)
         self.endpoint = self.server.endpoint
         assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", self.endpoint) and not self.endpoint.endswith(":0")
         self._calls: queue.Queue = queue.Queue()
@@ -1285,6 +1285,30 @@ def test_closed_connection_cancels_its_requests_even_without_streaming(live, ctx
         fresh.close()
 
 
+def test_second_stop_ends_the_drain_at_once(ctx):
+    """While draining the server answers pings and refuses new requests; a second stop
+    request ends the drain at once, and the request still in flight gets its error."""
+    srv = LiveServer(drain_timeout_s=600)
+    c = Raw(ctx, srv.endpoint)
+    try:
+        c.generate("long", max_tokens=LONG, ignore_eos=True)
+        c.wait_for(lambda: len(c.by_id["long"]) >= 1, what="a chunk")
+        srv.server.stop()
+        c.ping()
+        assert srv.server.draining and srv.thread.is_alive()
+        c.generate("new", max_tokens=2)
+        assert check_request(c.request("new"))["code"] == "overloaded"
+        srv.server.stop()  # the second one: no more waiting
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()
+        term = check_request(c.request("long", timeout_s=10))
+        assert term["type"] == "error" and "shutting down" in term["message"]
+    finally:
+        c.close()
+        if srv.thread.is_alive():
+            srv.close()
+
+
 def test_worker_restart_keeps_the_server_answering(ctx):
     """kill -9 of the worker: its requests fail with worker_failed, and while the next
     worker generation loads the server still answers pings and info, and queues new
@@ -1359,26 +1383,39 @@ def test_serve_ready_after_warmup_watchdog_and_worker_kill(tmp_path, ctx):
 
 @pytest.fixture(scope="module")
 def sigterm_run(tmp_path_factory, ctx) -> dict:
-    """SIGTERM to a healthy ``tandem serve`` with two requests in flight; what was observed."""
+    """SIGTERM to a healthy ``tandem serve`` (drain 3 s) with three requests in flight: two
+    too long to finish in the drain, one short; and a request sent while draining."""
     tmp = tmp_path_factory.mktemp("sigterm")
-    srv = ServeProcess(tmp, f"ipc://{tmp}/api.sock", "--max-queue", "2", abstract=True)
+    srv = ServeProcess(tmp, f"ipc://{tmp}/api.sock", "--max-queue", "3", "--drain-timeout", "3", abstract=True)
     c = Raw(ctx, srv.bind)
     try:
         srv.wait_note("READY=1", 180)
         c.generate("a", max_tokens=LONG, ignore_eos=True)
         c.generate("b", max_tokens=LONG, ignore_eos=True, stream=False)
         c.wait_for(lambda: len(c.by_id["a"]) >= 2, what="chunks")
-        c.generate("c", max_tokens=2)  # --max-queue 2 is wired through
+        c.generate("short", max_tokens=200, ignore_eos=True)
+        c.generate("c", max_tokens=2)  # --max-queue 3 is wired through
         overloaded = check_request(c.request("c"))
+        c.wait_for(lambda: len(c.by_id["short"]) >= 1, what="a chunk of the short request")
         worker = srv.worker_pid
         assert worker and _alive(worker)
         n_before = len(srv.notes)
         srv.proc.send_signal(signal.SIGTERM)
-        rc = srv.wait_exit(60)
+        t_term = time.monotonic()
+        short_chunks_at_term = len(c.by_id["short"])
+        srv.wait_note("STOPPING=1", 10)
+        c.generate("late", max_tokens=2)  # while draining
+        late = check_request(c.request("late"))
+        deadline = time.monotonic() + 60
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            c.pump(0.05)  # keep reading: a client that stops reading is cut off at its queue limit
+        rc = srv.wait_exit(10)
+        stopped_after_s = time.monotonic() - t_term
         c.pump(0.5)
         return {"rc": rc, "after": srv.states()[n_before:], "stderr": "".join(srv.stderr), "worker": worker,
-                "server_pid": srv.proc.pid, "overloaded": overloaded,
-                "messages": {rid: c.by_id.pop(rid, []) for rid in ("a", "b")}, "other": list(c.other),
+                "server_pid": srv.proc.pid, "overloaded": overloaded, "late": late,
+                "short_chunks_at_term": short_chunks_at_term, "stopped_after_s": stopped_after_s,
+                "messages": {rid: c.by_id.pop(rid, []) for rid in ("a", "b", "short")}, "other": list(c.other),
                 "rest": dict(c.by_id)}
     finally:
         c.close()
@@ -1392,7 +1429,7 @@ def test_serve_sigterm_stops_cleanly(sigterm_run):
     assert "STOPPING=1" in r["after"], r["after"]
     assert "WATCHDOG=1" not in r["after"][r["after"].index("STOPPING=1"):]
     # In-flight requests got a terminal message, after their chunks in order.
-    for rid, stream in (("a", True), ("b", False)):
+    for rid, stream in (("a", True), ("b", False), ("short", True)):
         msgs = r["messages"][rid]
         first_terminal = next(i for i, m in enumerate(msgs) if m["type"] in TERMINAL)
         term = check_request(msgs[:first_terminal + 1], stream=stream)
@@ -1403,7 +1440,22 @@ def test_serve_sigterm_stops_cleanly(sigterm_run):
     assert _gpu_workers_of(r["server_pid"]) == []
 
 
-def test_serve_sigterm_sends_exactly_one_terminal_per_request(sigterm_run):
+def test_serve_sigterm_drains_in_flight_requests(sigterm_run):
+    """The short request, in flight at SIGTERM, finished normally during the drain; the long
+    ones were cut at the drain deadline; a request sent while draining got overloaded."""
+    r = sigterm_run
+    short = check_request(r["messages"]["short"])
+    assert r["short_chunks_at_term"] < 200 and short["type"] == "done" and short["finish_reason"] == "length"
+    assert len(short["token_ids"]) == 200
     for rid in ("a", "b"):
+        term = check_request(r["messages"][rid], stream=rid == "a")
+        assert term["type"] == "error" and "shutting down" in term["message"], term
+    assert r["late"]["type"] == "error" and r["late"]["code"] == "overloaded", r["late"]
+    assert "shutting down" in r["late"]["message"]
+    assert 2.5 < r["stopped_after_s"] < 30  # waited for the drain deadline (3 s), not for LONG tokens
+
+
+def test_serve_sigterm_sends_exactly_one_terminal_per_request(sigterm_run):
+    for rid in ("a", "b", "short"):
         terminals = [m for m in sigterm_run["messages"][rid] if m["type"] in TERMINAL]
         assert len(terminals) == 1, terminals
