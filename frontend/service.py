@@ -127,8 +127,8 @@ class Service:
                                    log_level=self.config.log_level, on_progress=self._progress)
 
     def _progress(self, msg) -> None:
-        log.info("worker generation %d: %s %s", self.generation, msg.stage,
-                 f"{msg.done}/{msg.total}" if msg.total else "")
+        log.info("worker generation %d: %s%s", self.generation, msg.stage,
+                 f" {msg.done}/{msg.total}" if msg.total else "")
         if self.on_progress is not None:
             self.on_progress(msg)
 
@@ -177,9 +177,7 @@ class Service:
             return
         waiting = self.unsent
         self.unsent = deque()
-        for req in waiting:
-            if req.ended:  # cancelled while it waited
-                continue
+        for req in waiting:  # (a cancel removes its request from unsent)
             if req.constraint is not None and not self.free_mask_slots:
                 self.unsent.append(req)
             else:
