@@ -728,7 +728,14 @@ def _click_command():
     return cmd
 
 
-decode_command = _click_command()
+def __getattr__(name: str):
+    """``decode_command`` (for ``tandem bench decode``) is built on first use: the
+    benchmark itself runs without click (GPU images may lack it)."""
+    if name == "decode_command":
+        globals()[name] = _click_command()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 if __name__ == "__main__":
     main()

@@ -86,11 +86,15 @@ def test_click_command():
     assert bad.exit_code != 0 and "nonsense" in bad.output
 
 
+BLOCK_SERVER_LIBRARIES = ("import sys\n"
+                          "for m in ('zmq', 'msgspec', 'xgrammar', 'msgpack', 'click'):\n"
+                          "    sys.modules[m] = None  # importing them fails\n")
+
+
 def test_runs_without_server_libraries():
-    """The benchmark must not need pyzmq, msgspec or grammar libraries (GPU images lack them)."""
-    code = (
-        "import sys\n"
-        "for m in ('zmq', 'msgspec', 'xgrammar', 'msgpack'): sys.modules[m] = None  # importing them fails\n"
+    """The benchmark and the GPU pre-check need only torch, transformers and numpy
+    (GPU images lack pyzmq, msgspec and grammar libraries; click is optional)."""
+    code = BLOCK_SERVER_LIBRARIES + (
         "from bench import decode\n"
         "decode.main(['--model', 'tiny-random', '--device', 'cpu', '--streams', '1', '--tokens', '2',"
         " '--prompt-len', '4', '--repeats', '1', '--quiet', '--json'])\n"
@@ -98,6 +102,9 @@ def test_runs_without_server_libraries():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["rows"]
+    code = BLOCK_SERVER_LIBRARIES + "from bench import gpu_check\nsys.exit(gpu_check.precheck('random-tiny', 'cpu'))\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "precheck OK" in out.stdout, out.stdout[-1000:] + out.stderr[-2000:]
 
 
 def test_random_model_configs():
