@@ -303,30 +303,28 @@ def _check_unknown(ctx: _Ctx, msg: dict, allowed: frozenset, what: str) -> None:
         raise ctx.bad(f"unknown field{s} {names}{more} for {what}")
 
 
-def _opt_bool(ctx: _Ctx, msg: dict, name: str, default: bool) -> bool:
+def _opt(ctx: _Ctx, msg: dict, name: str, default: Any, ok, what: str) -> Any:
+    """An optional field: ``default`` when absent or nil, else a value that passes ``ok``."""
     v = msg.get(name)
     if v is None:
         return default
-    if not isinstance(v, bool):
-        raise ctx.bad(f"{name} must be a bool, got {_tname(v)}")
+    if not ok(v):
+        raise ctx.bad(f"{name} must be {what}, got {_tname(v)}")
     return v
+
+
+def _opt_bool(ctx: _Ctx, msg: dict, name: str, default: bool) -> bool:
+    return _opt(ctx, msg, name, default, lambda v: isinstance(v, bool), "a bool")
 
 
 def _opt_int(ctx: _Ctx, msg: dict, name: str, default: Any, what: str) -> Any:
-    v = msg.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise ctx.bad(f"{name} must be {what}, got {_tname(v)}")
-    return v
+    return _opt(ctx, msg, name, default, _is_int, what)
 
 
 def _opt_num(ctx: _Ctx, msg: dict, name: str, default: float, what: str) -> float:
-    v = msg.get(name)
+    v = _opt(ctx, msg, name, None, _is_num, what)
     if v is None:
         return default
-    if not _is_num(v):
-        raise ctx.bad(f"{name} must be {what}, got {_tname(v)}")
     try:
         return float(v)
     except OverflowError:  # an int too large for a float: let the range check reject it

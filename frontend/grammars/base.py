@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .bitmask import BITMASK_DTYPE
-from .spec import GrammarSpec
+from .spec import GrammarError, GrammarSpec
 
 
 class CompiledGrammar:
@@ -56,7 +56,15 @@ class Matcher:
     is_terminated: bool
     eos_accepted: bool
     text: str
-    token_ids: list
+    _ids: list  # accepted token ids, kept by each implementation
+
+    @property
+    def token_ids(self) -> list:
+        return list(self._ids)
+
+    def _require_complete(self) -> None:
+        if not self.is_complete:
+            raise GrammarError(f"output is incomplete: {self.text!r}")
 
     def output(self, text: str | None = None):  # pragma: no cover - interface
         raise NotImplementedError

@@ -304,14 +304,9 @@ class SpatialMatcher(Matcher):
     def text(self) -> str:
         return "".join(self._parts)
 
-    @property
-    def token_ids(self) -> list:
-        return list(self._ids)
-
     def output(self, text: str | None = None):
         if text is None:
-            if not self.is_complete:
-                raise GrammarError(f"output is incomplete: {self.text!r}")
+            self._require_complete()
             text = self.text
         return parse_spatial(self._g.spec, text)
 

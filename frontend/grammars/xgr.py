@@ -214,14 +214,9 @@ class XGrammarMatcher(Matcher):
     def text(self) -> str:
         return self._bytes.decode("utf-8", errors="replace")
 
-    @property
-    def token_ids(self) -> list:
-        return list(self._ids)
-
     def output(self, text: str | None = None):
         if text is None:
-            if not self.is_complete:
-                raise GrammarError(f"output is incomplete: {self.text!r}")
+            self._require_complete()
             try:
                 text = bytes(self._bytes).decode("utf-8")
             except UnicodeDecodeError as e:
