@@ -209,9 +209,8 @@ class Pass:
 def timed_pass(engine, prompts, params) -> Pass:
     """Prefill untimed, then time the decode phase to idle (the engine's counters cover only it)."""
     seqs = [engine.submit(p, params) for p in prompts]
-    while not all(s.output_ids or s.finalized for s in seqs):
-        if not engine.step():
-            break
+    while engine.has_work and not all(s.output_ids or s.finalized for s in seqs):
+        engine.step()
     engine.reset_stats()
     t0 = time.perf_counter()
     engine.run_until_idle()

@@ -56,7 +56,7 @@ class Server:
         self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
         self.notifier = notifier or Notifier()
         self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size,
-                                        tuple(_eos_ids(service)))
+                                        service.model.eos_token_ids)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -252,14 +252,6 @@ class Server:
         for (ident, _rid), req in list(self.live.items()):
             if ident in gone:
                 self.service.cancel(req)
-
-
-def _eos_ids(service: Service) -> list[int]:
-    import json
-
-    cfg = json.loads((service.model_path / "config.json").read_text())
-    eos = cfg.get("eos_token_id")
-    return list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
 
 
 def install_signal_handlers(server: Server) -> None:

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpu_worker.kv_cache import Batch, PagedKVCache
+from gpu_worker.batch import Batch
+from gpu_worker.kv_cache import PagedKVCache
 
 # Default cap on the rope table length when the engine does not pass max_model_len.
 MAX_ROPE_LEN = 32768

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .allocator import Allocator
 from .sequence import Sequence
 
 
@@ -37,8 +37,8 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, prefill_budget: int) -> None:
-        self.blocks = blocks
+    def __init__(self, alloc: Allocator, prefill_budget: int) -> None:
+        self.alloc = alloc
         self.prefill_budget = prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, not yet released, in admission order
@@ -54,9 +54,9 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             need = seq.prompt_len + seq.max_tokens
-            if not self.blocks.can_admit(need):
+            if not self.alloc.can_admit(need):
                 break
-            seq.row, seq.pages = self.blocks.admit(need)
+            seq.row, seq.pages = self.alloc.admit(need)
             seq.admitted = True
             self.waiting.popleft()
             self.running.append(seq)

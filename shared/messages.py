@@ -62,7 +62,7 @@ class Submit(_Msg, tag="submit"):
     sampling: Sampling = Sampling()
     constrained: bool = False  # the frontend will write mask rows for it
     logprobs: bool = False
-    mask_slot: int = -1  # the mask row the frontend writes this request's masks into
+    mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -258,3 +259,29 @@ def _build_tiny_random(out: Path, quiet: bool) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(c, indent=2))
     _smollm2_tokenizer(out)  # a real tokenizer, without converting the whole default model
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model's facts, read once from its directory (both processes use them)."""
+    path: Path
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int  # max_position_embeddings
+    has_chat_template: bool
+    vision: bool  # the model takes images
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL) -> "ModelInfo":
+        """Resolve (building a built-in model once) and read config.json and the tokenizer config."""
+        path = resolve_model(name_or_path)
+        cfg = json.loads((path / "config.json").read_text())
+        text = cfg.get("text_config") or cfg  # a vision-language model nests its language model's config
+        eos = cfg.get("eos_token_id", text.get("eos_token_id"))
+        tok_cfg = path / "tokenizer_config.json"
+        template = (path / "chat_template.jinja").exists() or (path / "chat_template.json").exists() or (
+            tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text()))
+        return cls(path=path, vocab_size=int(text["vocab_size"]),
+                   eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+                   max_context=int(text.get("max_position_embeddings", 4096)),
+                   has_chat_template=bool(template), vision="vision_config" in cfg)

@@ -128,10 +128,9 @@ def test_gpu_precheck_runs_on_cpu_and_can_fail(monkeypatch, capsys):
 
     assert gpu_check.precheck("random-tiny", "cpu") == 0
     assert "precheck OK" in capsys.readouterr().out
-    def reserve_elsewhere(self, rec):  # the arena view is checked, the copy goes to another array
-        self.views[rec.step] = np.full(len(rec.sample_seqs), -1, np.int32)
-        return np.empty(len(rec.sample_seqs), np.int32)
+    def copy_elsewhere(self, views):  # the arena views are checked, the copies go to other arrays
+        return [np.empty_like(v) for v in views]
 
-    monkeypatch.setattr(gpu_check._RingSink, "_reserve", reserve_elsewhere)
+    monkeypatch.setattr(gpu_check._RingSink, "_copy_targets", copy_elsewhere)
     assert gpu_check.precheck("random-tiny", "cpu") == 1
     assert "differ from the committed ids" in capsys.readouterr().out

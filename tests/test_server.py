@@ -103,13 +103,13 @@ class LiveServer:
 
     def wait_idle(self, timeout: float = 30.0, frontend_requests: bool = True) -> dict:
         """Every request ended and released: nothing live in the server, the worker's KV pages and batch
-        rows all free, every mask slot back, and (``frontend_requests``) no request state left in the
+        rows all free, every mask row back, and (``frontend_requests``) no request state left in the
         service. Returns the worker's stats."""
         server, svc = self.server, self.svc
         deadline = time.monotonic() + timeout
         while True:
             state = self.on_server_thread(lambda: (len(server.live), len(svc.unsent),
-                                                   len(svc.free_mask_slots),
+                                                   len(svc.free_mask_rows),
                                                    len(svc.requests) if frontend_requests else 0))
             stats = self.on_server_thread(svc.stats)
             worker = (stats["kv_pages_free"] == stats["kv_pages_total"] and stats["rows_free"] == stats["rows_total"]
@@ -117,7 +117,7 @@ class LiveServer:
             if state == (0, 0, MAX_BATCH, 0) and worker:
                 return stats
             assert time.monotonic() < deadline, \
-                f"not idle: server live, waiting for a mask slot, free mask slots, service requests = {state}; " \
+                f"not idle: server live, waiting for a mask row, free mask rows, service requests = {state}; " \
                 f"worker {stats}"
             time.sleep(0.05)
 

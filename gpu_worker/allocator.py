@@ -1,4 +1,4 @@
-"""Free lists for KV pages and batch rows.
+"""What a running sequence holds: KV pages and a batch row (free lists for both).
 
 Both are handed out at admission and taken back exactly once, when a sequence
 is finalized and no launched step references it any more. Freeing something
@@ -37,8 +37,9 @@ class FreeList:
             self._free.append(i)
 
 
-class BlockManager:
-    """KV pages (page 0 is a scratch page for padded rows, never handed out) and batch rows."""
+class Allocator:
+    """Hands out, at admission, a sequence's KV pages (page 0 is a scratch page for padded
+    rows, never handed out) and its batch row; takes both back at release."""
 
     def __init__(self, num_pages: int, page_size: int, max_rows: int) -> None:
         if num_pages < 2:
