@@ -452,7 +452,8 @@ def _info() -> _Query:
 
 
 def _dealer_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """The connection to the server (a ``zmq.asyncio`` socket from a ``zmq.asyncio`` context).
+    """Both transports' connection to the server (``ctx``: a ``zmq.Context`` or a
+    ``zmq.asyncio.Context``); socket security options belong here.
 
     No high-water marks: a burst of requests or replies is queued, never dropped.
     """
@@ -489,9 +490,11 @@ class _ClientBase:
         self._demux = _Demux()
         self._closed = False
 
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
     def _open_stream(self, stream: bool, prompt: str | None, timeout: float | None, request: dict) -> Any:
-        timeout = self.timeout if timeout is None else timeout
-        return self._stream_type(self, _generate_msg(stream, prompt, **request), timeout)
+        return self._stream_type(self, _generate_msg(stream, prompt, **request), self._timeout(timeout))
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Any:
         """A streamed request: iterate the returned stream (``for``, or ``async for`` with
@@ -668,7 +671,7 @@ class Client(_ClientBase):
         self._demux.add_query(query, q)
         try:
             self._send(query.msg)
-            reply = _get(q, self.timeout if timeout is None else timeout)
+            reply = _get(q, self._timeout(timeout))
         finally:
             self._demux.remove_query(query, q)
         return query.answer(reply)
