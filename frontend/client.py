@@ -860,7 +860,7 @@ class AsyncClient(_ClientBase):
         self._demux.add_query(query, q)
         try:
             await self._send(query.msg)
-            reply = await _aget(q, self.timeout if timeout is None else timeout)
+            reply = await _aget(q, self._timeout(timeout))
         finally:
             self._demux.remove_query(query, q)
         return query.answer(reply)

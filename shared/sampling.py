@@ -36,7 +36,7 @@ class SamplingParams:
                                                      "up to this total probability (1 = off).")
     top_k: int = _about(0, "an integer >= 0", "Keep only the k most likely tokens (0 = off).")
     seed: int | None = _about(None, "a 64-bit integer", "Random seed (default: a fresh one per request).")
-    stop_token_ids: tuple[int, ...] = _about((), "an array of token ids", "Stop token id (repeatable).")
+    stop_token_ids: tuple[int, ...] = _about((), "an array of integers", "Stop token id (repeatable).")
     ignore_eos: bool = _about(False, "a bool", "Keep generating past the end-of-sequence token.")
 
     def __post_init__(self) -> None:
