@@ -16,6 +16,12 @@ Validation rules, in the order they are applied:
 4. per type: required fields present, no unknown fields, every field of the
    right type and in range                     -> ``bad_request``; a prompt
    over ``Limits.max_prompt_chars`` / ``max_prompt_tokens`` -> ``too_long``.
+   For ``generate``: the prompt form, then every field's type, then the
+   ranges of the sampling fields.
+
+The sampling fields of ``generate`` are ``SamplingParams``' fields, with the
+same names and defaults (``shared.sampling.SAMPLING_FIELDS``): this module
+checks their wire types, ``SamplingParams.validate`` their ranges.
 
 A field sent as nil is treated as absent (so clients whose encoders turn
 ``undefined``/``None`` into nil work); a required field sent as nil is missing.
@@ -270,12 +276,17 @@ def _check_keys(ctx: _Ctx, d: dict, where: str) -> None:
             raise ctx.bad(f"{where} keys must be strings, got a {_tname(k)} key")
 
 
-def _check_id(ctx: _Ctx, msg: dict) -> str:
-    v = msg.get("id")
+def _required_str(ctx: _Ctx, msg: dict, name: str) -> str:
+    v = msg.get(name)
     if v is None:
-        raise ctx.bad("missing field 'id'")
+        raise ctx.bad(f"missing field {name!r}")
     if not isinstance(v, str):
-        raise ctx.bad(f"id must be a string, got {_tname(v)}")
+        raise ctx.bad(f"{name} must be a string, got {_tname(v)}")
+    return v
+
+
+def _check_id(ctx: _Ctx, msg: dict) -> str:
+    v = _required_str(ctx, msg, "id")
     if not 1 <= len(v) <= MAX_ID_CHARS:
         raise ctx.bad(f"id must be 1 to {MAX_ID_CHARS} characters, got {len(v)}")
     ctx.id = v
@@ -383,11 +394,7 @@ def _decode_payload(ctx: _Ctx, payload: bytes) -> dict:
 
 
 def _message_type(ctx: _Ctx, msg: dict) -> str:
-    t = msg.get("type")
-    if t is None:
-        raise ctx.bad("missing field 'type'")
-    if not isinstance(t, str):
-        raise ctx.bad(f"type must be a string, got {_tname(t)}")
+    t = _required_str(ctx, msg, "type")
     if t not in _PARSERS:
         raise ctx.bad(f"unknown message type {_short(t)}; expected one of {', '.join(_PARSERS)}")
     return t
@@ -400,13 +407,14 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     id_ = _check_id(ctx, msg)
     _check_unknown(ctx, msg, _GENERATE_FIELDS, "generate")
     prompt = _parse_prompt(ctx, msg, limits)
-    sampling = _sampling_values(ctx, msg, limits)
+    sampling_values = _sampling_values(ctx, msg, limits)
     stop = _parse_stop(ctx, msg.get("stop"))
     stream = _opt_bool(ctx, msg, "stream", True)
     logprobs = _opt_bool(ctx, msg, "logprobs", False)
     grammar = _parse_grammar(ctx, msg.get("grammar"))
-    return GenerateRequest(id=id_, **prompt, sampling=_sampling_params(ctx, sampling), stop=stop,
-                           stream=stream, logprobs=logprobs, grammar=grammar)
+    sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
+    return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream, logprobs=logprobs,
+                           grammar=grammar)
 
 
 def _parse_cancel(ctx: _Ctx, msg: dict, limits: Limits) -> CancelRequest:
