@@ -60,12 +60,15 @@ def log_level_option(default: str | None = None):
 
 def normalize_endpoint(ctx, param, value: str | None) -> str | None:
     """ZeroMQ endpoints; a bare HOST:PORT means tcp://HOST:PORT."""
-    if value is None or "://" in value:
-        return value
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not (port.isdigit() or port == "*"):
+    if value is None:
+        return None
+    scheme, sep, rest = value.rpartition("://")
+    if not sep:
+        scheme, rest = "tcp", value
+    host, colon, port = rest.rpartition(":")
+    if scheme == "tcp" and not (colon and host and (port == "*" or port.isdigit() and int(port) < 1 << 16)):
         raise click.BadParameter(f"{value!r}: expected HOST:PORT, tcp://HOST:PORT or ipc://PATH")
-    return f"tcp://{value}"
+    return f"{scheme}://{rest}"
 
 
 def connect_option(default: str | None, help: str):
@@ -172,8 +175,8 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
     if connect:
         misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
         if misplaced:
-            raise click.UsageError(f"{', '.join(misplaced)} configure(s) a local GPU worker; with --connect the "
-                                   "server's own options apply (set them on `tandem serve`)")
+            raise click.UsageError(f"{', '.join(misplaced)}: options of a local GPU worker, not of --connect "
+                                   "(the server's own apply: set them on `tandem serve`)")
     elif given(ctx, "timeout"):
         raise click.UsageError("--timeout applies to --connect only")
     prompt = _read_prompt(prompt)
@@ -207,10 +210,9 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
 def _read_prompt(prompt: str | None) -> str:
     """PROMPT, or stdin for '-' or when stdin is piped; one trailing newline (echo's) is dropped."""
     if prompt is None or prompt == "-":
-        stdin = click.get_text_stream("stdin")
-        if prompt is None and stdin.isatty():
+        if prompt is None and sys.stdin.isatty():
             raise click.UsageError("missing PROMPT (give it as an argument, or '-' or a pipe to read stdin)")
-        prompt = stdin.read()
+        prompt = sys.stdin.read()
         prompt = prompt[:-1] if prompt.endswith("\n") else prompt
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
