@@ -95,10 +95,11 @@ def server():
             stderr.append(line)
             if line.startswith("tandem: serving"):
                 serving.set()
+        serving.set()  # exited: the assertion below reports why
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        assert serving.wait(180), "".join(stderr)[-3000:]
+        assert serving.wait(180) and proc.poll() is None, "".join(stderr)[-3000:]
         yield address, stderr
     finally:
         proc.send_signal(signal.SIGTERM)
