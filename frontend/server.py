@@ -55,8 +55,7 @@ class Server:
         self.limits = limits or P.Limits(vocab_size=service.vocab_size)
         self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
         self.notifier = notifier or Notifier()
-        self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size,
-                                        service.model.eos_token_ids)
+        self.grammars = grammar_compiler(service)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -252,6 +251,11 @@ class Server:
         for (ident, _rid), req in list(self.live.items()):
             if ident in gone:
                 self.service.cancel(req)
+
+
+def grammar_compiler(service: Service) -> GrammarCompiler:
+    """Compiles grammar specs (protocol maps) into constraints for ``service.submit``."""
+    return GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
 
 
 def install_signal_handlers(server: Server) -> None:

@@ -58,7 +58,13 @@ TINY_RANDOM_CONFIG = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "models"
+    """Where converted models live: $TANDEM_CACHE/models, else $XDG_CACHE_HOME/tandem/models, else
+    ~/.cache/tandem/models (an empty or relative XDG_CACHE_HOME is ignored, as the XDG spec says)."""
+    if os.environ.get("TANDEM_CACHE"):
+        return Path(os.environ["TANDEM_CACHE"]).expanduser() / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "tandem" / "models"
 
 
 def _progress(msg: str, done: int, total: int, t0: float) -> None:

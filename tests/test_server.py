@@ -1459,26 +1459,3 @@ def test_serve_sigterm_sends_exactly_one_terminal_per_request(sigterm_run):
     for rid in ("a", "b", "short"):
         terminals = [m for m in sigterm_run["messages"][rid] if m["type"] in TERMINAL]
         assert len(terminals) == 1, terminals
-
-
-def test_systemd_unit_command_line_parses_with_this_cli():
-    """deploy/tandem.service's ExecStart, with the unit's default environment, is a valid
-    ``tandem serve`` command line (catches an option renamed in the CLI but not in the unit)."""
-    import shlex
-
-    import click
-
-    from frontend.cli import main
-
-    unit = (ROOT / "deploy" / "tandem.service").read_text()
-    env = dict(re.findall(r"^Environment=(\w+)=(.*)$", unit, re.M))
-    line = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
-    argv = shlex.split(re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), line))
-    assert argv[0] == "/opt/tandem/.venv/bin/tandem" and "serve" in argv, argv
-    i = argv.index("serve")
-    main.make_context("tandem", argv[1:i + 1])  # the group's options; raises UsageError if one is unknown
-    ctx = main.commands["serve"].make_context("serve", argv[i + 1:])
-    assert ctx.params["model"] == env["TANDEM_MODEL"] and ctx.params["bind"] == env["TANDEM_BIND"]
-    assert ctx.params["exit_on_worker_failure"] is False  # the unit restarts a dead worker in-process
-    with pytest.raises(click.UsageError):
-        main.commands["serve"].make_context("serve", argv[i + 1:] + ["--no-such-option"])  # non-vacuity
