@@ -59,7 +59,12 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaConfig":
-        """Parse a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        """Parse a Hugging Face config.json dict (transformers 4.x or 5.x layout).
+
+        A vision-language config (Idefics3) is parsed as its Llama text backbone.
+        """
+        if "text_config" in cfg:
+            cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}")
@@ -242,9 +247,18 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", freqs.sin().to(device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, kv: PagedKVCache,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], logits_indices [R] (indices into T) -> float32 logits [R, vocab]."""
+                logits_indices: torch.Tensor,
+                image_features: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T], logits_indices [R] (indices into T) -> float32 logits [R, vocab].
+
+        image_features: optional (token_index [K] int64 into T, features [K, hidden]):
+        the embeddings of those tokens (a prefill's <image> placeholders) are
+        replaced by the image encoder's features.
+        """
         x = self.embed_tokens(input_ids)
+        if image_features is not None:
+            index, features = image_features
+            x = x.index_copy(0, index, features.to(x.dtype))
         cos = self.rope_cos[batch.positions].to(x.dtype)
         sin = self.rope_sin[batch.positions].to(x.dtype)
 
@@ -282,8 +296,12 @@ class Llama(nn.Module):
             raise FileNotFoundError(f"no *.safetensors in {path}")
         handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
         where = {name: h for h in handles for name in h.keys()}
+        # A vision-language checkpoint (Idefics3) keeps its text backbone under model.text_model.
+        prefix = "model.text_model." if "model.text_model.embed_tokens.weight" in where else "model."
 
         def get(name: str) -> torch.Tensor | None:
+            if name.startswith("model."):
+                name = prefix + name[len("model."):]
             h = where.get(name)
             return None if h is None else h.get_tensor(name)
 
