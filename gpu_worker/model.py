@@ -5,6 +5,10 @@ prefill, decode and any mix of them: the caller packs the new tokens of all
 sequences into one flat ``input_ids[T]`` and describes the layout with a
 :class:`~gpu_worker.kv_cache.Batch`.
 
+A vision-language checkpoint (Idefics3 / SmolVLM) loads as its text backbone;
+the prefill of an image prompt passes the vision encoder's features for the
+``<image>`` placeholder tokens (``gpu_worker/vision.py``).
+
 The forward does no host syncs and allocates only shape-determined tensors, so a
 decode step can be captured in a CUDA graph and replayed with new Batch contents.
 """
@@ -287,15 +291,9 @@ class Llama(nn.Module):
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                         max_model_len: int | None = None) -> "Llama":
         """Load a Hugging Face checkpoint directory (config.json + *.safetensors)."""
-        from safetensors import safe_open
-
         path = Path(path)
         config = LlamaConfig.from_pretrained(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        where = {name: h for h in handles for name in h.keys()}
+        where = checkpoint_index(path)
         # A vision-language checkpoint (Idefics3) keeps its text backbone under model.text_model.
         prefix = "model.text_model." if "model.text_model.embed_tokens.weight" in where else "model."
 
@@ -368,6 +366,17 @@ class Llama(nn.Module):
             put(model.lm_head, "weight", lm_head)
         model._init_rope(device)
         return model.eval()
+
+
+def checkpoint_index(path: Path) -> dict:
+    """Tensor name -> the open safetensors file holding it, over all shards of a checkpoint directory."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    return {name: h for h in handles for name in h.keys()}
 
 
 def _hf_shape(config: LlamaConfig, name: str) -> tuple[int, ...] | None:

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from shared.vision_config import ImageProcessorParams, read_config
 
+from .model import checkpoint_index
+
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
@@ -169,15 +171,8 @@ class VisionEncoder(nn.Module):
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu") -> "VisionEncoder":
         """Load the vision tower and connector of an Idefics3 checkpoint directory."""
-        from safetensors import safe_open
-
-        path = Path(path)
         config = VisionConfig.from_hf_config(read_config(path))
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        where = {name: h for h in handles for name in h.keys()}
+        where = checkpoint_index(Path(path))
 
         def get(name: str) -> torch.Tensor:
             h = where.get(name)
