@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.vision_config import ImageProcessorParams, read_config
+from shared.vision_config import VISION_DEFAULTS, ImageProcessorParams, read_config, vision_config
 
 from .model import checkpoint_index
 
@@ -69,20 +69,9 @@ class VisionConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "VisionConfig":
         """Parse an Idefics3 config.json dict (its vision_config plus scale_factor and the text width)."""
-        v = cfg["vision_config"]
-        return cls(
-            hidden_size=v["hidden_size"],
-            intermediate_size=v["intermediate_size"],
-            num_hidden_layers=v["num_hidden_layers"],
-            num_attention_heads=v["num_attention_heads"],
-            image_size=v["image_size"],
-            patch_size=v["patch_size"],
-            text_hidden_size=cfg["text_config"]["hidden_size"],
-            scale_factor=cfg.get("scale_factor", 2),
-            num_channels=v.get("num_channels", 3),
-            hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-            layer_norm_eps=v.get("layer_norm_eps", 1e-6),
-        )
+        v = vision_config(cfg)
+        return cls(text_hidden_size=cfg["text_config"]["hidden_size"], scale_factor=cfg.get("scale_factor", 2),
+                   **{k: v[k] for k in VISION_DEFAULTS})
 
 
 class VisionAttention(nn.Module):

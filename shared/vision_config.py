@@ -23,8 +23,20 @@ VISION_MODEL_TYPES = ("idefics3",)
 PIL_LANCZOS = 1
 
 
+# transformers' Idefics3VisionConfig defaults: a Hub config.json may list only the
+# fields that differ from them (SmolVLM-256M's omits intermediate_size and the layer count).
+VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
+                       num_channels=3, image_size=224, patch_size=32, hidden_act="gelu_pytorch_tanh",
+                       layer_norm_eps=1e-6)
+
+
 def read_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def vision_config(config: dict) -> dict:
+    """The vision_config of an Idefics3 config.json dict, with transformers' defaults filled in."""
+    return {**VISION_DEFAULTS, **config.get("vision_config", {})}
 
 
 def is_vision_model(path: str | Path) -> bool:
@@ -69,7 +81,7 @@ class ImageProcessorParams:
         for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
             if image.get(flag) is False:
                 raise NotImplementedError(f"{path}: image processor with {flag}=false is not supported")
-        vision = config["vision_config"]
+        vision = vision_config(config)
         tokens_per_tile = (vision["image_size"] // vision["patch_size"]) ** 2 // config.get("scale_factor", 2) ** 2
         image_seq_len = int(processor.get("image_seq_len", tokens_per_tile))
         if image_seq_len != tokens_per_tile:

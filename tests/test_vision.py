@@ -140,6 +140,21 @@ def test_tile_grids(params):
     assert grids["tiny"].num_tiles == grids["tiny"].rows * grids["tiny"].cols + 1 > 2
 
 
+def test_smolvlm_sized_preprocessing_matches(params, hf_processor):
+    """SmolVLM-256M's processor sizes (2048 / 512 tiles, 64 tokens each): a 3 x 4 grid plus the global view."""
+    smol = dataclasses.replace(params, longest_edge=2048, tile_size=512, image_seq_len=64)
+    data = encode(picture(1500, 1100, seed=6), "JPEG")
+    image = fi.prepare_image(data, smol)
+    processor = transformers.Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 2048}, max_image_size={"longest_edge": 512},
+                                                  image_mean=[0.5] * 3, image_std=[0.5] * 3, resample=1),
+        tokenizer=hf_processor.tokenizer, image_seq_len=64)
+    ref = processor(text=[PROMPT], images=[[Image.open(io.BytesIO(data))]])
+    assert (image.rows, image.cols, image.num_tiles) == (3, 4, 13)
+    np.testing.assert_array_equal(fi.normalize_tiles(image.tiles, smol), ref["pixel_values"][0])
+    assert fi.image_prompt_ids(hf_processor.tokenizer, PROMPT, [image], smol) == list(ref["input_ids"][0])
+
+
 def test_two_images_prompt_ids(params, hf_processor):
     text = "<|im_start|>User:<image>and<image>Compare.<end_of_utterance>\nAssistant:"
     datas = [IMAGES["many-tiles"][0], IMAGES["panoramic"][0]]
@@ -286,6 +301,17 @@ def test_hub_style_directory_parses_the_same(vlm_path, tmp_path, params):
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert not is_vision_model(tmp_path / "llama")
+
+
+def test_partial_hub_vision_config_takes_transformers_defaults():
+    """SmolVLM-256M's config.json lists only what differs from Idefics3VisionConfig's defaults."""
+    partial = {"hidden_size": 768, "image_size": 512, "patch_size": 16, "num_attention_heads": 12}
+    ours = VisionConfig.from_hf_config({"vision_config": partial, "scale_factor": 4, "text_config": {"hidden_size": 576}})
+    theirs = transformers.Idefics3Config(vision_config=partial, scale_factor=4).vision_config
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                 "patch_size", "hidden_act", "layer_norm_eps", "num_channels"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.intermediate_size == 3072 and ours.tokens_per_tile == 64
 
 
 def test_chat_template_places_images(hf_processor):
