@@ -269,6 +269,29 @@ def test_prefill_and_greedy_decode_match(chunking, ours, hf_model, params, two_i
     assert (plain - ref[:len(ids)]).abs().max().item() > 1e-2
 
 
+def test_image_prefill_packed_with_other_sequences(ours, params, two_image_prompt):
+    """In a packed forward (a text prefill and a decode row before the image prompt's
+    chunk) the feature index counts tokens of the whole packed batch."""
+    llama, vision = ours
+    ids, tiles = two_image_prompt
+    with torch.no_grad():
+        features = vision.encode_images(normalize_tiles(torch.from_numpy(tiles), params, torch.float32))
+    _, alone = run_ours(llama, ids, features, params.image_token_id, [], new_tokens=0)
+
+    cfg = llama.config
+    kv = PagedKVCache.from_config(cfg, 64, PAGE_SIZE, torch.float32, "cpu")
+    text, decode_prompt = list(range(100, 110)), list(range(200, 205))
+    pages_a, pages_b, pages_c = [1], [2], list(range(3, 3 + -(-len(ids) // PAGE_SIZE)))
+    with torch.no_grad():
+        llama(torch.tensor(decode_prompt), Batch.build([(0, 5, pages_b)], PAGE_SIZE), kv, torch.tensor([4]))
+        batch = Batch.build([(0, len(text), pages_a), (5, 1, pages_b), (0, len(ids), pages_c)], PAGE_SIZE)
+        before = len(text) + 1
+        offsets, rows = image_rows_in_chunk(np.flatnonzero(np.asarray(ids) == params.image_token_id), 0, len(ids))
+        packed = llama(torch.tensor(text + [7] + ids), batch, kv, torch.arange(before, before + len(ids)),
+                       image_features=(torch.from_numpy(offsets + before), features[torch.from_numpy(rows)]))
+    assert (packed - alone).abs().max().item() <= 1e-5
+
+
 def test_image_rows_in_chunk():
     positions = np.array([3, 4, 5, 9, 10])
     assert [a.tolist() for a in image_rows_in_chunk(positions, 0, 4)] == [[3], [0]]
