@@ -90,7 +90,12 @@ def decode_image(data: bytes) -> Image.Image:
         image.load()
     except Exception as e:  # truncated or corrupt pixel data (OSError, SyntaxError, zlib errors, ...)
         raise ValueError(f"image data is truncated or corrupt ({image.format}): {e}") from None
-    return image if image.mode == "RGB" else image.convert("RGB")
+    if image.mode == "RGB":
+        return image
+    try:
+        return image.convert("RGB")  # as transformers does: alpha dropped, palettes and grey expanded
+    except Exception as e:
+        raise ValueError(f"cannot convert a {image.mode} image to RGB: {e}") from None
 
 
 def image_hash(data: bytes, params: ImageProcessorParams) -> str:

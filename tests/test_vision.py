@@ -329,7 +329,8 @@ def test_hub_style_directory_parses_the_same(vlm_path, tmp_path, params):
 def test_partial_hub_vision_config_takes_transformers_defaults():
     """SmolVLM-256M's config.json lists only what differs from Idefics3VisionConfig's defaults."""
     partial = {"hidden_size": 768, "image_size": 512, "patch_size": 16, "num_attention_heads": 12}
-    ours = VisionConfig.from_hf_config({"vision_config": partial, "scale_factor": 4, "text_config": {"hidden_size": 576}})
+    ours = VisionConfig.from_hf_config({"vision_config": partial, "scale_factor": 4,
+                                        "text_config": {"hidden_size": 576}})
     theirs = transformers.Idefics3Config(vision_config=partial, scale_factor=4).vision_config
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
                  "patch_size", "hidden_act", "layer_norm_eps", "num_channels"):
