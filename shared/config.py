@@ -21,6 +21,7 @@ class EngineConfig:
     prefill_budget: int = 512
     dtype: str | None = None  # float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU
     cuda_graphs: bool = True
+    encoder_cache_mb: float = 256.0  # image features kept on the device for reuse (unreferenced ones, LRU)
     debug: bool = False
 
     def engine_fields(self) -> dict:
