@@ -176,8 +176,16 @@ def prepare_images(images: list[bytes], params: ImageProcessorParams) -> list[Pr
         try:
             out.append(prepare_image(data, params))
         except ValueError as e:
-            raise ValueError(f"image {i}: {e}") from None
+            raise ValueError(f"images[{i}]: {e}") from None
     return out
+
+
+def max_tiles_per_image(params: ImageProcessorParams) -> int:
+    """The most tiles one image can become (its grid plus the global view)."""
+    if not params.do_image_splitting:
+        return 1
+    side = -(-min(params.longest_edge, MAX_RESIZED_SIDE) // params.tile_size)
+    return side * side + (1 if side > 1 else 0)
 
 
 def normalize_tiles(tiles: np.ndarray, params: ImageProcessorParams) -> np.ndarray:

@@ -385,5 +385,5 @@ def test_too_many_images(params):
     assert len(fi.prepare_images([data] * 8, params)) == 8
     with pytest.raises(ValueError, match="too many images: 9"):
         fi.prepare_images([data] * 9, params)
-    with pytest.raises(ValueError, match="image 1: data is not an image"):
+    with pytest.raises(ValueError, match=r"images\[1\]: data is not an image"):
         fi.prepare_images([data, b"nope" * 20], params)
