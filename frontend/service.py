@@ -103,6 +103,7 @@ class Request:
     images: list[PreparedImage] | None = None  # tiles waiting to go into image slots (dropped once sent)
     image_tokens: int = 0  # prompt positions filled by image features
     preparing: bool = False  # its images are still being decoded in the thread pool
+    render: Callable | None = None  # prepared images -> prompt ids (submit_images)
     submitted: bool = False  # sent to the worker (else waiting for a mask row)
     ended: bool = False
     finish_reason: FinishReason = FinishReason.NONE
@@ -132,7 +133,7 @@ class Service:
         self.image_params = ImageProcessorParams.from_model_dir(self.model_path) if self.model.vision else None
         self._image_pool = (ThreadPoolExecutor(cfg.image_threads, thread_name_prefix="tandem-images")
                             if self.image_params else None)
-        self._prepared: deque = deque()  # (request, (images, prompt ids) or the exception), from pool threads
+        self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
         self._prepared_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.worker: WorkerHandle | None = None
         self.on_progress = on_progress
@@ -206,10 +207,11 @@ class Service:
     def submit_images(self, images: list[bytes], render: Callable[[list[PreparedImage]], list[int]],
                       params: SamplingParams | None = None, *, stop=(), constraint=None, logprobs: bool = False,
                       on_event=None, user_data=None) -> Request:
-        """A request with images: ``render(prepared images) -> prompt ids`` (e.g.
-        ``images.image_prompt_ids`` of the rendered text) runs in the image pool after
-        the images are decoded and tiled. Bad images end the request with ``bad_request``
-        naming ``images[i]``; ``ValueError`` at once for what needs no decoding."""
+        """A request with images, decoded and tiled in the image pool; then
+        ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
+        rendered text) runs on the loop thread (the tokenizer is not shared across threads).
+        Bad images (or a ``ValueError`` from ``render``) end the request with
+        ``bad_request`` naming the field; ``ValueError`` at once for what needs no decoding."""
         if self.image_params is None:
             raise ValueError("images: this model takes no images (it has no vision encoder)")
         try:
@@ -218,14 +220,14 @@ class Service:
             raise ValueError(f"images: {e}") from None
         req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data)
         req.preparing = True
-        self._image_pool.submit(self._prepare, req, list(images), render)
+        req.render = render
+        self._image_pool.submit(self._prepare, req, list(images))
         return req
 
-    def _prepare(self, req: Request, images: list[bytes], render) -> None:
-        """Pool thread: decode, tile, hash and tokenize; hand the result to the loop."""
+    def _prepare(self, req: Request, images: list[bytes]) -> None:
+        """Pool thread: decode, tile and hash; hand the result to the loop."""
         try:
-            prepared = prepare_images(images, self.image_params)
-            result = (prepared, [int(t) for t in render(prepared)])
+            result = prepare_images(images, self.image_params)
         except Exception as e:  # noqa: BLE001 - reported to the request, never lost in the pool
             result = e
         self._prepared.append((req, result))
@@ -250,8 +252,12 @@ class Service:
                 log.error("preparing the images of request %d failed: %r", req.seq_id, result)
                 error = ("internal", f"{type(result).__name__}: {result}")
             else:
-                req.images, req.prompt_ids = result
-                error = self._check_image_request(req)
+                req.images = result
+                try:
+                    req.prompt_ids = [int(t) for t in req.render(result)]
+                    error = self._check_image_request(req)
+                except ValueError as e:
+                    error = ("bad_request", str(e))
             if error is not None:
                 self._end(req, error=error)
                 self._forget(req)
