@@ -196,7 +196,7 @@ def test_cancel_while_preprocessing_and_while_waiting_for_an_image_slot():
 
 def test_cancel_at_every_phase_in_the_worker_frees_everything(svc):
     log = Log()
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # only a cancel ends them
     reqs = []
     for polls in range(12):  # cancel after 0..11 loop iterations: preprocessing, queued, prefill, decode
         req = submit(svc, log, [WIDE[polls % 6], png(400, 90, 500 + polls)], params)
