@@ -32,9 +32,8 @@ from PIL import Image
 
 from shared.vision_config import ImageProcessorParams
 
-MAX_IMAGE_BYTES = 20 * 1024 * 1024
-MAX_IMAGE_SIDE = 8192  # width * height must not exceed MAX_IMAGE_SIDE ** 2
-MAX_IMAGES = 8  # per request
+from .protocol import MAX_IMAGE_BYTES, MAX_IMAGE_SIDE, MAX_IMAGES  # noqa: F401 - the contract's limits
+
 MAX_RESIZED_SIDE = 4096  # transformers' Idefics3 MAX_IMAGE_SIZE
 
 IMAGE_TOKEN = "<image>"

@@ -38,8 +38,6 @@ import msgpack
 
 from shared.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, SamplingParams
 
-from .images import MAX_IMAGE_BYTES, MAX_IMAGES
-
 __all__ = [
     "VERSION_FRAME",
     "PROTOCOL_VERSION",
@@ -87,6 +85,9 @@ ROLES = ("system", "user", "assistant", "tool")
 # Fixed by the contract (not configurable).
 MAX_ID_CHARS = 128
 MAX_STOP = 16
+MAX_IMAGES = 8  # per request
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one encoded image file
+MAX_IMAGE_SIDE = 8192  # width * height must not exceed MAX_IMAGE_SIDE ** 2
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per generate
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
@@ -346,8 +347,7 @@ def parse_client_message(frames: Sequence[bytes], limits: Limits | None = None) 
     kind = _message_type(ctx, msg)
     size = len(VERSION_FRAME) + len(payload)
     if size > limits.max_message_bytes and not (kind == "generate" and msg.get("images")):
-        raise ctx.too_long(f"message is {size} bytes, the limit is {limits.max_message_bytes} "
-                           f"({limits.max_image_message_bytes} for a generate carrying images)")
+        raise ctx.too_long(f"message is {size} bytes, the limit is {limits.max_message_bytes}")
     return _PARSERS[kind](ctx, msg, limits)
 
 
