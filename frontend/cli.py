@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -152,6 +153,9 @@ def main() -> None:
 @click.option("--regex", default=None, help="Constrain the answer to a regular expression.")
 @click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
               help="Constrain the answer to a JSON schema (file).")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image file for a vision-language model (repeatable). Placed before the prompt's text, or "
+                   "at each <image> of a --raw prompt.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
@@ -159,7 +163,7 @@ def main() -> None:
 @log_level_option()
 @click.pass_context
 def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, stream, as_json, **engine_kw):
+             ignore_eos, grammar, max_objects, regex, json_schema, images, stream, as_json, **engine_kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -171,6 +175,7 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
       echo "Once upon a time" | tandem generate --raw --max-tokens 40
       tandem generate "Point at the cat" --grammar point --max-objects 3
       tandem generate "Hi" --connect 127.0.0.1:5557
+      tandem generate "What is in this picture?" --model ./SmolVLM-256M-Instruct --image cat.jpg
     """
     if connect:
         misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
@@ -196,9 +201,9 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
     if connect:
         model = engine_kw["model"] if given(ctx, "model") else None
-        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model)
+        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, images)
     else:
-        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw))
+        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), images)
     if live:
         click.echo()
     if as_json:
@@ -237,10 +242,10 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
                                    "(is `tandem serve` running there?)") from None
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model) -> dict:
-    from frontend.client import Client
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, images) -> dict:
+    from frontend.client import Client, TandemError
 
-    kw = dict(sampling, stop=stop or None, grammar=spec)
+    kw = dict(sampling, stop=stop or None, grammar=spec, images=list(images) or None)
     kw["stop_token_ids"] = kw["stop_token_ids"] or None
     if raw:
         kw["prompt"] = prompt
@@ -251,24 +256,28 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
         if model is not None and model != served:
             raise click.UsageError(f"the server at {endpoint} serves {served!r}, not {model!r} "
                                    "(--model picks a local worker's model)")
-        stream = client.stream(**kw)
-        for chunk in stream:
-            echo(chunk.text)
+        try:
+            stream = client.stream(**kw)
+            for chunk in stream:
+                echo(chunk.text)
+        except TandemError as e:
+            raise click.ClickException(f"{e.code}: {e}") from None
         r = stream.result
     return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, config) -> dict:
+def _generate_local(prompt, raw, sampling, stop, spec, echo, config, images=()) -> dict:
     """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
+    from frontend.images import image_prompt_ids
     from frontend.server import grammar_compiler
     from frontend.service import Service
-    from frontend.tokenization import chat_prompt_ids, text_prompt_ids
+    from frontend.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
     from shared.sampling import SamplingParams
 
     service = Service(config, on_progress=_show_worker_progress if sys.stderr.isatty() else None)
     try:
         tok = service.tokenizer
-        ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
+        messages = [{"role": "user", "content": prompt}]
         constraint = grammar_compiler(service).compile(spec).matcher() if spec is not None else None
         ended: dict = {}
 
@@ -278,7 +287,22 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config) -> dict:
             else:
                 ended[kind] = payload
 
-        service.submit(ids, SamplingParams(**sampling), stop=stop, constraint=constraint, on_event=on_event)
+        kw = dict(stop=stop, constraint=constraint, on_event=on_event)
+        try:
+            if images:
+                if raw:
+                    def render(prepared):
+                        return image_prompt_ids(tok, prompt, prepared, service.image_params)
+                else:
+                    def render(prepared):
+                        return image_chat_prompt_ids(tok, messages, prepared, service.image_params)
+                data = [Path(p).read_bytes() for p in images]
+                service.submit_images(data, render, SamplingParams(**sampling), **kw)
+            else:
+                ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, messages)
+                service.submit(ids, SamplingParams(**sampling), **kw)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
         while not ended:
             service.poll(0.1)
     finally:

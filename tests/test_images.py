@@ -336,3 +336,26 @@ def test_messages_place_images_and_info_reports_vision(server):
     info = server.until_terminal("info")
     assert info["vision"] is True
     assert set(info["encoder_cache"]) == {"hits", "misses", "entries"} and info["encoder_cache"]["hits"] >= 2
+
+
+def test_cli_generate_with_images_through_connect(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    paths = []
+    for i, data in enumerate((WIDE[4], WIDE[5])):
+        paths += ["--image", str(tmp_path / f"{i}.png")]
+        (tmp_path / f"{i}.png").write_bytes(data)
+    cmd = [sys.executable, "-m", "frontend.cli", "generate", "What is this?", "--connect", server.server.endpoint,
+           *paths, "--max-tokens", "3", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None:  # the server loop runs on this thread
+        assert time.monotonic() < deadline
+        server.server._read_clients()
+        server.svc.poll(0.01)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    result = json.loads(out)
+    assert result["usage"]["image_tokens"] == 2 * 80 and len(result["token_ids"]) == 3
