@@ -401,8 +401,13 @@ def check_endpoint_free(endpoint: str) -> None:
                    "a second signal stops at once.")
 @click.option("--exit-on-worker-failure", is_flag=True,
               help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
+@click.option("--image-slots", type=int, default=None,
+              help="Vision models: shared-memory slots (one tile each) for images on their way to the worker "
+                   "(default: room for one request of 8 of the largest images).")
+@click.option("--encoder-cache-mb", default=256.0, show_default=True,
+              help="Vision models: device memory for image features kept for reuse.")
 @log_level_option()
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -411,12 +416,14 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
       tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
       tandem serve --dtype float32 --bind 0.0.0.0:5557
+      tandem serve --model ./SmolVLM-256M-Instruct    # a vision-language model directory
     """
     from frontend.server import Server, install_signal_handlers
     from frontend.service import Service
 
     check_endpoint_free(bind)  # before the model load, which can take minutes
-    cfg = service_config(engine_kw, restart=not exit_on_worker_failure)
+    cfg = service_config(engine_kw, restart=not exit_on_worker_failure, image_slots=image_slots,
+                         encoder_cache_mb=encoder_cache_mb)
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
     server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout)
