@@ -359,3 +359,31 @@ def test_cli_generate_with_images_through_connect(server, tmp_path):
     assert proc.returncode == 0, err
     result = json.loads(out)
     assert result["usage"]["image_tokens"] == 2 * 80 and len(result["token_ids"]) == 3
+
+
+# ---- the encoder cache's bookkeeping (pure Python) ------------------------------------------------
+
+def test_encoder_cache_bounds_unreferenced_entries_lru_and_never_evicts_referenced():
+    from gpu_worker.encoder_cache import EncoderCache
+
+    cache = EncoderCache(capacity_bytes=300)
+    a, hit = cache.acquire("a", 100)
+    assert not hit
+    a.enqueued = True
+    b, _ = cache.acquire("b", 100)
+    b.enqueued = True
+    c, _ = cache.acquire("c", 150)  # 350 bytes, all referenced: over the bound, nothing evicted
+    c.enqueued = True
+    assert set(cache.entries) == {"a", "b", "c"}
+    cache.release(a)  # unreferenced and over the bound: evicted at once
+    assert set(cache.entries) == {"b", "c"} and not a.cached
+    cache.release(b)
+    cache.release(c)  # 250 bytes: both stay, b least recently used
+    again, hit = cache.acquire("b", 100)
+    assert hit and again is b
+    cache.release(b)  # b is now the most recent
+    d, _ = cache.acquire("d", 100)  # 350: the least recently used unreferenced entry (c) goes
+    assert set(cache.entries) == {"b", "d"}
+    cache.release(d)  # never enqueued (its request ended before its prefill): dropped at once
+    assert set(cache.entries) == {"b"} and cache.bytes == 100
+    assert (cache.hits, cache.misses, cache.referenced) == (1, 4, 0)
