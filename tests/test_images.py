@@ -175,7 +175,9 @@ def test_cancel_while_preprocessing_and_while_waiting_for_an_image_slot():
         first = submit(svc, log, [BIG], params)
         waiting = submit(svc, log, [png(300, 300, 7)], params)
         deadline = time.monotonic() + 30
-        while len(svc._prepared) < 2:  # both decoded: one poll then sends the first and parks the second
+        # All three decoded (the cancelled one's result is dropped): one poll then sends
+        # the first and parks the second.
+        while len(svc._prepared) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         svc.poll(0)
