@@ -6,7 +6,7 @@ write sampled ids into); its output is a ``StepResult`` (the committed step's
 tokens and finish reasons, the sequences released) that the caller publishes.
 The engine never calls back into its caller.
 
-One tick, pipelined (DESIGN.md §3.2):
+One tick, pipelined (docs/DESIGN.md §4.1):
     1. sample the constrained rows of the step launched last tick, with the
        masks the caller brought (built after the last commit), and copy that
        step's ids to the host

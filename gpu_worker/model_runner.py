@@ -228,7 +228,7 @@ class ModelRunner:
             dev_meta = self._upload(meta)
             rows, pos = dev_meta[0], dev_meta[1]
             with torch.inference_mode():
-                logits = buf.logits
+                logits, idx = buf.logits, None
                 if buf.out is None:  # the step's first part: full-size outputs
                     buf.out = (torch.empty(num, dtype=torch.int64, device=logits.device),
                                torch.empty(num, dtype=torch.int32, device=logits.device),
@@ -238,20 +238,11 @@ class ModelRunner:
                     logits, rows, pos = logits[idx], rows[idx], pos[idx]
                 if masks is not None:
                     logits = apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
-                tokens, flags, logprobs = sample(logits, rows, pos, self.params, inp.any_random,
-                                                 inp.any_filter, inp.want_logprobs)
-                self.pending.index_copy_(0, rows, tokens)
-                out_tokens, out_flags, out_logprobs = buf.out
-                if part is None:
-                    out_tokens.copy_(tokens)
-                    out_flags.copy_(flags)
-                    if logprobs is not None:
-                        out_logprobs.copy_(logprobs)
-                else:
-                    out_tokens.index_copy_(0, idx, tokens)
-                    out_flags.index_copy_(0, idx, flags)
-                    if logprobs is not None:
-                        out_logprobs.index_copy_(0, idx, logprobs)
+                sampled = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter, inp.want_logprobs)
+                self.pending.index_copy_(0, rows, sampled[0])
+                for out, values in zip(buf.out, sampled):  # tokens, flags, logprobs (None unless asked)
+                    if values is not None:
+                        out.copy_(values) if idx is None else out.index_copy_(0, idx, values)
 
         self.device.compute.submit(run)
 
