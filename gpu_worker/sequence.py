@@ -34,6 +34,13 @@ class Sequence:
 
     row: int = -1
     pages: list[int] = field(default_factory=list)
+    # Prefix cache: names of the full pages whose tokens are known (a chain, prefix_cache.py),
+    # how many of them are registered, the prompt tokens mapped from the cache at admission,
+    # and how many positions have KV written by committed launches.
+    page_names: list[bytes] = field(default_factory=list)
+    pages_registered: int = 0
+    cached_tokens: int = 0
+    kv_committed: int = 0
     num_prefilled: int = 0
     num_dispatched: int = 0
     output_ids: list[int] = field(default_factory=list)
