@@ -164,6 +164,7 @@ class Engine:
             "bubble_idle_s": b.idle_s,
             "bubble_busy_s": b.busy_s,
             "device_idle_fraction": b.idle_fraction,
+            "device_overruns": b.overruns,
             "kv_pages_free": self.blocks.pages.num_free,
             "kv_pages_total": self.blocks.pages.capacity,
             "rows_free": self.blocks.rows.num_free,
@@ -325,7 +326,7 @@ class Engine:
         if error is not None:
             self._device_failed(rec, error)
             return
-        self.device.account(rec.marks)
+        self.device.account(rec.marks, rec.copy_done)
         self.stats_.steps += 1
         if rec.kind == "decode":
             self.stats_.decode_steps += 1
