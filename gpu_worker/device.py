@@ -22,8 +22,9 @@ of device time, whatever the host does meanwhile, as on a GPU:
 - Every piece of work starts, in device time, at max(its submission, the end of
   the stream's previous work). A forward lasts ``(1 - SIM_SAMPLE_SHARE) * MS``,
   each sampling launch (work inside a pair of marks other than the forward)
-  ``SIM_SAMPLE_SHARE * MS``; bookkeeping between marks (row parameters, buffer
-  release) and the copy take none. A host that enqueues sampling late leaves the
+  ``SIM_SAMPLE_SHARE * MS``; the copy of the ids and bookkeeping outside marks
+  (row parameters, buffer release) take none. The copy runs on the compute
+  executor (``SimCopyStream``). A host that enqueues sampling late leaves the
   device idle in between, and the meter sees it, as on a GPU.
 - The real CPU work runs on the executor threads as soon as it can (usually
   ahead of device time); an event records its device time and is released to
@@ -113,16 +114,15 @@ class CpuEvent:
 class CpuStream:
     """One executor thread; functions run in submission order.
 
-    With ``timing`` (sim:MS) the stream keeps a device clock (module docstring).
-    ``bracketed``: the stream's device work is what marks bracket (the compute
-    stream); without, all of its work is (the copy stream).
+    With ``timing`` (sim:MS) the stream keeps a device clock (module docstring):
+    its device work is what marks bracket, plus the copies (``SimCopyStream``);
+    other work (row parameters, buffer release) is bookkeeping that takes no
+    device time and whose real time is not checked.
     """
 
-    def __init__(self, name: str, timing: SimTiming | None = None, bracketed: bool = False,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, name: str, timing: SimTiming | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.name = name
         self.timing = timing
-        self.bracketed = bracketed
         self.clock = clock
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -140,14 +140,14 @@ class CpuStream:
             if item is None:
                 return
             kind, obj, submitted = item
-            if kind == "work":
-                self._work(obj, submitted)
+            if kind in ("work", "copy"):
+                self._work(obj, submitted, kind == "copy")
             elif kind == "wait":
                 self._wait(obj)
             else:
                 self._reach(obj, submitted, kind == "mark")
 
-    def _work(self, fn, submitted: float) -> None:
+    def _work(self, fn, submitted: float, is_copy: bool) -> None:
         start = max(self._device_time, submitted)
         self._work_s = None
         if self._error is None:  # after a failure, skip work until the error is seen
@@ -162,7 +162,7 @@ class CpuStream:
         else:
             duration = self.timing.sample_s if self._in_marks else 0.0
         self._device_time = start + duration
-        if self._in_marks or not self.bracketed:
+        if self._in_marks or is_copy:
             self._real_end = self.clock.now()
 
     def _reach(self, event: CpuEvent, submitted: float, is_mark: bool) -> None:
@@ -196,6 +196,9 @@ class CpuStream:
         self._queue.put(("mark" if mark else "event", ev, self.clock.now()))
         return ev
 
+    def submit_copy(self, fn) -> None:
+        self._queue.put(("copy", fn, self.clock.now()))
+
     def wait(self, event: CpuEvent) -> None:
         self._queue.put(("wait", event, 0.0))
 
@@ -206,6 +209,31 @@ class CpuStream:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+
+
+class SimCopyStream:
+    """The copy stream of sim:MS. A copy takes no device time, so it runs on the
+    compute executor, in order after the work it waits for: a copy thread would
+    add a thread wake-up per step, late on a busy CPU, that no GPU has."""
+
+    def __init__(self, compute: CpuStream) -> None:
+        self.name = "copy"
+        self.compute = compute
+
+    def submit(self, fn) -> None:
+        self.compute.submit_copy(fn)
+
+    def record(self) -> CpuEvent:
+        return self.compute.record()
+
+    def wait(self, event: CpuEvent) -> None:
+        self.compute.wait(event)  # an event of the compute stream itself is already reached
+
+    def clear_error(self) -> BaseException | None:
+        return self.compute.clear_error()
+
+    def close(self) -> None:
+        pass  # the compute stream's owner closes it
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -320,9 +348,8 @@ class Device:
             self.copy = CudaStream("copy", self.torch_device)
         else:
             self.torch_device = torch.device("cpu")
-            clock = clock or SYSTEM_CLOCK
-            self.compute = CpuStream("compute", self.sim, bracketed=True, clock=clock)
-            self.copy = CpuStream("copy", self.sim, clock=clock)
+            self.compute = CpuStream("compute", self.sim, clock or SYSTEM_CLOCK)
+            self.copy = SimCopyStream(self.compute) if self.sim else CpuStream("copy")
         self.bubble = BubbleStats()
         self._pending_marks: list = []  # (begin, end) events of recent steps (CUDA)
         self._last_end = None  # CPU: perf_counter of the previous step's end
