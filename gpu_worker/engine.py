@@ -207,6 +207,7 @@ class Engine:
             "bubble_idle_s": b.idle_s,
             "bubble_busy_s": b.busy_s,
             "device_idle_fraction": b.idle_fraction,
+            "device_overruns": b.overruns,  # sim: steps whose real CPU work did not fit the simulated time
             "kv_pages_free": self.alloc.pages.num_free,  # free or cached: what an allocation can take
             "kv_pages_total": self.alloc.pages.capacity,
             "kv_pages_cached": self.alloc.pages.num_cached,
@@ -412,7 +413,7 @@ class Engine:
         if error is not None:
             self._device_failed(launch, error)
             return
-        self.device.account(launch.marks)
+        self.device.account(launch.marks, launch.copy_done)
         self._count(launch)
         n = len(launch.sample_seqs)
         tokens, flags, logprobs = self.runner.read_step(slot, n)
