@@ -197,3 +197,26 @@ def test_page_pool_unit():
     with pytest.raises(RuntimeError, match="double free"):
         pool.release(b[:1])
     assert pool.idle
+
+
+def test_cached_tokens_reach_the_client_through_both_processes():
+    """done.usage.cached_tokens travels on the first token's ring row: 0 on a miss, the
+    mapped pages on a hit, 0 with the cache off."""
+    from frontend.service import Service, ServiceConfig
+
+    prompt = list(range(2000, 2000 + 5 * PAGE + 3))
+    for on in (True, False):
+        svc = Service(ServiceConfig(model="tiny-random", device="cpu", max_batch=4, page_size=PAGE,
+                                    kv_pages=200, prefix_cache=on))
+        try:
+            usages = []
+            for _ in range(2):
+                done = {}
+                req = svc.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True),
+                                 on_event=lambda r, kind, payload: done.update(payload) if kind == "done" else None)
+                svc.run_until(lambda: req.ended, 60)
+                usages.append(done["usage"])
+            assert [u["cached_tokens"] for u in usages] == ([0, 5 * PAGE] if on else [0, 0])
+            assert all(u["prompt_tokens"] == len(prompt) for u in usages)
+        finally:
+            svc.close()
