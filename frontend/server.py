@@ -165,6 +165,8 @@ class Server:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total")}
                 extra["encoder_cache"] = {k: int(stats[f"encoder_cache_{k}"]) for k in ("hits", "misses", "entries")}
+                extra["prefix_cache"] = {"hit_tokens": stats["prefix_hit_tokens"],
+                                         "query_tokens": stats["prefix_query_tokens"]}
             except (TimeoutError, KeyError):
                 pass  # a busy or restarting worker: answer without the KV figures
             self._send(identity, P.encode_info(

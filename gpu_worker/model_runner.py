@@ -35,7 +35,7 @@ from .batch import Batch
 from .kv_cache import PagedKVCache
 from .model import Llama, LlamaConfig
 from .pipeline import NUM_SLOTS
-from .sampler import RowParams, apply_bitmask, sample
+from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
 from .vision import VisionEncoder, normalize_tiles
 
 log = logging.getLogger("tandem.worker")
@@ -124,6 +124,8 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.mask_words = -(-self.vocab_size // 32)  # int32 words of one token bitmask
         self.eos_ids = tuple(self.config.eos_token_id)
+        if len(self.eos_ids) > MAX_EOS_IDS:
+            raise ValueError(f"the model has {len(self.eos_ids)} EOS ids; at most {MAX_EOS_IDS} are supported")
         kv_pages = config.kv_pages
         per_page = PagedKVCache.page_bytes(self.config.num_hidden_layers, page_size,
                                            self.config.num_key_value_heads, self.config.head_dim, self.dtype)
@@ -274,7 +276,7 @@ class ModelRunner:
             dev_meta = self._upload(meta)
             rows, pos = dev_meta[0], dev_meta[1]
             with torch.inference_mode():
-                logits = buf.logits
+                logits, idx = buf.logits, None
                 if buf.out is None:  # the step's first part: full-size outputs
                     buf.out = (torch.empty(num, dtype=torch.int64, device=logits.device),
                                torch.empty(num, dtype=torch.int32, device=logits.device),
@@ -284,20 +286,11 @@ class ModelRunner:
                     logits, rows, pos = logits[idx], rows[idx], pos[idx]
                 if masks is not None:
                     logits = apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
-                tokens, flags, logprobs = sample(logits, rows, pos, self.params, inp.any_random,
-                                                 inp.any_filter, inp.want_logprobs)
-                self.pending.index_copy_(0, rows, tokens)
-                out_tokens, out_flags, out_logprobs = buf.out
-                if part is None:
-                    out_tokens.copy_(tokens)
-                    out_flags.copy_(flags)
-                    if logprobs is not None:
-                        out_logprobs.copy_(logprobs)
-                else:
-                    out_tokens.index_copy_(0, idx, tokens)
-                    out_flags.index_copy_(0, idx, flags)
-                    if logprobs is not None:
-                        out_logprobs.index_copy_(0, idx, logprobs)
+                sampled = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter, inp.want_logprobs)
+                self.pending.index_copy_(0, rows, sampled[0])
+                for out, values in zip(buf.out, sampled):  # tokens, flags, logprobs (None unless asked)
+                    if values is not None:
+                        out.copy_(values) if idx is None else out.index_copy_(0, idx, values)
 
         self.device.compute.submit(run)
 

@@ -76,6 +76,13 @@ class Sequence:
 
     row: int = -1
     pages: list[int] = field(default_factory=list)
+    # Prefix cache: names of the full pages whose tokens are known (a chain, prefix_cache.py),
+    # how many of them are registered, the prompt tokens mapped from the cache at admission,
+    # and how many positions have KV written by committed launches.
+    page_names: list[bytes] = field(default_factory=list)
+    pages_registered: int = 0
+    cached_tokens: int = 0
+    kv_committed: int = 0
     num_prefilled: int = 0
     num_dispatched: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -97,6 +104,17 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def image_salts(self, first: int, end: int, page_size: int) -> list[bytes]:
+        """For full pages first..end-1: the hashes of the images whose first ``<image>`` token
+        is in that page. Prefix-cache names need them (every placeholder has the same token id);
+        a later page inherits them through its parent's name."""
+        salts = [b""] * max(0, end - first)
+        for image in self.images:
+            page = int(self.image_positions[image.row_start]) // page_size
+            if first <= page < end:
+                salts[page - first] += image.input.hash.encode()
+        return salts
 
     @property
     def image_tokens(self) -> int:

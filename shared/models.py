@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.vision_config import is_vision_model
+from shared.vision_config import is_vision_model, read_config
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -441,7 +441,7 @@ class ModelInfo:
     def load(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL) -> "ModelInfo":
         """Resolve (building a built-in model once) and read config.json and the tokenizer config."""
         path = resolve_model(name_or_path)
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = read_config(path)
         text = cfg.get("text_config") or cfg  # a vision-language model nests its language model's config
         eos = cfg.get("eos_token_id", text.get("eos_token_id"))
         tok_cfg = path / "tokenizer_config.json"

@@ -1,4 +1,4 @@
-"""End-to-end tests of the ZeroMQ server over a real socket (``shared/docs/PROTOCOL.md``).
+"""End-to-end tests of the ZeroMQ server over a real socket (``docs/PROTOCOL.md``).
 
 Most tests share one in-process server (a thread running ``Server.serve_forever``
 in front of a real two-process ``Service`` with the tiny model) and talk to it
@@ -35,6 +35,7 @@ import zmq
 
 from frontend.client import AsyncClient, BadRequest, Client, ConnectionClosed, Overloaded, TooLong
 from frontend.server import Server
+from shared.finish import FinishReason
 from frontend.service import Service, ServiceConfig
 from frontend.tokenization import chat_prompt_ids, text_prompt_ids
 from shared.models import load_tokenizer
@@ -368,7 +369,9 @@ def test_python_client_stream_and_generate(live):
         assert s.result.finish_reason in ("stop", "length")
         r = c.generate("The capital of France is", max_tokens=16)
         assert (r.text, r.token_ids) == (s.result.text, s.result.token_ids)
-        assert r.usage == {"prompt_tokens": s.result.usage["prompt_tokens"], "completion_tokens": len(r.token_ids)}
+        assert r.usage == {"prompt_tokens": s.result.usage["prompt_tokens"], "completion_tokens": len(r.token_ids),
+                           "cached_tokens": r.usage["cached_tokens"]}
+        assert 0 <= r.usage["cached_tokens"] < r.usage["prompt_tokens"]
 
 
 def test_messages_rendered_with_chat_template(conn, tok):
@@ -1279,7 +1282,7 @@ def test_closed_connection_cancels_its_requests_even_without_streaming(live, ctx
             assert time.monotonic() < deadline, "the closed client's requests are still running"
             time.sleep(0.02)
         for r in reqs.values():
-            assert r.finish_reason == "cancelled" and len(r.token_ids) < LONG, (r.finish_reason, len(r.token_ids))
+            assert r.finish_reason == FinishReason.CANCELLED and len(r.token_ids) < LONG, (r.finish_reason, len(r.token_ids))
         live.assert_no_leak()
     finally:
         fresh.close()
@@ -1374,7 +1377,9 @@ def test_serve_ready_after_warmup_watchdog_and_worker_kill(tmp_path, ctx):
         err = check_request(c.request("inflight", timeout_s=10))
         assert err["type"] == "error" and err["code"] == "worker_failed", err
         c.assert_quiet(0.2)  # one terminal message only
-        assert "WorkerFailed" in "".join(srv.stderr)
+        stderr = "".join(srv.stderr)  # the failure, then one line for the operator (no class name, no traceback)
+        assert "worker generation 1 failed" in stderr and re.search(r"^Error: \S", stderr, re.M), stderr
+        assert "Traceback" not in stderr and "WorkerFailed" not in stderr, stderr
         assert not _alive(srv.worker_pid)
         c.close()
     finally:
