@@ -152,6 +152,9 @@ class Engine:
         self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
         self.stats_ = EngineStats()
         self.encoder_cache = EncoderCache(int(cfg.encoder_cache_mb * (1 << 20)))
+        # monotonic time the host began waiting for a launch (None: not waiting). A long
+        # prefill (an image on a CPU) is a wait, not a hang: the worker reads this to keep beating.
+        self.device_wait_since: float | None = None
         self._inbox: list[tuple[FinishReason | None, Sequence]] = []  # (None = submit | reason to end)
         self._lock = threading.Lock()
         self._next_id = 0
@@ -509,11 +512,14 @@ class Engine:
         launch = self.launches.popleft()
         assert launch.step == step and launch.copy_done is not None, (launch.step, step)
         t = time.perf_counter()
+        self.device_wait_since = time.monotonic()
         try:
             launch.copy_done.synchronize()
             error = None
         except DeviceError as e:
             error = e
+        finally:
+            self.device_wait_since = None
         self.stats_.wait_s += time.perf_counter() - t
         for seq in launch.seqs:
             seq.inflight_refs -= 1

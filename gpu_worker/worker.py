@@ -20,6 +20,7 @@ import logging
 import os
 import select
 import sys
+import threading
 import time
 from collections import deque
 
@@ -38,6 +39,9 @@ from .sequence import ImageInput, Sequence
 log = logging.getLogger("tandem.worker")
 
 FRONTEND_STALE_S = 5.0  # the frontend beats every 100 ms; this long without one means it is gone
+# While the host waits for one launch (a long prefill: images on a CPU), a thread keeps the
+# heartbeat fresh for up to this long; a launch that takes longer is a hung device.
+DEVICE_WAIT_LIMIT_S = 300.0
 IDLE_WAIT_S = 0.05
 INPUT_WAIT_S = 0.002  # one wait for masks or ring space, between two reads of the control channel
 
@@ -94,7 +98,16 @@ class Worker:
         self.channel.flush()
 
     # ------------------------------------------------------------------ main loop
+    def _beat_while_device_works(self) -> None:
+        """Daemon thread: beat while the main loop waits for a launch still within its limit."""
+        while self.running:
+            since = self.engine.device_wait_since
+            if since is not None and time.monotonic() - since < DEVICE_WAIT_LIMIT_S:
+                self._beat()
+            time.sleep(0.1)
+
     def run(self) -> None:
+        threading.Thread(target=self._beat_while_device_works, name="worker-wait-heartbeat", daemon=True).start()
         self.engine.runner.warmup(progress=lambda done, total: self._progress("capturing CUDA graphs", done, total))
         self._beat()
         info = {"model": self.engine.config.model, "device": self.engine.device.spec,

@@ -417,3 +417,17 @@ def test_prefix_cache_tells_images_apart(svc):
     assert again["token_ids"] == a["token_ids"]
     assert other["token_ids"] != a["token_ids"]  # non-vacuity: the image decides the answer
     assert_idle(svc)
+
+
+def test_a_long_prefill_launch_is_a_wait_not_a_hang():
+    """A launch longer than the heartbeat timeout (an image prefill on a slow device, here a
+    simulated 2.5 s step against a 1 s timeout) keeps the worker alive: it is waiting, not hung."""
+    svc = make_service(device="sim:2500", worker_stale_s=1.0)
+    try:
+        log = Log()
+        req = submit(svc, log, [WIDE[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        svc.run_until(lambda: req.seq_id in log.terminal, 60)
+        assert log.terminal[req.seq_id][0] == "done", log.terminal[req.seq_id]
+        assert svc.generation == 1
+    finally:
+        svc.close()
