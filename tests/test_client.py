@@ -387,7 +387,7 @@ def test_docs_python_examples_run(server, capsys):
 
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "PROTOCOL.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for code in blocks:
         code = code.replace("tcp://127.0.0.1:5557", server.endpoint)
         exec(compile(code, "docs/PROTOCOL.md", "exec"), {"__name__": "__doc_example__"})
