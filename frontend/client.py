@@ -434,7 +434,8 @@ class Stream:
 class Client:
     """Synchronous, thread-safe client over one ZeroMQ DEALER connection."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None) -> None:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve=None) -> None:
+        """``curve``: a ``frontend.curve.CurveClient`` for a server that requires CURVE."""
         self.endpoint = endpoint
         self.timeout = timeout
         self._ctx = zmq.Context()
@@ -448,6 +449,8 @@ class Client:
         self._dealer.setsockopt(zmq.SNDHWM, 0)
         self._dealer.setsockopt(zmq.RCVHWM, 0)
         self._dealer.setsockopt(zmq.LINGER, _LINGER_MS)
+        if curve is not None:
+            curve.apply(self._dealer)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(wake)
         # Used by callers, serialised by _send_lock.
@@ -741,9 +744,10 @@ class AsyncClient:
     any number of coroutines may run requests concurrently.
     """
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None) -> None:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve=None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self._curve = curve  # a frontend.curve.CurveClient, or None
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -759,6 +763,8 @@ class AsyncClient:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINGER_MS)
+            if self._curve is not None:
+                self._curve.apply(sock)
             sock.connect(self.endpoint)
             self._sock = sock
             self._reader = asyncio.ensure_future(self._read_loop())
