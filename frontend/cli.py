@@ -12,6 +12,8 @@ import sys
 
 import click
 
+from frontend import serve_options
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
 
 
@@ -83,8 +85,9 @@ def build_engine_config(model, device, no_pipeline, max_batch, max_model_len, kv
               help="Constrain the answer to a JSON schema (file).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"text", "token_ids", "finish_reason", "usage"}.')
+@serve_options.client_key_options
 def generate(prompt, connect, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id, ignore_eos,
-             grammar, max_objects, regex, json_schema, stream, as_json, **engine_kw):
+             grammar, max_objects, regex, json_schema, stream, as_json, server_key, client_key, **engine_kw):
     """Generate a completion (in-process, or from a server with --connect).
 
     \b
@@ -112,6 +115,7 @@ def generate(prompt, connect, raw, max_tokens, temperature, top_p, top_k, seed, 
     live = stream and not as_json
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
     run = _generate_remote if connect else _generate_local
+    connect = connect and (connect, serve_options.client_curve(server_key, client_key))
     result = run(prompt, raw, sampling, list(stop), spec, echo, connect=connect, engine_kw=engine_kw)
     if live:
         click.echo()
@@ -132,7 +136,8 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, connect, engine_kw
         kw["prompt"] = prompt
     else:
         kw["messages"] = [{"role": "user", "content": prompt}]
-    with Client(connect) as client:
+    endpoint, curve = connect
+    with Client(endpoint, curve=curve) as client:
         stream = client.stream(**kw)
         for chunk in stream:
             echo(chunk.text)
@@ -238,7 +243,9 @@ def pull(name: str) -> None:
                    "a second signal stops at once.")
 @click.option("--exit-on-worker-failure", is_flag=True,
               help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
+@serve_options.network_options
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key, curve_secret_key, curve_clients,
+          insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -246,7 +253,9 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
       tandem serve                                  # smollm2-135m on tcp://127.0.0.1:5557
       tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
+      TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
     """
+    net = serve_options.resolve(bind, http, api_key, curve_secret_key, curve_clients, insecure)
     from frontend.server import Server, install_signal_handlers
     from frontend.service import Service, ServiceConfig
 
@@ -257,12 +266,17 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
                         restart=not exit_on_worker_failure, log_level=logging.getLevelName(level))
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
-    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout)
+    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve)
+    listener = net.start_http(server)
     install_signal_handlers(server)
-    click.echo(f"tandem: serving {cfg.model} on {server.endpoint} "
+    click.echo(f"tandem: serving {cfg.model} on {server.endpoint}{' and ' + listener.url if listener else ''} "
                f"(device {service.info.get('device')}, pipeline {'on' if cfg.pipeline else 'off'}, "
                f"worker pid {service.worker_pid})", err=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if listener is not None:
+            listener.stop()
     click.echo("tandem: stopped", err=True)
 
 
@@ -278,7 +292,8 @@ def _show_worker_progress(msg) -> None:
 @main.command()
 @click.option("--connect", default="tcp://127.0.0.1:5557", show_default=True)
 @click.option("--timeout", default=10.0, show_default=True)
-def info(connect, timeout):
+@serve_options.client_key_options
+def info(connect, timeout, server_key, client_key):
     """Ask a running server what it serves.
 
     \b
@@ -287,8 +302,11 @@ def info(connect, timeout):
     """
     from frontend.client import Client
 
-    with Client(connect, timeout=timeout) as client:
+    with Client(connect, timeout=timeout, curve=serve_options.client_curve(server_key, client_key)) as client:
         click.echo(json.dumps(client.info(), indent=2))
+
+
+main.add_command(serve_options.keygen_command())
 
 
 class _LazyGroup(click.Group):
