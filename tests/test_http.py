@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import signal
+import time
 
 import httpx
 import moondream
@@ -201,6 +204,7 @@ def test_metrics_move_by_exactly_the_requests(live, oai, raw):
         zc.generate(prompt_token_ids=[5, 6, 7], max_tokens=2, ignore_eos=True)
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=MODEL, messages=MSG, top_p=2.0)
+    live.wait_idle()  # the worker frees KV pages just after the answers went out
     after = metric_values(raw.get("/metrics").text)
 
     def delta(name):
@@ -264,3 +268,23 @@ def test_200_streams_with_random_disconnects(live, raw):
     assert after.get('tandem:request_success_total{finished_reason="cancelled"}', 0) - \
         before.get('tandem:request_success_total{finished_reason="cancelled"}', 0) >= 1
     assert after["tandem:num_requests_live"] == 0
+
+
+# --------------------------------------------------------------------------- health across a worker restart
+
+
+def test_health_is_503_while_the_worker_restarts(live, raw):
+    assert raw.get("/health").status_code == 200
+    os.kill(live.svc.worker_pid, signal.SIGKILL)  # the server replaces its worker in-process
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = raw.get("/health")
+        seen.append((r.status_code, r.json()["status"]))
+        if seen[-1] == (200, "ready") and (503, "restarting") in seen:
+            break
+        time.sleep(0.05)
+    assert (503, "restarting") in seen and seen[-1] == (200, "ready"), seen[-5:]
+    assert set(seen) <= {(200, "ready"), (503, "restarting")}, set(seen)
+    after = metric_values(raw.get("/metrics").text)
+    assert after["tandem:worker_generation"] == 2 and after["tandem:worker_ready"] == 1
