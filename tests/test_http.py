@@ -15,6 +15,7 @@ import random
 import re
 import signal
 import time
+from collections import Counter
 
 import httpx
 import moondream
@@ -257,7 +258,7 @@ def test_200_streams_with_random_disconnects(live, raw):
 
     results = asyncio.run(main())
     assert all(isinstance(r, str) for r in results), [r for r in results if not isinstance(r, str)][:3]
-    assert results.count("done") == plans.count("read")
+    assert results.count("done") == plans.count("read"), (Counter(results), Counter(plans))
     stats = live.wait_idle(timeout=60)  # nothing live, every KV page and batch row free again
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
     after = metric_values(raw.get("/metrics").text)
