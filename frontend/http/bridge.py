@@ -117,15 +117,27 @@ class Call:
         self._bridge, self.id, self._queue = bridge, rid, queue
         self.ended = False
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def batches(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """The messages in arrival batches: each batch is what had arrived when the previous one
+        was taken (at least one message), so a slow reader writes fewer, larger pieces."""
+        q = self._queue
         try:
             while True:
-                msg = await self._queue.get()
-                if msg["type"] in TERMINAL:
-                    self.ended = True
-                yield msg
+                batch = [await q.get()]
+                while batch[-1]["type"] not in TERMINAL and not q.empty():
+                    batch.append(q.get_nowait())
+                self.ended = batch[-1]["type"] in TERMINAL
+                yield batch
                 if self.ended:
                     return
+        finally:
+            self.abandon()
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for batch in self.batches():
+                for msg in batch:
+                    yield msg
         finally:
             self.abandon()
 

@@ -110,10 +110,12 @@ def terminal_or_raise(msg: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
-async def first_event(request: Request, events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
-    """The first message of a streamed request, before the response starts: an error
-    then is an HTTP error status, not a 200 stream that fails."""
-    return terminal_or_raise(await unless_gone(request, events.__anext__()))
+async def first_event(request: Request, events: AsyncIterator[Any]) -> Any:
+    """The first message (or batch, from ``Call.batches()``) of a streamed request, before the
+    response starts: an error then is an HTTP error status, not a 200 stream that fails."""
+    first = await unless_gone(request, events.__anext__())
+    terminal_or_raise(first[-1] if isinstance(first, list) else first)
+    return first
 
 
 def sse(obj: Any) -> bytes:

@@ -17,6 +17,7 @@ as ``choices[0].output``. See docs/HTTP.md.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -166,31 +167,39 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
         return JSONResponse({**meta, "object": shape.object, "choices": [shape.choice(ctx, done)],
                              "usage": _usage(done)})
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    events = call.events()
-    first = await first_event(request, events)
-    return sse_response(_stream(ctx, call, events, first, meta, shape, include_usage))
+    batches = call.batches()
+    first = await first_event(request, batches)
+    return sse_response(_stream(ctx, call, batches, first, meta, shape, include_usage))
 
 
-async def _stream(ctx: Context, call: Call, events: AsyncIterator[dict], first: dict, meta: dict, shape: "_Shape",
+_MARK = "\u0000text\u0000"
+
+
+async def _stream(ctx: Context, call: Call, batches: AsyncIterator[list], first: list, meta: dict, shape: "_Shape",
                   include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body. Text chunks are the hot path: one pre-encoded template per stream with the
+    text spliced in, and whatever arrived together goes out in one write."""
     head = {**meta, "object": shape.chunk_object}
     extra = {"usage": None} if include_usage else {}
+    before, after = sse({**head, "choices": [shape.delta(_MARK)], **extra}).split(json.dumps(_MARK).encode())
     try:
         opening = shape.opening()
         if opening is not None:
             yield sse({**head, "choices": [opening], **extra})
-        msg = first
+        batch = first
         while True:
-            if msg["type"] == "chunk":
-                if msg["text"]:
-                    yield sse({**head, "choices": [shape.delta(msg["text"])], **extra})
-            else:
-                done = terminal_or_raise(msg)
-                yield sse({**head, "choices": [shape.last(ctx, done)], **extra})
+            out = [before + json.dumps(m["text"]).encode() + after for m in batch if m["type"] == "chunk" and m["text"]]
+            last = batch[-1]
+            if last["type"] != "chunk":
+                done = terminal_or_raise(last)
+                out.append(sse({**head, "choices": [shape.last(ctx, done)], **extra}))
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(done)})
+                    out.append(sse({**head, "choices": [], "usage": _usage(done)}))
+                yield b"".join(out)
                 break
-            msg = await events.__anext__()
+            if out:
+                yield b"".join(out)
+            batch = await batches.__anext__()
     except HttpError as e:  # after the 200 went out: the error as an event, as OpenAI does
         yield sse(e.body())
     finally:
