@@ -3,6 +3,7 @@ work done), ZeroMQ CURVE (an unknown client key gets no answer at all, a known o
 served), and the refusal to bind beyond loopback without authentication."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -91,6 +92,16 @@ def test_curve_known_client_is_served(live, keys):
     with Client(live.endpoint, timeout=30, curve=CurveClient(keys["server_pub"], keys["alice"])) as c:
         r = c.generate(prompt="Hello", max_tokens=3, ignore_eos=True)
         assert len(r.token_ids) == 3
+
+
+def test_cli_connects_with_curve_keys(live, keys):
+    from frontend.cli import main
+
+    args = ["info", "--connect", live.endpoint, "--server-key", str(keys["server_pub"])]
+    res = CliRunner().invoke(main, [*args, "--client-key", str(keys["alice"])])
+    assert res.exit_code == 0 and json.loads(res.output)["model"] == "tiny-random", res.output
+    res = CliRunner().invoke(main, args)  # half a key pair is a usage error, not a hang
+    assert res.exit_code != 0 and "--client-key" in res.output
 
 
 @pytest.mark.parametrize("who", ["mallory", "plain"])

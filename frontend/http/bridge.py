@@ -87,23 +87,35 @@ class Bridge:
             await self._sock.send_multipart(frames)
 
     async def _read(self) -> None:
+        # After each awaited receive, what else is queued is taken without awaiting (a plain
+        # socket over the same one): zmq.asyncio's per-receive future machinery was most of the
+        # HTTP frontend's cost per streamed token.
+        now = zmq.Socket.shadow(self._sock.underlying)
         while True:
-            frames = await self._sock.recv_multipart()
-            msg = msgpack.unpackb(frames[1], raw=False)
-            t = msg.get("type")
-            if t == "info":
-                while self._infos:
-                    fut = self._infos.pop(0)
-                    if not fut.done():  # (one whose caller timed out is skipped)
-                        fut.set_result(msg)
-                        break
-                continue
-            q = self._queues.get(msg.get("id"))
-            if q is None:
-                continue  # a late reply to a request already finished here
-            if t in TERMINAL:
-                self._queues.pop(msg["id"], None)
-            q.put_nowait(msg)
+            self._route(await self._sock.recv_multipart())
+            for _ in range(4096):  # bounded: the loop's other tasks must run too
+                try:
+                    frames = now.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(frames)
+
+    def _route(self, frames: list[bytes]) -> None:
+        msg = msgpack.unpackb(frames[1], raw=False)
+        t = msg.get("type")
+        if t == "info":
+            while self._infos:
+                fut = self._infos.pop(0)
+                if not fut.done():  # (one whose caller timed out is skipped)
+                    fut.set_result(msg)
+                    break
+            return
+        q = self._queues.get(msg.get("id"))
+        if q is None:
+            return  # a late reply to a request already finished here
+        if t in TERMINAL:
+            self._queues.pop(msg["id"], None)
+        q.put_nowait(msg)
 
 
 class Call:
