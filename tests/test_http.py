@@ -125,6 +125,15 @@ def test_response_format_json_schema_and_grammar_extra(oai):
     assert re.fullmatch(r"none|\d\.\d{3},\d\.\d{3}(;\d\.\d{3},\d\.\d{3})?", p.choices[0].message.content)
 
 
+def test_unknown_fields_are_ignored_as_openai_does(raw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "ann"}], "max_tokens": 2,
+            "frequency_penalty": 0, "user": "u1", "metadata": {"a": "b"}, "no_such_field": [1]}
+    r = raw.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = raw.post("/v1/chat/completions", json={**body, "temperature": "hot"})  # a known field of a wrong type
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
 def test_openai_client_errors(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=MSG, top_p=1.5)
@@ -269,6 +278,19 @@ def test_200_streams_with_random_disconnects(live, raw):
     assert after.get('tandem:request_success_total{finished_reason="cancelled"}', 0) - \
         before.get('tandem:request_success_total{finished_reason="cancelled"}', 0) >= 1
     assert after["tandem:num_requests_live"] == 0
+
+
+def test_a_non_streaming_client_that_goes_away_cancels_its_request(live, raw):
+    cancelled = 'tandem:request_success_total{finished_reason="cancelled"}'
+    before = metric_values(raw.get("/metrics").text)
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 1900, "ignore_eos": True}  # seconds of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.http.url + "/v1/chat/completions", json=body, timeout=1.0)
+    live.wait_idle(timeout=60)
+    after = metric_values(raw.get("/metrics").text)
+    assert after.get(cancelled, 0) - before.get(cancelled, 0) == 1  # not run to its length for nobody
+    length = 'tandem:request_success_total{finished_reason="length"}'
+    assert after.get(length, 0) == before.get(length, 0)
 
 
 # --------------------------------------------------------------------------- health across a worker restart
