@@ -60,7 +60,7 @@ def precheck(model: str = "random-135m", device: str = "cuda") -> int:
             with _sync_watch(cuda, syncs, mode):
                 for batch in (reqs, reqs32):
                     seqs = [engine.submit(p, sp) for p, sp in batch]
-                    engine.run_until_idle()
+                    sink.run_until_idle()
                     got += [(s.output_ids, s.finish_reason, s.error) for s in seqs]
             if not engine.idle:
                 print(f"PRECHECK FAILED: {mode} engine not idle after the run (leaked rows or pages)")
@@ -112,6 +112,7 @@ def _launch_failure_check(loaded, device: str) -> str | None:
     """A launch that raises (as an out-of-memory would) fails the requests in flight,
     and the engine keeps serving. None when that holds, else what went wrong."""
     from bench.decode import make_engine
+    from shared.finish import FinishReason
     from shared.sampling import SamplingParams
 
     engine = make_engine(loaded, device, True, max_batch=8, max_model_len=512, kv_pages=200, prefill_budget=256,
@@ -128,7 +129,7 @@ def _launch_failure_check(loaded, device: str) -> str | None:
         engine.runner.model.forward = flaky
         victims = [engine.submit([5, 6, 7], SamplingParams(max_tokens=8)) for _ in range(2)]
         engine.run_until_idle()
-        if [v.finish_reason for v in victims] != ["error", "error"]:
+        if [v.finish_reason for v in victims] != [FinishReason.ERROR] * 2:
             return f"the requests in flight ended with {[(v.finish_reason, v.error) for v in victims]}"
         after = engine.generate([[4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
         if len(after.output_ids) != 3 or after.error or not engine.idle:
@@ -140,33 +141,38 @@ def _launch_failure_check(loaded, device: str) -> str | None:
 
 class _RingSink:
     """The worker's direct path, without the worker: the engine's copy stream writes
-    each step's sampled ids into a shared-memory arena (page-locked on CUDA), and
-    every commit checks them against the committed ids."""
+    each step's sampled ids into a shared-memory arena (page-locked on CUDA), passed
+    as ``step(copy_into=...)``, and every commit checks them against the committed ids."""
 
     def __init__(self, engine) -> None:
         from shared.shm import Arena, Layout
 
+        self.engine = engine
         self.arena = Arena.create(Layout(vocab_size=engine.vocab_size, ring_entries=8,
                                          max_rows=engine.config.max_batch))
         self.locked = engine.device.page_lock(self.arena.buffer, self.arena.layout.total_bytes)
         self.stage = self.arena.region("ring_stage")
+        self.next = 0  # the next staging row handed out; at most two steps hold one, out of 8
         self.views: dict = {}
         self.checked = self.mismatches = 0
-        engine.token_sink = self._reserve
-        engine.on_commit = self._check
 
-    def _reserve(self, rec):
-        view = self.stage[rec.step % self.stage.shape[0], :len(rec.sample_seqs)]
-        view[:] = -1
-        self.views[rec.step] = view
-        return view
+    def run_until_idle(self) -> None:
+        n = self.stage.shape[0]
+        while self.engine.has_work:
+            views = [self.stage[(self.next + k) % n] for k in range(2)]
+            for v in views:
+                v[:] = -1
+            result = self.engine.step(copy_into=self._copy_targets(views))
+            for step, view in zip(result.copied_steps, views):
+                self.views[step] = view
+                self.next += 1
+            view = self.views.pop(result.step, None)
+            if view is not None and result.rows:
+                self.checked += 1
+                self.mismatches += not np.array_equal(view[:result.rows], result.tokens)
 
-    def _check(self, rec, tokens, flags, logprobs, committed) -> None:
-        view = self.views.pop(rec.step, None)
-        if view is None:
-            return
-        self.checked += 1
-        self.mismatches += not np.array_equal(view, tokens[:len(view)].astype(np.int32))
+    def _copy_targets(self, views: list) -> list:
+        return views  # the arena rows themselves (the test redirects them to prove the check bites)
 
     def close(self) -> None:
         import torch

@@ -26,8 +26,7 @@ def run(model: str, device: str, pipeline: bool, streams: int, tokens: int, repe
     svc = Service(ServiceConfig(model=model, device=device, pipeline=pipeline, max_batch=streams,
                                 max_model_len=512, prefill_budget=512, dtype=dtype))
     try:
-        eos = json.loads((svc.model_path / "config.json").read_text()).get("eos_token_id", 2)
-        compiler = GrammarCompiler(svc.tokenizer, svc.vocab_size, tuple(eos if isinstance(eos, list) else [eos]))
+        compiler = GrammarCompiler(svc.tokenizer, svc.vocab_size, svc.model.eos_token_ids)
         spec = {"kind": "point", "max_objects": max(1, tokens // 12)}
 
         def batch(seed: int) -> float:

@@ -1,49 +1,104 @@
 """The ``tandem`` command line.
 
-Every command prints one readable line on error (no traceback); ``--help`` on
+Every command prints one readable line on error (``Error: <message>``, no
+traceback; ``TANDEM_DEBUG=1`` shows it) and exits 130 on Ctrl-C; ``--help`` on
 each command shows examples.
+
+``tandem generate`` runs its request through the same ``Service`` that
+``tandem serve`` uses (a worker process, the frontend's commit: detokenization,
+stop strings, grammar masks), or through a running server with ``--connect``:
+one commit path, whichever way the answer is produced.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 
 import click
+from click.core import ParameterSource
 
 from frontend import serve_options
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+CACHE_HELP = ("Models are cached in $TANDEM_CACHE/models if set, else $XDG_CACHE_HOME/tandem/models, "
+              "else ~/.cache/tandem/models.")
 
 
 class _Main(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except Exception as e:  # one line, not a traceback
             if os.environ.get("TANDEM_DEBUG"):
                 raise
-            raise click.ClickException(f"{type(e).__name__}: {e}") from e
+            raise click.ClickException(str(e) or type(e).__name__) from e
 
 
-@click.group(cls=_Main)
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
-def main(log_level: str) -> None:
-    """Tandem: an inference server whose GPU never waits for the CPU."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def _set_log_level(ctx, param, value):
+    if value is not None:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")  # once (no-op after)
+        logging.getLogger().setLevel(value.upper())
+
+
+def log_level_option(default: str | None = None):
+    """``--log-level`` on the group (``tandem --log-level info serve``) and on each command
+    (``tandem serve --log-level info``); the command's wins."""
+    return click.option("--log-level", type=click.Choice(LOG_LEVELS), default=default, show_default=default is not None,
+                        expose_value=False, is_eager=True, callback=_set_log_level,
+                        help="Logging on stderr (also the GPU worker's).")
+
+
+def normalize_endpoint(ctx, param, value: str | None) -> str | None:
+    """ZeroMQ endpoints; a bare HOST:PORT means tcp://HOST:PORT."""
+    if value is None:
+        return None
+    scheme, sep, rest = value.rpartition("://")
+    if not sep:
+        scheme, rest = "tcp", value
+    host, colon, port = rest.rpartition(":")
+    if scheme == "tcp" and not (colon and host and (port == "*" or port.isdigit() and int(port) < 1 << 16)):
+        raise click.BadParameter(f"{value!r}: expected HOST:PORT, tcp://HOST:PORT or ipc://PATH")
+    return f"{scheme}://{rest}"
+
+
+def connect_option(default: str | None, help: str):
+    return click.option("--connect", default=default, show_default=default is not None, callback=normalize_endpoint,
+                        help=help)
+
+
+def timeout_option(default: float):
+    return click.option("--timeout", default=default, show_default=True, type=click.FloatRange(min=0, min_open=True),
+                        help="Seconds to wait for the server's first answer before giving up.")
+
+
+# Options that configure the in-process engine (the worker that `generate` and `serve` start).
+ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len", "kv_pages",
+                  "kv_memory_fraction"]
 
 
 def engine_options(fn):
-    """Options shared by every command that builds an in-process engine."""
+    """Options shared by every command that starts a GPU worker."""
     opts = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="smollm2-135m | tiny-random | path to a Hugging Face directory"),
         click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | sim:MS"),
+        click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+                     help="Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)."),
         click.option("--no-pipeline", is_flag=True, help="Blocking decode (the baseline)."),
+        click.option("--no-prefix-cache", is_flag=True,
+                     help="Compute every prompt in full (no KV pages shared between requests; for A/B runs)."),
         click.option("--max-batch", default=64, show_default=True, help="Batch rows (concurrent sequences)."),
         click.option("--max-model-len", default=2048, show_default=True, help="Context length cap."),
         click.option("--kv-pages", type=int, default=None, help="KV cache pages (default: sized to memory)."),
@@ -55,19 +110,38 @@ def engine_options(fn):
     return fn
 
 
-def build_engine_config(model, device, no_pipeline, max_batch, max_model_len, kv_pages, kv_memory_fraction, **extra):
-    from shared.config import EngineConfig
+def service_config(engine_kw: dict, **extra):
+    """The ServiceConfig (engine fields + the frontend's) for the engine options of a command."""
+    from frontend.service import ServiceConfig
 
-    return EngineConfig(model=model, device=device, pipeline=not no_pipeline, max_batch=max_batch,
-                        max_model_len=max_model_len, kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,
-                        **extra)
+    kw = dict(engine_kw)
+    dtype = kw.pop("dtype")
+    return ServiceConfig(pipeline=not kw.pop("no_pipeline"), prefix_cache=not kw.pop("no_prefix_cache"),
+                         dtype=None if dtype == "auto" else dtype,
+                         log_level=logging.getLevelName(logging.getLogger().level), **kw, **extra)
+
+
+def given(ctx: click.Context, name: str) -> bool:
+    """True if the user set option ``name`` (even to its default value)."""
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@click.group(cls=_Main)
+@log_level_option(default="warning")
+def main() -> None:
+    """Tandem: an inference server whose GPU never waits for the CPU."""
 
 
 @main.command()
 @click.argument("prompt", required=False)
 @engine_options
-@click.option("--connect", default=None, help="Use a running server (e.g. tcp://127.0.0.1:5557) instead of "
-              "an in-process engine.")
+@connect_option(None, "Use a running server (e.g. tcp://127.0.0.1:5557 or 127.0.0.1:5557) instead of "
+                      "starting a GPU worker. The engine options (--model aside) belong to that server.")
+@timeout_option(30.0)
 @click.option("--raw", is_flag=True, help="Send PROMPT as plain text, without the chat template.")
 @click.option("--max-tokens", default=256, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
@@ -84,22 +158,35 @@ def build_engine_config(model, device, no_pipeline, max_batch, max_model_len, kv
 @click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
               help="Constrain the answer to a JSON schema (file).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"text", "token_ids", "finish_reason", "usage"}.')
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
+                   '--json-schema).')
 @serve_options.client_key_options
-def generate(prompt, connect, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id, ignore_eos,
-             grammar, max_objects, regex, json_schema, stream, as_json, server_key, client_key, **engine_kw):
-    """Generate a completion (in-process, or from a server with --connect).
+@log_level_option()
+@click.pass_context
+def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
+             ignore_eos, grammar, max_objects, regex, json_schema, stream, as_json, server_key, client_key,
+             **engine_kw):
+    """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
+
+    Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
 
     \b
     Examples:
       tandem generate "What is the capital of France?"
       tandem generate "Write a haiku" --temperature 0.8 --seed 1 --json
-      echo "Once upon a time" | tandem generate - --raw --max-tokens 40
+      echo "Once upon a time" | tandem generate --raw --max-tokens 40
       tandem generate "Point at the cat" --grammar point --max-objects 3
-      tandem generate "Hi" --connect tcp://127.0.0.1:5557 --stream
+      tandem generate "Hi" --connect 127.0.0.1:5557
     """
-    if prompt is None or prompt == "-":
-        prompt = sys.stdin.read() if prompt == "-" or not sys.stdin.isatty() else "What is the capital of France?"
+    if connect:
+        misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
+        if misplaced:
+            raise click.UsageError(f"{', '.join(misplaced)}: options of a local GPU worker, not of --connect "
+                                   "(the server's own apply: set them on `tandem serve`)")
+    elif given(ctx, "timeout"):
+        raise click.UsageError("--timeout applies to --connect only")
+    prompt = _read_prompt(prompt)
     kinds = [g for g in (grammar, regex, json_schema) if g is not None]
     if len(kinds) > 1:
         raise click.UsageError("use at most one of --grammar, --regex, --json-schema")
@@ -114,20 +201,51 @@ def generate(prompt, connect, raw, max_tokens, temperature, top_p, top_k, seed, 
                     stop_token_ids=list(stop_token_id), ignore_eos=ignore_eos)
     live = stream and not as_json
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
-    run = _generate_remote if connect else _generate_local
-    connect = connect and (connect, serve_options.client_curve(server_key, client_key))
-    result = run(prompt, raw, sampling, list(stop), spec, echo, connect=connect, engine_kw=engine_kw)
+    if connect:
+        model = engine_kw["model"] if given(ctx, "model") else None
+        curve = serve_options.client_curve(server_key, client_key)
+        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, curve)
+    else:
+        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw))
     if live:
         click.echo()
     if as_json:
         click.echo(json.dumps(result))
     elif not live:
         click.echo(result["text"])
-    if "output" in result and not as_json:
-        click.echo(json.dumps(result["output"]), err=True)
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, connect, engine_kw) -> dict:
+def _read_prompt(prompt: str | None) -> str:
+    """PROMPT, or stdin for '-' or when stdin is piped; one trailing newline (echo's) is dropped."""
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise click.UsageError("missing PROMPT (give it as an argument, or '-' or a pipe to read stdin)")
+        prompt = sys.stdin.read()
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    return prompt
+
+
+def _result_json(text, token_ids, finish_reason, usage, output) -> dict:
+    out = {"text": text, "token_ids": list(token_ids), "finish_reason": finish_reason, "usage": usage}
+    if output is not None:
+        out["output"] = output
+    return out
+
+
+def _server_info(client, endpoint: str, timeout: float) -> dict:
+    """The server's info, or a one-line error if nothing answered within ``timeout``."""
+    from frontend.client import RequestTimeout
+
+    try:
+        return client.info(timeout=timeout)
+    except RequestTimeout:
+        raise click.ClickException(f"no server answered at {endpoint} within {timeout:g} s "
+                                   "(is `tandem serve` running there?)") from None
+
+
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve) -> dict:
     from frontend.client import Client
 
     kw = dict(sampling, stop=stop or None, grammar=spec)
@@ -136,107 +254,131 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, connect, engine_kw
         kw["prompt"] = prompt
     else:
         kw["messages"] = [{"role": "user", "content": prompt}]
-    endpoint, curve = connect
     with Client(endpoint, curve=curve) as client:
+        served = _server_info(client, endpoint, timeout).get("model")
+        if model is not None and model != served:
+            raise click.UsageError(f"the server at {endpoint} serves {served!r}, not {model!r} "
+                                   "(--model picks a local worker's model)")
         stream = client.stream(**kw)
         for chunk in stream:
             echo(chunk.text)
         r = stream.result
-    out = {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason, "usage": r.usage}
-    if r.output is not None:
-        out["output"] = r.output
-    return out
+    return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, connect, engine_kw) -> dict:
-    import numpy as np
-
-    from frontend.detokenizer import IncrementalDetokenizer
-    from frontend.grammars import GrammarCompiler
+def _generate_local(prompt, raw, sampling, stop, spec, echo, config) -> dict:
+    """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
+    from frontend.server import grammar_compiler
+    from frontend.service import Service
     from frontend.tokenization import chat_prompt_ids, text_prompt_ids
-    from gpu_worker.engine import Engine
-    from shared.models import load_tokenizer
     from shared.sampling import SamplingParams
 
-    params = SamplingParams(**sampling)
-    tokenizer = load_tokenizer(engine_kw["model"])
-    ids = text_prompt_ids(tokenizer, prompt) if raw else chat_prompt_ids(tokenizer, [{"role": "user",
-                                                                                      "content": prompt}])
-    config = build_engine_config(**engine_kw)
-    matcher = None
-    provider = None
-    if spec is not None:
-        from shared.models import resolve_model
-
-        model_cfg = json.loads((resolve_model(config.model) / "config.json").read_text())
-        eos = model_cfg.get("eos_token_id")
-        compiler = GrammarCompiler(tokenizer, model_cfg["vocab_size"], tuple(eos if isinstance(eos, list) else [eos]))
-        matcher = compiler.compile(spec).matcher()
-
-        def provider(seqs, step):  # called after the previous token's commit: never stale
-            words = np.empty((len(seqs), (model_cfg["vocab_size"] + 31) // 32), dtype=np.int32)
-            matcher.fill_mask(words[0])
-            return words, None
-
-    engine = Engine(config, mask_provider=provider)
-    detok = IncrementalDetokenizer(tokenizer, stop=stop)
-
-    def on_token(seq, token):
-        if matcher is not None:
-            matcher.accept(token)
-        echo(detok.add(token))
-        if detok.stopped:
-            engine.cancel(seq, "stop")  # a stop string ends the request at once
-
+    service = Service(config, on_progress=_show_worker_progress if sys.stderr.isatty() else None)
     try:
-        seq = engine.submit(ids, params, on_token=on_token, constrained=matcher is not None)
-        engine.run_until_idle()
+        tok = service.tokenizer
+        ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
+        constraint = grammar_compiler(service).compile(spec).matcher() if spec is not None else None
+        ended: dict = {}
+
+        def on_event(req, kind, payload):
+            if kind == "chunk":
+                echo(payload["text"])
+            else:
+                ended[kind] = payload
+
+        service.submit(ids, SamplingParams(**sampling), stop=stop, constraint=constraint, on_event=on_event)
+        while not ended:
+            service.poll(0.1)
     finally:
-        engine.close()
-    if seq.error:
-        raise click.ClickException(seq.error)
-    echo(detok.finish())
-    out = {"text": detok.text, "token_ids": seq.output_ids, "finish_reason": seq.finish_reason,
-           "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.output_ids)}}
-    if matcher is not None and seq.finish_reason == "stop":
-        out["output"] = matcher.output(detok.text)
-    return out
+        service.close()
+    if "error" in ended:
+        raise click.ClickException(ended["error"]["message"])
+    done = ended["done"]
+    return _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"))
 
 
-@main.command()
+def _bench_models() -> dict[str, str]:
+    """The benchmark's random-weight models (built in memory by `tandem bench decode`), with a description."""
+    from bench.decode import RANDOM_MODELS
+
+    return {name: f"random weights, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+                  f"vocab {c['vocab_size']}, built in memory"
+            for name, c in RANDOM_MODELS.items()}
+
+
+@main.command(help=f"""List the models and whether they are prepared.
+
+Built-in models are converted once into the cache (tandem pull NAME); bench-only
+models are random weights that `tandem bench decode --model NAME` builds in memory.
+{CACHE_HELP}
+
+\b
+Example:
+  tandem models
+""")
+@log_level_option()
 def models() -> None:
-    """List the built-in models and whether they are prepared.
-
-    \b
-    Example:
-      tandem models
-    """
-    from shared.models import list_models
+    from shared.models import cache_root, list_models
 
     for m in list_models():
         state = "ready" if m["cached"] else "not prepared (tandem pull NAME)"
         click.echo(f"{m['name']:14s} {state:34s} {m['description']}")
+    for name, description in _bench_models().items():
+        click.echo(f"{name:14s} {'bench-only (tandem bench decode)':34s} {description}")
+    click.echo(f"cache: {cache_root()}")
 
 
-@main.command()
+@main.command(help=f"""Prepare a built-in model (convert once into the cache, with progress).
+
+{CACHE_HELP}
+
+\b
+Example:
+  tandem pull smollm2-135m
+""")
 @click.argument("name", default="smollm2-135m")
+@log_level_option()
 def pull(name: str) -> None:
-    """Prepare a built-in model (convert once into the cache, with progress).
-
-    \b
-    Example:
-      tandem pull smollm2-135m
-    """
     from shared.models import BUILTIN, resolve_model
 
+    if name in _bench_models():
+        raise click.ClickException(f"{name} is bench-only: `tandem bench decode --model {name}` builds its random "
+                                   "weights in memory; there is nothing to pull")
     if name not in BUILTIN:
         raise click.ClickException(f"unknown model {name!r}; built-in: {', '.join(BUILTIN)}")
     click.echo(f"{name}: ready at {resolve_model(name)}")
 
 
+def check_endpoint_free(endpoint: str) -> None:
+    """Fail now, not after the model has loaded, if a tcp endpoint's port is taken.
+
+    A check, not a reservation (the server binds later); it binds a plain socket
+    with SO_REUSEADDR, as ZeroMQ does, so a port in TIME_WAIT is not "taken".
+    Endpoints it cannot interpret (interface names, ipc://) are left to ZeroMQ."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return  # an ephemeral port ('*' or 0): always free
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(None if host == "*" else host, int(port),
+                                                             type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError):
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            why = "the port is already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise click.ClickException(f"cannot listen on {endpoint}: {why}") from None
+
+
 @main.command()
 @engine_options
-@click.option("--bind", default="tcp://127.0.0.1:5557", show_default=True, help="ZeroMQ endpoint to listen on.")
+@click.option("--bind", default="tcp://127.0.0.1:5557", show_default=True, callback=normalize_endpoint,
+              help="ZeroMQ endpoint to listen on (tcp://HOST:PORT, HOST:PORT or ipc://PATH).")
 @click.option("--max-queue", default=1024, show_default=True, help="Requests in flight before 'overloaded'.")
 @click.option("--drain-timeout", default=20.0, show_default=True,
               help="On SIGTERM/SIGINT: seconds in-flight requests may still finish (new ones get 'overloaded'); "
@@ -244,6 +386,7 @@ def pull(name: str) -> None:
 @click.option("--exit-on-worker-failure", is_flag=True,
               help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
 @serve_options.network_options
+@log_level_option()
 def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key, curve_secret_key, curve_clients,
           insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
@@ -253,17 +396,16 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key,
       tandem serve                                  # smollm2-135m on tcp://127.0.0.1:5557
       tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
+      tandem serve --dtype float32 --bind 0.0.0.0:5557 --insecure     # a trusted network only
       TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
     """
     net = serve_options.resolve(bind, http, api_key, curve_secret_key, curve_clients, insecure)
     from frontend.server import Server, install_signal_handlers
-    from frontend.service import Service, ServiceConfig
+    from frontend.service import Service
 
-    level = logging.getLogger().level
-    cfg = ServiceConfig(model=engine_kw["model"], device=engine_kw["device"], pipeline=not engine_kw["no_pipeline"],
-                        max_batch=engine_kw["max_batch"], max_model_len=engine_kw["max_model_len"],
-                        kv_pages=engine_kw["kv_pages"], kv_memory_fraction=engine_kw["kv_memory_fraction"],
-                        restart=not exit_on_worker_failure, log_level=logging.getLevelName(level))
+    check_endpoint_free(bind)  # before the model load, which can take minutes
+    net.listen()
+    cfg = service_config(engine_kw, restart=not exit_on_worker_failure)
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
     server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve)
@@ -290,20 +432,21 @@ def _show_worker_progress(msg) -> None:
 
 
 @main.command()
-@click.option("--connect", default="tcp://127.0.0.1:5557", show_default=True)
-@click.option("--timeout", default=10.0, show_default=True)
+@connect_option("tcp://127.0.0.1:5557", "The server (tcp://HOST:PORT, HOST:PORT or ipc://PATH).")
+@timeout_option(10.0)
 @serve_options.client_key_options
+@log_level_option()
 def info(connect, timeout, server_key, client_key):
     """Ask a running server what it serves.
 
     \b
     Example:
-      tandem info --connect tcp://127.0.0.1:5557
+      tandem info --connect 127.0.0.1:5557
     """
     from frontend.client import Client
 
-    with Client(connect, timeout=timeout, curve=serve_options.client_curve(server_key, client_key)) as client:
-        click.echo(json.dumps(client.info(), indent=2))
+    with Client(connect, curve=serve_options.client_curve(server_key, client_key)) as client:
+        click.echo(json.dumps(_server_info(client, connect, timeout), indent=2))
 
 
 main.add_command(serve_options.keygen_command())
@@ -327,6 +470,7 @@ class _LazyGroup(click.Group):
 
 
 @main.group(cls=_LazyGroup)
+@log_level_option()
 def bench():
     """Benchmarks (see BENCHMARKS.md).
 

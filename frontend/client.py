@@ -1,7 +1,8 @@
 """Python client for the Tandem protocol (``docs/PROTOCOL.md``).
 
-Self-contained: needs only ``pyzmq`` and ``msgpack`` (no torch, no other Tandem
-module), so this file can also be copied into another project.
+Needs only ``pyzmq`` and ``msgpack`` (no torch). Of Tandem it imports only
+pure-Python modules: ``frontend.protocol`` (the wire constants and generate's
+field names) and ``shared.sampling`` (the sampling fields).
 
     from frontend.client import Client
     with Client("tcp://127.0.0.1:5557") as c:
@@ -9,6 +10,17 @@ module), so this file can also be copied into another project.
         for chunk in (s := c.stream("Once upon a time", max_tokens=64)):
             print(chunk.text, end="", flush=True)
         print(s.result.finish_reason)
+
+Layout
+------
+What a call means is written once, without I/O (the "core" section): the
+messages a call sends (``_generate_msg``, ...), how replies are routed to the
+calls waiting for them (``_Demux``), and what the replies of one request
+(``_Call``) or one ping/info (``_Query``) mean: chunks, the result, typed
+errors, timeouts.  Two thin transports drive it: :class:`Client` (blocking
+queues and a background I/O thread) and :class:`AsyncClient` (asyncio queues,
+``zmq.asyncio``).  Both open their connection with ``_dealer_socket``, the one
+place the socket is configured.
 
 Thread-safety
 -------------
@@ -32,6 +44,7 @@ On expiry the client sends ``cancel`` for the request and raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -44,9 +57,13 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from frontend.protocol import MAX_ID_CHARS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from shared.sampling import SAMPLING_FIELD_NAMES
+
 __all__ = [
     "VERSION_FRAME",
     "DEFAULT_ENDPOINT",
+    "GENERATE_OPTIONS",
     "TandemError",
     "BadRequest",
     "UnsupportedVersion",
@@ -65,10 +82,12 @@ __all__ = [
     "AsyncClient",
 ]
 
-VERSION_FRAME = b"TANDEM1"  # same as frontend.protocol.VERSION_FRAME
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
-MAX_ID_CHARS = 128
 _LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a last cancel)
+
+# The keyword options of generate/stream: the sampling fields and the output fields
+# (``stream`` is set by the method called). None = not sent, the server's default.
+GENERATE_OPTIONS = frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"})
 
 
 # --------------------------------------------------------------------------- errors
@@ -194,7 +213,7 @@ def _chunk(msg: dict) -> Chunk:
     return Chunk(msg.get("id"), msg.get("seq", 0), msg.get("text", ""), list(msg.get("token_ids") or []))
 
 
-# --------------------------------------------------------------------------- shared plumbing
+# --------------------------------------------------------------------------- core (no I/O)
 
 _CLOSED = {"type": "_closed"}  # put into every waiting queue when the client closes
 
@@ -203,44 +222,49 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-# Sampling and output options of ``generate`` (PROTOCOL.md); None = the server's default.
-GENERATE_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                              "ignore_eos", "logprobs", "grammar"})
-
-
 def _generate_msg(
-    request_id: str | None,
-    prompt: str | None,
-    messages: Sequence[dict] | None,
-    prompt_token_ids: Sequence[int] | None,
     stream: bool,
-    options: dict[str, Any],
+    prompt: str | None = None,
+    /,
+    *,
+    messages: Sequence[dict] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    request_id: str | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
+    """The ``generate`` message of a call; TypeError / ValueError for bad arguments."""
     unknown = sorted(set(options) - GENERATE_OPTIONS)
     if unknown:
         raise TypeError(f"unknown generate option(s): {', '.join(unknown)}; known: {', '.join(sorted(GENERATE_OPTIONS))}")
-    given = [n for n, v in (("prompt", prompt), ("messages", messages), ("prompt_token_ids", prompt_token_ids)) if v is not None]
-    if len(given) != 1:
-        raise ValueError(
-            "exactly one of prompt, messages, prompt_token_ids is required, got "
-            + (" and ".join(given) or "none")
-        )
+    form = prompt_field({"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids})
     rid = _new_id() if request_id is None else request_id
     if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_ID_CHARS:
         raise ValueError(f"request_id must be a string of 1 to {MAX_ID_CHARS} characters")
-    msg: dict[str, Any] = {"type": "generate", "id": rid}
-    if prompt is not None:
+    msg: dict[str, Any] = {"type": "generate", "id": rid}  # type and id first: see PROTOCOL.md
+    if form == "prompt":
         msg["prompt"] = prompt
-    elif messages is not None:
-        msg["messages"] = [dict(m) for m in messages]
+    elif form == "messages":
+        msg["messages"] = [dict(m) for m in messages]  # type: ignore[union-attr]
     else:
         msg["prompt_token_ids"] = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
     msg["stream"] = stream
     for k, v in options.items():
-        if v is None:
-            continue
-        msg[k] = list(v) if isinstance(v, tuple) else v
+        if v is not None:
+            msg[k] = list(v) if isinstance(v, tuple) else v
     return msg
+
+
+def _cancel_msg(request_id: str) -> dict[str, Any]:
+    return {"type": "cancel", "id": request_id}
+
+
+def _shape_grammar(kind: str, max_objects: int) -> dict[str, Any]:
+    """The grammar of :meth:`Client.point` (``"point"``) and :meth:`Client.detect` (``"box"``)."""
+    return {"kind": kind, "max_objects": max_objects}
+
+
+def _encode(msg: dict) -> list[bytes]:
+    return [VERSION_FRAME, msgpack.packb(msg, use_bin_type=True)]
 
 
 def _decode(frames: list[bytes]) -> dict | None:
@@ -273,24 +297,19 @@ class _Demux:
         with self._lock:
             self._by_id.pop(rid, None)
 
-    def add_ping(self, nonce: str, q: Any) -> None:
+    def add_query(self, query: _Query, q: Any) -> None:
         with self._lock:
-            self._by_nonce[nonce] = q
+            if query.nonce is not None:
+                self._by_nonce[query.nonce] = q
+            else:
+                self._infos.append(q)
 
-    def remove_ping(self, nonce: str) -> None:
+    def remove_query(self, query: _Query, q: Any) -> None:
         with self._lock:
-            self._by_nonce.pop(nonce, None)
-
-    def add_info(self, q: Any) -> None:
-        with self._lock:
-            self._infos.append(q)
-
-    def remove_info(self, q: Any) -> None:
-        with self._lock:
-            try:
+            if query.nonce is not None:
+                self._by_nonce.pop(query.nonce, None)
+            elif q in self._infos:
                 self._infos.remove(q)
-            except ValueError:
-                pass
 
     def dispatch(self, msg: dict) -> bool:
         t = msg.get("type")
@@ -331,24 +350,183 @@ class _Demux:
             q.put_nowait(_CLOSED)
 
 
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
 def _error_from(msg: dict, rid: str | None) -> TandemError:
     if msg is _CLOSED:
         return ConnectionClosed("the client was closed", id=rid)
     return TandemError.from_code(msg.get("code"), msg.get("message", ""), msg.get("id") if msg.get("id") is not None else rid)
 
 
-# --------------------------------------------------------------------------- sync client
+class _Call:
+    """What the replies to one ``generate`` mean: chunks, then its result or its error.
+
+    ``open`` registers the call's reply queue (before the request is sent, so
+    no reply is missed); the transport then hands every reply to ``feed``
+    until ``finished``.  ``live``: opened and not ended, so the server may
+    still be running the request (closing a live call cancels it).
+    """
+
+    def __init__(self, msg: dict, timeout: float | None) -> None:
+        self.msg = msg
+        self.id: str = msg["id"]
+        self.result: Result | None = None
+        self.finished = False
+        self._timeout = timeout
+        self._deadline: float | None = None
+        self._demux: _Demux | None = None  # set once opened
+
+    @property
+    def opened(self) -> bool:
+        return self._demux is not None
+
+    @property
+    def live(self) -> bool:
+        return self.opened and not self.finished
+
+    def open(self, demux: _Demux, q: Any) -> None:
+        demux.add_request(self.id, q)  # DuplicateId: nothing was registered
+        self._demux = demux
+        self._deadline = None if self._timeout is None else time.monotonic() + self._timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left before the call times out (None: no limit)."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def feed(self, reply: dict) -> Chunk | None:
+        """The chunk to hand out, or None (after ``done`` the call is finished with its
+        ``result``; other types are ignored).  An ``error``, or the client closing,
+        finishes the call and raises."""
+        t = reply.get("type")
+        if t == "chunk":
+            return _chunk(reply)
+        if t == "done":
+            self.result = Result._from_msg(reply)
+            self.finish()
+        elif t == "error" or reply is _CLOSED:
+            self.finish()
+            raise _error_from(reply, self.id)
+        return None
+
+    def timed_out(self) -> RequestTimeout:
+        """The error to raise once ``remaining()`` ran out (after cancelling the call)."""
+        return RequestTimeout(f"request {self.id} timed out", id=self.id)
+
+    def finish(self) -> bool:
+        """Stop routing replies here. True if the call was live: the caller should cancel it."""
+        was_live = self.live
+        self.finished = True
+        if was_live:
+            self._demux.remove_request(self.id)  # type: ignore[union-attr]
+        return was_live
 
 
-class Stream:
+class _Query:
+    """A request answered by one reply: ``ping`` (its pong is routed by nonce) or
+    ``info`` (info replies are routed first-come first-served)."""
+
+    def __init__(self, msg: dict) -> None:
+        self.msg = msg
+        self.nonce: str | None = msg.get("nonce")
+        self.reply_type = "pong" if msg["type"] == "ping" else msg["type"]
+        self.sent_at = time.monotonic()  # it is sent right away
+
+    def answer(self, reply: dict | None) -> Any:
+        """The call's return value, from its reply (None: the time ran out)."""
+        if reply is None:
+            raise RequestTimeout(f"{self.msg['type']} timed out")
+        if reply.get("type") != self.reply_type:
+            raise _error_from(reply, None)
+        if self.reply_type == "pong":
+            return time.monotonic() - self.sent_at  # the round trip
+        return {k: v for k, v in reply.items() if k != "type"}
+
+
+def _ping() -> _Query:
+    return _Query({"type": "ping", "nonce": _new_id()})
+
+
+def _info() -> _Query:
+    return _Query({"type": "info"})
+
+
+# --------------------------------------------------------------------------- transports: what both share
+
+
+def _dealer_socket(ctx: zmq.Context, endpoint: str, curve: Any = None) -> zmq.Socket:
+    """Both transports' connection to the server (``ctx``: a ``zmq.Context`` or a
+    ``zmq.asyncio.Context``); socket security options belong here: ``curve``, a
+    ``frontend.curve.CurveClient``, for a server that requires CURVE.
+
+    No high-water marks: a burst of requests or replies is queued, never dropped.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(endpoint)
+    except zmq.ZMQError:
+        sock.close(0)
+        raise
+    return sock
+
+
+class _StreamBase:
+    def __init__(self, client: Any, msg: dict, timeout: float | None) -> None:
+        self._client = client
+        self._call = _Call(msg, timeout)
+        self.id: str = self._call.id
+
+    @property
+    def result(self) -> Result | None:
+        """The final :class:`Result`, once the iteration has ended normally."""
+        return self._call.result
+
+
+class _ClientBase:
+    _stream_type: type  # Stream or AsyncStream
+
+    def __init__(self, endpoint: str, timeout: float | None, curve: Any = None) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.curve = curve
+        self._demux = _Demux()
+        self._closed = False
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _open_stream(self, stream: bool, prompt: str | None, timeout: float | None, request: dict) -> Any:
+        return self._stream_type(self, _generate_msg(stream, prompt, **request), self._timeout(timeout))
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Any:
+        """A streamed request: iterate the returned stream (``for``, or ``async for`` with
+        :class:`AsyncClient`) for its :class:`Chunk` s; after the loop, ``stream.result``
+        is the final :class:`Result`.  Arguments as :meth:`Client.generate`.
+
+        :class:`Client` sends the request now; :class:`AsyncClient` (not a coroutine
+        here) when the iteration, or ``async with``, starts.
+        """
+        return self._open_stream(True, prompt, timeout, request)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+# --------------------------------------------------------------------------- sync transport
+
+
+def _get(q: queue.Queue, timeout: float | None) -> dict | None:
+    """The next reply in ``q``, or None once ``timeout`` seconds have passed."""
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        return None
+
+
+class Stream(_StreamBase):
     """Iterator of :class:`Chunk` for one streamed request.
 
     When iteration ends normally, ``.result`` holds the final :class:`Result`
@@ -359,59 +537,39 @@ class Stream:
     """
 
     def __init__(self, client: Client, msg: dict, timeout: float | None) -> None:
-        self._client = client
-        self.id: str = msg["id"]
-        self.result: Result | None = None
-        self._finished = True  # until registered: __del__ must not unregister another's id
-        self._q: Any = queue.Queue()
-        self._deadline = _deadline(timeout)
-        client._demux.add_request(self.id, self._q)
-        self._finished = False
+        super().__init__(client, msg, timeout)
+        self._q: queue.Queue = queue.Queue()
+        self._call.open(client._demux, self._q)
         try:
             client._send(msg)
         except BaseException:
-            self._finish()
+            self._call.finish()
             raise
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> Chunk:
-        while not self._finished:
-            try:
-                msg = self._q.get(timeout=_remaining(self._deadline))
-            except queue.Empty:
+        while not self._call.finished:
+            reply = _get(self._q, self._call.remaining())
+            if reply is None:
                 self.close()
-                raise RequestTimeout(f"request {self.id} timed out", id=self.id) from None
-            t = msg.get("type")
-            if t == "chunk":
-                return _chunk(msg)
-            if t == "done":
-                self.result = Result._from_msg(msg)
-                self._finish()
-                break
-            if t == "error" or msg is _CLOSED:
-                self._finish()
-                raise _error_from(msg, self.id)
+                raise self._call.timed_out()
+            chunk = self._call.feed(reply)
+            if chunk is not None:
+                return chunk
         raise StopIteration
 
     def cancel(self) -> None:
         """Ask the server to end the request; keep iterating to get its ``done``."""
-        if not self._finished:
+        if self._call.live:
             self._client.cancel(self.id)
 
     def close(self) -> None:
         """Stop waiting; cancels the request on the server if it has not ended."""
-        if not self._finished:
-            self._finish()
-            try:
+        if self._call.finish():
+            with contextlib.suppress(TandemError):
                 self._client.cancel(self.id)
-            except TandemError:
-                pass
-
-    def _finish(self) -> None:
-        self._finished = True
-        self._client._demux.remove_request(self.id)
 
     def __enter__(self) -> Stream:
         return self
@@ -423,47 +581,35 @@ class Stream:
         # Garbage collection may run in the middle of a send on this thread: never
         # send from here, hand the cancel to the client to send when it safely can.
         try:
-            if not self._finished:
-                self._finished = True
-                self._client._demux.remove_request(self.id)
+            if self._call.finish():
                 self._client._cancel_soon(self.id)
         except Exception:
             pass
 
 
-class Client:
+class Client(_ClientBase):
     """Synchronous, thread-safe client over one ZeroMQ DEALER connection."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve=None) -> None:
-        """``curve``: a ``frontend.curve.CurveClient`` for a server that requires CURVE."""
-        self.endpoint = endpoint
-        self.timeout = timeout
+    _stream_type = Stream
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve: Any = None) -> None:
+        super().__init__(endpoint, timeout, curve)
         self._ctx = zmq.Context()
-        self._demux = _Demux()
+        try:
+            # Created here, then used only by the I/O thread (thread start is a memory barrier).
+            self._dealer = _dealer_socket(self._ctx, endpoint, curve)
+        except zmq.ZMQError:
+            self._ctx.term()
+            raise
         self._send_lock = threading.Lock()
         self._deferred_cancels: deque[str] = deque()
-        self._closed = False
+        # Callers hand frames to the I/O thread through PUSH -> PULL (serialised by _send_lock).
         wake = f"inproc://tandem-client-{_new_id()}"
-        # Created here, then used only by the I/O thread (thread start is a memory barrier).
-        self._dealer = self._ctx.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.SNDHWM, 0)
-        self._dealer.setsockopt(zmq.RCVHWM, 0)
-        self._dealer.setsockopt(zmq.LINGER, _LINGER_MS)
-        if curve is not None:
-            curve.apply(self._dealer)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(wake)
-        # Used by callers, serialised by _send_lock.
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.connect(wake)
-        try:
-            self._dealer.connect(endpoint)
-        except zmq.ZMQError:
-            for s in (self._dealer, self._pull, self._push):
-                s.close(0)
-            self._ctx.term()
-            raise
         self._thread = threading.Thread(target=self._io_loop, name="tandem-client-io", daemon=True)
         self._thread.start()
 
@@ -503,18 +649,16 @@ class Client:
             dealer.close()
 
     def _send(self, msg: dict) -> None:
-        payload = msgpack.packb(msg, use_bin_type=True)
+        frames = _encode(msg)
         with self._send_lock:
             if self._closed:
                 raise ConnectionClosed("the client is closed", id=msg.get("id"))
-            self._push.send_multipart([b"S", VERSION_FRAME, payload])
+            self._push.send_multipart([b"S", *frames])
             self._flush_deferred()
 
     def _flush_deferred(self) -> None:  # with _send_lock held
         while self._deferred_cancels:
-            rid = self._deferred_cancels.popleft()
-            payload = msgpack.packb({"type": "cancel", "id": rid}, use_bin_type=True)
-            self._push.send_multipart([b"S", VERSION_FRAME, payload])
+            self._push.send_multipart([b"S", *_encode(_cancel_msg(self._deferred_cancels.popleft()))])
 
     def _cancel_soon(self, rid: str) -> None:
         """Cancel from a finaliser: send now if no send is in progress, else after it."""
@@ -526,30 +670,31 @@ class Client:
             finally:
                 self._send_lock.release()
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+    def _query(self, query: _Query, timeout: float | None) -> Any:
+        q: queue.Queue = queue.Queue()
+        self._demux.add_query(query, q)
+        try:
+            self._send(query.msg)
+            reply = _get(q, self._timeout(timeout))
+        finally:
+            self._demux.remove_query(query, q)
+        return query.answer(reply)
 
     # -- API
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-        **options: Any,
-    ) -> Result:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
         """Run one request to completion (``stream: false``); returns its :class:`Result`.
 
-        ``options``: max_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, logprobs, grammar (PROTOCOL.md). Options left as None are not sent (the server's defaults apply:
-        max_tokens 256, temperature 0 = greedy, top_p 1, top_k 0 = off).
-        Raises :class:`TandemError` (subclass per code) for a server ``error``.
+        Exactly one of ``prompt``, ``messages=`` (a list of ``{"role", "content"}``)
+        or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
+        ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
+        max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+        ignore_eos, logprobs, grammar.  Options left as None are not sent (the
+        server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
+        top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
+        server ``error``.
         """
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, False, options)
-        s = Stream(self, msg, self._timeout(timeout))
+        s = self._open_stream(False, prompt, timeout, request)
         try:
             for _ in s:  # a server may still send chunks; they are not needed
                 pass
@@ -558,73 +703,30 @@ class Client:
         assert s.result is not None
         return s.result
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-        **options: Any,
-    ) -> Stream:
-        """Send a streamed request now; iterate the returned :class:`Stream` for chunks.
-
-        After the iteration ends, ``stream.result`` is the final :class:`Result`.
-        """
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, True, options)
-        return Stream(self, msg, self._timeout(timeout))
-
     def cancel(self, request_id: str) -> None:
         """Ask the server to end a request (its call then returns ``finish_reason="cancelled"``).
 
         Fire-and-forget: the server sends no reply, and ignores unknown ids.
         """
-        self._send({"type": "cancel", "id": request_id})
+        self._send(_cancel_msg(request_id))
 
     def ping(self, timeout: float | None = None) -> float:
         """Round trip to the server; returns the round-trip time in seconds."""
-        nonce = _new_id()
-        q: Any = queue.Queue()
-        self._demux.add_ping(nonce, q)
-        t0 = time.monotonic()
-        try:
-            self._send({"type": "ping", "nonce": nonce})
-            try:
-                msg = q.get(timeout=self._timeout(timeout))
-            except queue.Empty:
-                raise RequestTimeout("ping timed out") from None
-        finally:
-            self._demux.remove_ping(nonce)
-        if msg.get("type") != "pong":
-            raise _error_from(msg, None)
-        return time.monotonic() - t0
+        return self._query(_ping(), timeout)
 
     def info(self, timeout: float | None = None) -> dict[str, Any]:
         """The server's ``info``: protocol, model, max_batch, max_model_len, pipeline, device."""
-        q: Any = queue.Queue()
-        self._demux.add_info(q)
-        try:
-            self._send({"type": "info"})
-            try:
-                msg = q.get(timeout=self._timeout(timeout))
-            except queue.Empty:
-                raise RequestTimeout("info timed out") from None
-        finally:
-            self._demux.remove_info(q)
-        if msg.get("type") != "info":
-            raise _error_from(msg, None)
-        return {k: v for k, v in msg.items() if k != "type"}
+        return self._query(_info(), timeout)
 
     def point(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
         """Generate with ``grammar={"kind": "point", "max_objects": n}``; returns
         ``result.output``: ``{"points": [{"x": .., "y": ..}, ...]}`` (coordinates in [0, 1])."""
-        return self.generate(prompt, grammar={"kind": "point", "max_objects": max_objects}, **kw).output
+        return self.generate(prompt, grammar=_shape_grammar("point", max_objects), **kw).output
 
     def detect(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
         """Generate with ``grammar={"kind": "box", "max_objects": n}``; returns ``result.output``:
         ``{"objects": [{"x_min": .., "y_min": .., "x_max": .., "y_max": ..}, ...]}``."""
-        return self.generate(prompt, grammar={"kind": "box", "max_objects": max_objects}, **kw).output
+        return self.generate(prompt, grammar=_shape_grammar("box", max_objects), **kw).output
 
     def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""
@@ -637,10 +739,6 @@ class Client:
         self._push.close(0)
         self._ctx.term()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def __enter__(self) -> Client:
         return self
 
@@ -648,10 +746,18 @@ class Client:
         self.close()
 
 
-# --------------------------------------------------------------------------- async client
+# --------------------------------------------------------------------------- asyncio transport
 
 
-class AsyncStream:
+async def _aget(q: asyncio.Queue, timeout: float | None) -> dict | None:
+    """The next reply in ``q``, or None once ``timeout`` seconds have passed."""
+    try:
+        return await asyncio.wait_for(q.get(), timeout)
+    except asyncio.TimeoutError:
+        return None
+
+
+class AsyncStream(_StreamBase):
     """Async iterator of :class:`Chunk` for one streamed request.
 
     The request is sent by ``async with`` or by the first ``__anext__``.  When
@@ -659,28 +765,18 @@ class AsyncStream:
     ``aclose()`` (or leaving ``async with``) before the end cancels the request.
     """
 
-    def __init__(self, client: AsyncClient, msg: dict, timeout: float | None) -> None:
-        self._client = client
-        self._msg = msg
-        self.id: str = msg["id"]
-        self.result: Result | None = None
-        self._timeout = timeout
-        self._q: asyncio.Queue | None = None
-        self._deadline: float | None = None
-        self._finished = False
+    _q: asyncio.Queue
 
     async def _start(self) -> None:
-        if self._q is not None or self._finished:
+        if self._call.opened or self._call.finished:
             return
         await self._client._ensure()
-        q: asyncio.Queue = asyncio.Queue()
-        self._client._demux.add_request(self.id, q)
-        self._q = q
-        self._deadline = _deadline(self._timeout)
+        self._q = asyncio.Queue()
+        self._call.open(self._client._demux, self._q)
         try:
-            await self._client._send(self._msg)
+            await self._client._send(self._call.msg)
         except BaseException:
-            self._finish()
+            self._call.finish()
             raise
 
     def __aiter__(self) -> AsyncStream:
@@ -688,46 +784,26 @@ class AsyncStream:
 
     async def __anext__(self) -> Chunk:
         await self._start()
-        while not self._finished:
-            assert self._q is not None
-            try:
-                msg = await asyncio.wait_for(self._q.get(), _remaining(self._deadline))
-            except asyncio.TimeoutError:
+        while not self._call.finished:
+            reply = await _aget(self._q, self._call.remaining())
+            if reply is None:
                 await self.aclose()
-                raise RequestTimeout(f"request {self.id} timed out", id=self.id) from None
-            t = msg.get("type")
-            if t == "chunk":
-                return _chunk(msg)
-            if t == "done":
-                self.result = Result._from_msg(msg)
-                self._finish()
-                break
-            if t == "error" or msg is _CLOSED:
-                self._finish()
-                raise _error_from(msg, self.id)
+                raise self._call.timed_out()
+            chunk = self._call.feed(reply)
+            if chunk is not None:
+                return chunk
         raise StopAsyncIteration
 
     async def cancel(self) -> None:
         """Ask the server to end the request; keep iterating to get its ``done``."""
-        if self._q is not None and not self._finished:
+        if self._call.live:
             await self._client.cancel(self.id)
 
     async def aclose(self) -> None:
         """Stop waiting; cancels the request on the server if it has not ended."""
-        if self._finished:
-            return
-        started = self._q is not None
-        self._finish()
-        if started:
-            try:
+        if self._call.finish():
+            with contextlib.suppress(TandemError):
                 await self._client.cancel(self.id)
-            except TandemError:
-                pass
-
-    def _finish(self) -> None:
-        self._finished = True
-        if self._q is not None:
-            self._client._demux.remove_request(self.id)
 
     async def __aenter__(self) -> AsyncStream:
         await self._start()
@@ -737,44 +813,39 @@ class AsyncStream:
         await self.aclose()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client (``zmq.asyncio``); use it from one event loop.
 
     The socket is opened on first use; a reader task routes replies by id, so
     any number of coroutines may run requests concurrently.
     """
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve=None) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self._curve = curve  # a frontend.curve.CurveClient, or None
+    _stream_type = AsyncStream
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve: Any = None) -> None:
+        super().__init__(endpoint, timeout, curve)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
-        self._demux = _Demux()
-        self._closed = False
 
     async def _ensure(self) -> None:
         if self._closed:
             raise ConnectionClosed("the client is closed")
         if self._sock is None:
-            self._ctx = zmq.asyncio.Context()
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, _LINGER_MS)
-            if self._curve is not None:
-                self._curve.apply(sock)
-            sock.connect(self.endpoint)
-            self._sock = sock
+            ctx = zmq.asyncio.Context()
+            try:
+                self._sock = _dealer_socket(ctx, self.endpoint, self.curve)
+            except zmq.ZMQError:
+                ctx.term()
+                raise
+            self._ctx = ctx
             self._reader = asyncio.ensure_future(self._read_loop())
 
     async def _read_loop(self) -> None:
         assert self._sock is not None
         try:
             while True:
-                frames = await self._sock.recv_multipart()
-                msg = _decode(frames)
+                msg = _decode(await self._sock.recv_multipart())
                 if msg is not None:
                     self._demux.dispatch(msg)
         except (asyncio.CancelledError, zmq.ZMQError):
@@ -785,24 +856,24 @@ class AsyncClient:
     async def _send(self, msg: dict) -> None:
         await self._ensure()
         assert self._sock is not None
-        await self._sock.send_multipart([VERSION_FRAME, msgpack.packb(msg, use_bin_type=True)])
+        await self._sock.send_multipart(_encode(msg))
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+    async def _query(self, query: _Query, timeout: float | None) -> Any:
+        await self._ensure()
+        q: asyncio.Queue = asyncio.Queue()
+        self._demux.add_query(query, q)
+        try:
+            await self._send(query.msg)
+            reply = await _aget(q, self._timeout(timeout))
+        finally:
+            self._demux.remove_query(query, q)
+        return query.answer(reply)
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-        **options: Any,
-    ) -> Result:
+    # -- API: as Client's, as coroutines (stream() is not one: see _ClientBase.stream)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
         """As :meth:`Client.generate`."""
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, False, options)
-        s = AsyncStream(self, msg, self._timeout(timeout))
+        s = self._open_stream(False, prompt, timeout, request)
         try:
             async for _ in s:
                 pass
@@ -811,72 +882,25 @@ class AsyncClient:
         assert s.result is not None
         return s.result
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-        **options: Any,
-    ) -> AsyncStream:
-        """A streamed request: ``async for chunk in client.stream(...)`` (or ``async with``).
-
-        Not a coroutine: the request is sent when iteration (or ``async with``) starts.
-        """
-        msg = _generate_msg(request_id, prompt, messages, prompt_token_ids, True, options)
-        return AsyncStream(self, msg, self._timeout(timeout))
-
     async def cancel(self, request_id: str) -> None:
         """As :meth:`Client.cancel`."""
-        await self._send({"type": "cancel", "id": request_id})
+        await self._send(_cancel_msg(request_id))
 
     async def ping(self, timeout: float | None = None) -> float:
-        """Round trip to the server; returns the round-trip time in seconds."""
-        await self._ensure()
-        nonce = _new_id()
-        q: asyncio.Queue = asyncio.Queue()
-        self._demux.add_ping(nonce, q)
-        t0 = time.monotonic()
-        try:
-            await self._send({"type": "ping", "nonce": nonce})
-            try:
-                msg = await asyncio.wait_for(q.get(), self._timeout(timeout))
-            except asyncio.TimeoutError:
-                raise RequestTimeout("ping timed out") from None
-        finally:
-            self._demux.remove_ping(nonce)
-        if msg.get("type") != "pong":
-            raise _error_from(msg, None)
-        return time.monotonic() - t0
+        """As :meth:`Client.ping`."""
+        return await self._query(_ping(), timeout)
 
     async def info(self, timeout: float | None = None) -> dict[str, Any]:
         """As :meth:`Client.info`."""
-        await self._ensure()
-        q: asyncio.Queue = asyncio.Queue()
-        self._demux.add_info(q)
-        try:
-            await self._send({"type": "info"})
-            try:
-                msg = await asyncio.wait_for(q.get(), self._timeout(timeout))
-            except asyncio.TimeoutError:
-                raise RequestTimeout("info timed out") from None
-        finally:
-            self._demux.remove_info(q)
-        if msg.get("type") != "info":
-            raise _error_from(msg, None)
-        return {k: v for k, v in msg.items() if k != "type"}
+        return await self._query(_info(), timeout)
 
     async def point(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
         """As :meth:`Client.point`."""
-        r = await self.generate(prompt, grammar={"kind": "point", "max_objects": max_objects}, **kw)
-        return r.output
+        return (await self.generate(prompt, grammar=_shape_grammar("point", max_objects), **kw)).output
 
     async def detect(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
         """As :meth:`Client.detect`."""
-        r = await self.generate(prompt, grammar={"kind": "box", "max_objects": max_objects}, **kw)
-        return r.output
+        return (await self.generate(prompt, grammar=_shape_grammar("box", max_objects), **kw)).output
 
     async def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""
@@ -894,10 +918,6 @@ class AsyncClient:
         if self._ctx is not None:
             self._ctx.term()
         self._demux.close_all()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     async def __aenter__(self) -> AsyncClient:
         return self

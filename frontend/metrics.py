@@ -9,8 +9,8 @@ Where a figure means what vLLM's does, the name mirrors vLLM's (``vllm:`` ->
   end-to-end latency histograms.
 - The engine's figures, read from a snapshot of the server's ``info`` answer
   (the worker's stats) taken when the page is rendered: requests running and
-  waiting, KV cache usage, device idle fraction, zombie rows, steps and host
-  ms per step. Counters kept by the worker restart from 0 with a new worker
+  waiting, KV cache usage, prefix cache queries and hits, device idle
+  fraction, zombie rows, steps and host ms per step. Counters kept by the worker restart from 0 with a new worker
   generation (Prometheus' ``rate`` treats that as a counter reset).
 
 Each ``Metrics`` has its own registry, so several servers can live in one
@@ -113,6 +113,11 @@ class _EngineCollector:
         yield _counter("tandem:zombie_rows", "Rows computed for sequences already ended (pipelining's cost).",
                        s.get("zombie_rows"))
         yield _counter("tandem:grammar_cache_hits", "Compiled-grammar cache hits.", s.get("grammar_cache_hits"))
+        if "prefix_query_tokens" in s:  # vLLM's prefix_cache_queries / _hits, in tokens
+            yield _counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                           s["prefix_query_tokens"])
+            yield _counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                           s["prefix_hit_tokens"])
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

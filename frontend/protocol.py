@@ -16,6 +16,12 @@ Validation rules, in the order they are applied:
 4. per type: required fields present, no unknown fields, every field of the
    right type and in range                     -> ``bad_request``; a prompt
    over ``Limits.max_prompt_chars`` / ``max_prompt_tokens`` -> ``too_long``.
+   For ``generate``: the prompt form, then every field's type, then the
+   ranges of the sampling fields.
+
+The sampling fields of ``generate`` are ``SamplingParams``' fields, with the
+same names and defaults (``shared.sampling.SAMPLING_FIELDS``): this module
+checks their wire types, ``SamplingParams.validate`` their ranges.
 
 A field sent as nil is treated as absent (so clients whose encoders turn
 ``undefined``/``None`` into nil work); a required field sent as nil is missing.
@@ -25,12 +31,12 @@ message, so the server can answer to it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 import msgpack
 
-from shared.sampling import SamplingParams
+from shared.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, SamplingParams
 
 __all__ = [
     "VERSION_FRAME",
@@ -40,6 +46,8 @@ __all__ = [
     "ROLES",
     "MAX_ID_CHARS",
     "MAX_STOP",
+    "PROMPT_FIELDS",
+    "OUTPUT_FIELDS",
     "Limits",
     "DEFAULT_LIMITS",
     "ProtocolError",
@@ -49,6 +57,7 @@ __all__ = [
     "InfoRequest",
     "ClientMessage",
     "parse_client_message",
+    "prompt_field",
     "encode_chunk",
     "encode_done",
     "encode_error",
@@ -77,33 +86,9 @@ ROLES = ("system", "user", "assistant", "tool")
 MAX_ID_CHARS = 128
 MAX_STOP = 16
 
-_PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-_GENERATE_FIELDS = frozenset(
-    {
-        "type",
-        "id",
-        "prompt",
-        "messages",
-        "prompt_token_ids",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "stream",
-        "logprobs",
-        "grammar",
-    }
-)
-_FIELDS = {
-    "generate": _GENERATE_FIELDS,
-    "cancel": frozenset({"type", "id"}),
-    "ping": frozenset({"type", "nonce"}),
-    "info": frozenset({"type"}),
-}
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per generate
+OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
+_GENERATE_FIELDS = frozenset({"type", "id", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS})
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 
 
@@ -146,35 +131,28 @@ class GenerateRequest:
     """A validated ``generate``; every optional field resolved to its default.
 
     Exactly one of ``prompt``, ``messages``, ``prompt_token_ids`` is not None.
-    ``grammar`` is the raw map (only checked to have a string ``kind``).
+    The sampling fields are in ``sampling`` and also read as attributes
+    (``req.max_tokens``). ``grammar`` is the raw map (only checked to have a
+    string ``kind``).
     """
 
     id: str
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt_token_ids: list[int] | None = None
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
     stream: bool = True
     logprobs: bool = False
     grammar: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-        )
+        return self.sampling
+
+    def __getattr__(self, name: str) -> Any:  # only called for names not found otherwise
+        if name in SAMPLING_FIELD_NAMES:
+            return getattr(self.sampling, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -193,6 +171,18 @@ class InfoRequest:
 
 
 ClientMessage = Union[GenerateRequest, CancelRequest, PingRequest, InfoRequest]
+
+
+def prompt_field(msg: Mapping[str, Any]) -> str:
+    """Which of ``prompt``, ``messages``, ``prompt_token_ids`` ``msg`` gives (None = not given).
+
+    ``ValueError`` unless exactly one: the client checks its arguments with this too.
+    """
+    given = [f for f in PROMPT_FIELDS if msg.get(f) is not None]
+    if len(given) != 1:
+        got = " and ".join(given) or "none"
+        raise ValueError(f"exactly one of {', '.join(PROMPT_FIELDS)} is required, got {got}")
+    return given[0]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -234,6 +224,10 @@ def _is_int(v: object) -> bool:
 
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_bool(v: object) -> bool:
+    return isinstance(v, bool)
 
 
 def _valid_id(v: object) -> bool:
@@ -282,12 +276,17 @@ def _check_keys(ctx: _Ctx, d: dict, where: str) -> None:
             raise ctx.bad(f"{where} keys must be strings, got a {_tname(k)} key")
 
 
-def _check_id(ctx: _Ctx, msg: dict) -> str:
-    v = msg.get("id")
+def _required_str(ctx: _Ctx, msg: dict, name: str) -> str:
+    v = msg.get(name)
     if v is None:
-        raise ctx.bad("missing field 'id'")
+        raise ctx.bad(f"missing field {name!r}")
     if not isinstance(v, str):
-        raise ctx.bad(f"id must be a string, got {_tname(v)}")
+        raise ctx.bad(f"{name} must be a string, got {_tname(v)}")
+    return v
+
+
+def _check_id(ctx: _Ctx, msg: dict) -> str:
+    v = _required_str(ctx, msg, "id")
     if not 1 <= len(v) <= MAX_ID_CHARS:
         raise ctx.bad(f"id must be 1 to {MAX_ID_CHARS} characters, got {len(v)}")
     ctx.id = v
@@ -303,32 +302,14 @@ def _check_unknown(ctx: _Ctx, msg: dict, allowed: frozenset, what: str) -> None:
         raise ctx.bad(f"unknown field{s} {names}{more} for {what}")
 
 
-def _opt(ctx: _Ctx, msg: dict, name: str, default: Any, ok, what: str) -> Any:
-    """An optional field: ``default`` when absent or nil, else a value that passes ``ok``."""
+def _opt_bool(ctx: _Ctx, msg: dict, name: str, default: bool) -> bool:
+    """An optional bool field: ``default`` when absent or nil."""
     v = msg.get(name)
     if v is None:
         return default
-    if not ok(v):
-        raise ctx.bad(f"{name} must be {what}, got {_tname(v)}")
+    if not _is_bool(v):
+        raise ctx.bad(f"{name} must be a bool, got {_tname(v)}")
     return v
-
-
-def _opt_bool(ctx: _Ctx, msg: dict, name: str, default: bool) -> bool:
-    return _opt(ctx, msg, name, default, lambda v: isinstance(v, bool), "a bool")
-
-
-def _opt_int(ctx: _Ctx, msg: dict, name: str, default: Any, what: str) -> Any:
-    return _opt(ctx, msg, name, default, _is_int, what)
-
-
-def _opt_num(ctx: _Ctx, msg: dict, name: str, default: float, what: str) -> float:
-    v = _opt(ctx, msg, name, None, _is_num, what)
-    if v is None:
-        return default
-    try:
-        return float(v)
-    except OverflowError:  # an int too large for a float: let the range check reject it
-        return math.inf
 
 
 def _int_list(ctx: _Ctx, v: object, name: str, limits: Limits) -> list[int]:
@@ -344,7 +325,7 @@ def _int_list(ctx: _Ctx, v: object, name: str, limits: Limits) -> list[int]:
     return v
 
 
-# --------------------------------------------------------------------------- parsing
+# --------------------------------------------------------------------------- the envelope
 
 
 def parse_client_message(frames: Sequence[bytes], limits: Limits | None = None) -> ClientMessage:
@@ -355,36 +336,47 @@ def parse_client_message(frames: Sequence[bytes], limits: Limits | None = None) 
     """
     limits = limits or DEFAULT_LIMITS
     ctx = _Ctx()
+    msg = _decode_payload(ctx, _payload_frame(ctx, frames, limits))
+    return _PARSERS[_message_type(ctx, msg)](ctx, msg, limits)
+
+
+def _payload_frame(ctx: _Ctx, frames: Sequence[bytes], limits: Limits) -> bytes:
+    """Rules 1-3 on the frames: the version frame, the size, two frames. Returns the payload."""
     try:
         frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
     except Exception:
         raise ctx.bad("frames must be bytes") from None
-
     if not frames:
         raise ProtocolError("unsupported_version", "empty message: expected the version frame b'TANDEM1'")
+
+    def peeked_id() -> str | None:  # the payload is not decoded yet: read the id from its first entries
+        return _peek_id(frames[1]) if len(frames) > 1 else None
+
     if frames[0] != VERSION_FRAME:
-        pid = _peek_id(frames[1]) if len(frames) > 1 else None
         got = frames[0][:16]
         raise ProtocolError(
             "unsupported_version",
             f"unsupported protocol version frame {got!r}{'...' if len(frames[0]) > 16 else ''}; "
             f"this server speaks {VERSION_FRAME!r}",
-            pid,
+            peeked_id(),
         )
     size = sum(len(f) for f in frames)
     if size > limits.max_message_bytes:
-        pid = _peek_id(frames[1]) if len(frames) > 1 else None
         raise ProtocolError(
-            "too_long", f"message is {size} bytes, the limit is {limits.max_message_bytes}", pid
+            "too_long", f"message is {size} bytes, the limit is {limits.max_message_bytes}", peeked_id()
         )
     if len(frames) < 2:
         raise ctx.bad("missing payload frame: a message is the version frame then one msgpack map")
     if len(frames) > 2:
-        ctx.id = _peek_id(frames[1])
+        ctx.id = peeked_id()
         raise ctx.bad(f"message has {len(frames)} frames, expected 2 (further frames are reserved)")
+    return frames[1]
 
+
+def _decode_payload(ctx: _Ctx, payload: bytes) -> dict:
+    """The payload as a map with string keys; remembers its id (if valid) for the errors after."""
     try:
-        msg = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except msgpack.ExtraData:
         raise ctx.bad("payload has trailing bytes after the msgpack map") from None
     except UnicodeDecodeError:
@@ -393,136 +385,92 @@ def parse_client_message(frames: Sequence[bytes], limits: Limits | None = None) 
         raise ctx.bad("payload is nested too deeply") from None
     except Exception as e:  # OutOfData, FormatError, unhashable keys, ...
         raise ctx.bad(f"payload is not valid msgpack ({type(e).__name__})") from None
-
     if not isinstance(msg, dict):
         raise ctx.bad(f"payload must be a msgpack map, got {_tname(msg)}")
     _check_keys(ctx, msg, "payload")
     if _valid_id(msg.get("id")):
         ctx.id = msg["id"]
+    return msg
 
-    t = msg.get("type")
-    if t is None:
-        raise ctx.bad("missing field 'type'")
-    if not isinstance(t, str):
-        raise ctx.bad(f"type must be a string, got {_tname(t)}")
-    if t not in _FIELDS:
-        raise ctx.bad(f"unknown message type {_short(t)}; expected one of generate, cancel, ping, info")
 
-    if t == "generate":
-        return _parse_generate(ctx, msg, limits)
-    if t == "cancel":
-        id_ = _check_id(ctx, msg)
-        _check_unknown(ctx, msg, _FIELDS["cancel"], "cancel")
-        return CancelRequest(id_)
-    if t == "ping":
-        _check_unknown(ctx, msg, _FIELDS["ping"], "ping")
-        nonce = msg.get("nonce")
-        try:  # it is echoed back, so it must survive re-encoding
-            msgpack.packb(nonce, use_bin_type=True)
-        except Exception:
-            raise ctx.bad("nonce cannot be echoed (nested too deeply)") from None
-        return PingRequest(nonce)
-    _check_unknown(ctx, msg, _FIELDS["info"], "info")
-    return InfoRequest()
+def _message_type(ctx: _Ctx, msg: dict) -> str:
+    t = _required_str(ctx, msg, "type")
+    if t not in _PARSERS:
+        raise ctx.bad(f"unknown message type {_short(t)}; expected one of {', '.join(_PARSERS)}")
+    return t
+
+
+# --------------------------------------------------------------------------- one parser per type
 
 
 def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     id_ = _check_id(ctx, msg)
     _check_unknown(ctx, msg, _GENERATE_FIELDS, "generate")
-
-    given = [f for f in _PROMPT_FIELDS if msg.get(f) is not None]
-    if len(given) != 1:
-        got = "none" if not given else " and ".join(given)
-        raise ctx.bad(f"exactly one of prompt, messages, prompt_token_ids is required, got {got}")
-
-    prompt = messages = prompt_token_ids = None
-    if given[0] == "prompt":
-        prompt = msg["prompt"]
-        if not isinstance(prompt, str):
-            raise ctx.bad(f"prompt must be a string, got {_tname(prompt)}")
-        if not prompt:
-            raise ctx.bad("prompt must not be empty")
-        if len(prompt) > limits.max_prompt_chars:
-            raise ctx.too_long(
-                f"prompt is {len(prompt)} characters, the limit is {limits.max_prompt_chars}"
-            )
-    elif given[0] == "messages":
-        messages = _parse_messages(ctx, msg["messages"], limits)
-    else:
-        v = msg["prompt_token_ids"]
-        if isinstance(v, list):  # cheap checks first
-            if not v:
-                raise ctx.bad("prompt_token_ids must not be empty")
-            if len(v) > limits.max_prompt_tokens:
-                raise ctx.too_long(
-                    f"prompt_token_ids has {len(v)} tokens, the limit is {limits.max_prompt_tokens}"
-                )
-        prompt_token_ids = _int_list(ctx, v, "prompt_token_ids", limits)
-
-    max_tokens = _opt_int(ctx, msg, "max_tokens", 256, "an integer >= 1")
-    temperature = _opt_num(ctx, msg, "temperature", 0.0, "a finite number >= 0")
-    top_p = _opt_num(ctx, msg, "top_p", 1.0, "a number in (0, 1]")
-    top_k = _opt_int(ctx, msg, "top_k", 0, "an integer >= 0")
-    seed = _opt_int(ctx, msg, "seed", None, "a 64-bit integer")
-
-    stop_v = msg.get("stop")
-    stop: tuple[str, ...] = ()
-    if stop_v is not None:
-        if not isinstance(stop_v, list):
-            raise ctx.bad(f"stop must be an array of strings, got {_tname(stop_v)}")
-        if len(stop_v) > MAX_STOP:
-            raise ctx.bad(f"stop may hold at most {MAX_STOP} strings, got {len(stop_v)}")
-        for i, s in enumerate(stop_v):
-            if not isinstance(s, str):
-                raise ctx.bad(f"stop[{i}] must be a string, got {_tname(s)}")
-            if not s:
-                raise ctx.bad(f"stop[{i}] must not be empty")
-        stop = tuple(stop_v)
-
-    sti_v = msg.get("stop_token_ids")
-    stop_token_ids: tuple[int, ...] = ()
-    if sti_v is not None:
-        stop_token_ids = tuple(_int_list(ctx, sti_v, "stop_token_ids", limits))
-
-    ignore_eos = _opt_bool(ctx, msg, "ignore_eos", False)
+    prompt = _parse_prompt(ctx, msg, limits)
+    sampling_values = _sampling_values(ctx, msg, limits)
+    stop = _parse_stop(ctx, msg.get("stop"))
     stream = _opt_bool(ctx, msg, "stream", True)
     logprobs = _opt_bool(ctx, msg, "logprobs", False)
+    grammar = _parse_grammar(ctx, msg.get("grammar"))
+    sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
+    return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream, logprobs=logprobs,
+                           grammar=grammar)
 
-    grammar = msg.get("grammar")
-    if grammar is not None:
-        if not isinstance(grammar, dict):
-            raise ctx.bad(f"grammar must be a map, got {_tname(grammar)}")
-        _check_keys(ctx, grammar, "grammar")
-        kind = grammar.get("kind")
-        if kind is None:
-            raise ctx.bad("grammar.kind is required")
-        if not isinstance(kind, str):
-            raise ctx.bad(f"grammar.kind must be a string, got {_tname(kind)}")
 
-    req = GenerateRequest(
-        id=id_,
-        prompt=prompt,
-        messages=messages,
-        prompt_token_ids=prompt_token_ids,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos,
-        stream=stream,
-        logprobs=logprobs,
-        grammar=grammar,
-    )
-    # Range checks live in one place, shared with the worker: SamplingParams.validate().
-    # Types were checked above, so its messages only ever quote short numbers.
+def _parse_cancel(ctx: _Ctx, msg: dict, limits: Limits) -> CancelRequest:
+    id_ = _check_id(ctx, msg)
+    _check_unknown(ctx, msg, frozenset({"type", "id"}), "cancel")
+    return CancelRequest(id_)
+
+
+def _parse_ping(ctx: _Ctx, msg: dict, limits: Limits) -> PingRequest:
+    _check_unknown(ctx, msg, frozenset({"type", "nonce"}), "ping")
+    nonce = msg.get("nonce")
+    try:  # it is echoed back, so it must survive re-encoding
+        msgpack.packb(nonce, use_bin_type=True)
+    except Exception:
+        raise ctx.bad("nonce cannot be echoed (nested too deeply)") from None
+    return PingRequest(nonce)
+
+
+def _parse_info(ctx: _Ctx, msg: dict, limits: Limits) -> InfoRequest:
+    _check_unknown(ctx, msg, frozenset({"type"}), "info")
+    return InfoRequest()
+
+
+_PARSERS = {"generate": _parse_generate, "cancel": _parse_cancel, "ping": _parse_ping, "info": _parse_info}
+
+
+# --------------------------------------------------------------------------- generate's fields
+
+
+def _parse_prompt(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
+    """The one prompt form given, as ``{field: validated value}``."""
     try:
-        req.sampling_params().validate(limits.vocab_size)
+        name = prompt_field(msg)
     except ValueError as e:
         raise ctx.bad(str(e)) from None
-    return req
+    parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids}[name]
+    return {name: parse(ctx, msg[name], limits)}
+
+
+def _parse_text(ctx: _Ctx, v: object, limits: Limits) -> str:
+    if not isinstance(v, str):
+        raise ctx.bad(f"prompt must be a string, got {_tname(v)}")
+    if not v:
+        raise ctx.bad("prompt must not be empty")
+    if len(v) > limits.max_prompt_chars:
+        raise ctx.too_long(f"prompt is {len(v)} characters, the limit is {limits.max_prompt_chars}")
+    return v
+
+
+def _parse_token_ids(ctx: _Ctx, v: object, limits: Limits) -> list[int]:
+    if isinstance(v, list):  # cheap checks first
+        if not v:
+            raise ctx.bad("prompt_token_ids must not be empty")
+        if len(v) > limits.max_prompt_tokens:
+            raise ctx.too_long(f"prompt_token_ids has {len(v)} tokens, the limit is {limits.max_prompt_tokens}")
+    return _int_list(ctx, v, "prompt_token_ids", limits)
 
 
 def _parse_messages(ctx: _Ctx, v: object, limits: Limits) -> list[dict[str, str]]:
@@ -530,32 +478,100 @@ def _parse_messages(ctx: _Ctx, v: object, limits: Limits) -> list[dict[str, str]
         raise ctx.bad(f"messages must be an array of {{role, content}} maps, got {_tname(v)}")
     if not v:
         raise ctx.bad("messages must not be empty")
-    total = 0
-    out: list[dict[str, str]] = []
-    for i, m in enumerate(v):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ctx.bad(f"{where} must be a map with role and content, got {_tname(m)}")
-        _check_keys(ctx, m, where)
-        _check_unknown(ctx, m, _MESSAGE_FIELDS, where)
-        role, content = m.get("role"), m.get("content")
-        if role is None:
-            raise ctx.bad(f"{where}.role is required")
-        if not isinstance(role, str):
-            raise ctx.bad(f"{where}.role must be a string, got {_tname(role)}")
-        if role not in ROLES:
-            raise ctx.bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}")
-        if content is None:
-            raise ctx.bad(f"{where}.content is required")
-        if not isinstance(content, str):
-            raise ctx.bad(f"{where}.content must be a string, got {_tname(content)}")
-        total += len(content)
-        out.append({"role": role, "content": content})
+    out = [_parse_chat_message(ctx, m, f"messages[{i}]") for i, m in enumerate(v)]
+    total = sum(len(m["content"]) for m in out)
     if total > limits.max_prompt_chars:
         raise ctx.too_long(
             f"messages hold {total} characters of content, the limit is {limits.max_prompt_chars}"
         )
     return out
+
+
+def _parse_chat_message(ctx: _Ctx, m: object, where: str) -> dict[str, str]:
+    if not isinstance(m, dict):
+        raise ctx.bad(f"{where} must be a map with role and content, got {_tname(m)}")
+    _check_keys(ctx, m, where)
+    _check_unknown(ctx, m, _MESSAGE_FIELDS, where)
+    role, content = m.get("role"), m.get("content")
+    if role is None:
+        raise ctx.bad(f"{where}.role is required")
+    if not isinstance(role, str):
+        raise ctx.bad(f"{where}.role must be a string, got {_tname(role)}")
+    if role not in ROLES:
+        raise ctx.bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}")
+    if content is None:
+        raise ctx.bad(f"{where}.content is required")
+    if not isinstance(content, str):
+        raise ctx.bad(f"{where}.content must be a string, got {_tname(content)}")
+    return {"role": role, "content": content}
+
+
+_WIRE_TYPE_OK = {int: _is_int, float: _is_num, bool: _is_bool}
+
+
+def _sampling_values(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
+    """The sampling fields given (SamplingParams' fields, same names on the wire), type-checked.
+
+    Absent or nil takes SamplingParams' default; ranges are left to SamplingParams.
+    """
+    values: dict[str, Any] = {}
+    for f in SAMPLING_FIELDS:
+        v = msg.get(f.name)
+        if v is None:
+            continue
+        if f.type is tuple:  # token ids
+            values[f.name] = tuple(_int_list(ctx, v, f.name, limits))
+        elif not _WIRE_TYPE_OK[f.type](v):
+            raise ctx.bad(f"{f.name} must be {f.must_be}, got {_tname(v)}")
+        else:
+            values[f.name] = _as_float(v) if f.type is float else v
+    return values
+
+
+def _as_float(v: int | float) -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an int too large for a float: let the range check reject it
+        return math.inf
+
+
+def _sampling_params(ctx: _Ctx, values: dict[str, Any]) -> SamplingParams:
+    # Range checks live in one place, shared with the worker: SamplingParams.validate()
+    # names the field. Types were checked before, so its messages only quote short numbers.
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        raise ctx.bad(str(e)) from None
+
+
+def _parse_stop(ctx: _Ctx, v: object) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise ctx.bad(f"stop must be an array of strings, got {_tname(v)}")
+    if len(v) > MAX_STOP:
+        raise ctx.bad(f"stop may hold at most {MAX_STOP} strings, got {len(v)}")
+    for i, s in enumerate(v):
+        if not isinstance(s, str):
+            raise ctx.bad(f"stop[{i}] must be a string, got {_tname(s)}")
+        if not s:
+            raise ctx.bad(f"stop[{i}] must not be empty")
+    return tuple(v)
+
+
+def _parse_grammar(ctx: _Ctx, v: object) -> dict[str, Any] | None:
+    """Only the shape: a map with a string ``kind`` (the grammar module checks the rest)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ctx.bad(f"grammar must be a map, got {_tname(v)}")
+    _check_keys(ctx, v, "grammar")
+    kind = v.get("kind")
+    if kind is None:
+        raise ctx.bad("grammar.kind is required")
+    if not isinstance(kind, str):
+        raise ctx.bad(f"grammar.kind must be a string, got {_tname(kind)}")
+    return v
 
 
 # --------------------------------------------------------------------------- encoding

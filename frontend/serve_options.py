@@ -68,13 +68,22 @@ class Network:
     api_key: str | None
     curve: CurveServer | None
 
+    _sock: Any = None
+
+    def listen(self) -> None:
+        """Bind the HTTP port now, before the model loads: a taken port fails at once."""
+        if self.http is not None:
+            from .http.listener import listen_socket
+
+            self._sock = listen_socket(*self.http)
+
     def start_http(self, server) -> Any:
         """The HTTP listener for ``server`` (None with ``--http none``)."""
         if self.http is None:
             return None
         from .http import HttpListener
 
-        return HttpListener(server, *self.http, api_key=self.api_key).start()
+        return HttpListener(server, *self.http, api_key=self.api_key, sock=self._sock).start()
 
 
 def resolve(bind: str, http: str, api_key: str | None, curve_secret_key: str | None, curve_clients: str | None,
@@ -109,6 +118,8 @@ def parse_http(text: str) -> tuple[str, int] | None:
 
 def zmq_host(endpoint: str) -> str | None:
     """The host a ``tcp://`` endpoint binds (``*`` for all); None for local transports."""
+    if "://" not in endpoint:  # a bare HOST:PORT is tcp
+        endpoint = "tcp://" + endpoint
     scheme, _, rest = endpoint.partition("://")
     if scheme not in ("tcp", "ws", "wss", "udp", "pgm", "epgm"):
         return None

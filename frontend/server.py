@@ -44,7 +44,8 @@ log = logging.getLogger("tandem.server")
 
 # The worker's figures that ``info`` passes on (besides the contract's fields).
 INFO_STATS = ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total", "waiting", "running", "steps",
-              "zombie_rows", "host_s", "device_idle_fraction", "committed_tokens", "prefill_tokens")
+              "zombie_rows", "host_s", "device_idle_fraction", "committed_tokens", "prefill_tokens",
+              "prefix_hit_tokens", "prefix_query_tokens")
 
 
 @dataclass
@@ -66,8 +67,7 @@ class Server:
         self.limits = limits or P.Limits(vocab_size=service.vocab_size)
         self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
         self.notifier = notifier or Notifier()
-        self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size,
-                                        tuple(_eos_ids(service)))
+        self.grammars = grammar_compiler(service)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -184,7 +184,9 @@ class Server:
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}
-            except TimeoutError:
+                extra["prefix_cache"] = {"hit_tokens": stats["prefix_hit_tokens"],
+                                         "query_tokens": stats["prefix_query_tokens"]}
+            except (TimeoutError, KeyError):
                 pass  # a busy or restarting worker: answer without the engine figures
             self._send(identity, P.encode_info(
                 model=self.service.config.model, max_batch=info.get("max_batch", 0),
@@ -281,12 +283,9 @@ class Server:
                 self.service.cancel(req)
 
 
-def _eos_ids(service: Service) -> list[int]:
-    import json
-
-    cfg = json.loads((service.model_path / "config.json").read_text())
-    eos = cfg.get("eos_token_id")
-    return list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+def grammar_compiler(service: Service) -> GrammarCompiler:
+    """Compiles grammar specs (protocol maps) into constraints for ``service.submit``."""
+    return GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
 
 
 def install_signal_handlers(server: Server) -> None:

@@ -26,7 +26,6 @@ Single-threaded: call ``poll()`` from one thread (the server loop).
 """
 from __future__ import annotations
 
-import json
 import logging
 import select
 import time
@@ -37,10 +36,11 @@ from typing import Any, Callable
 import numpy as np
 
 from shared.config import EngineConfig
+from shared.finish import FinishReason
 from shared.messages import Cancel, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
-from shared.models import load_tokenizer, resolve_model
+from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
-from shared.shm import AckKind, FinishReason, RingCorrupt, TokenFlag, mask_stamp
+from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 
 from .detokenizer import IncrementalDetokenizer
 from .worker_handle import WorkerFailed, WorkerHandle
@@ -48,8 +48,7 @@ from .worker_handle import WorkerFailed, WorkerHandle
 log = logging.getLogger("tandem.frontend")
 
 # Plain ints for the per-token loop (IntFlag operators cost a Python call each).
-_ZOMBIE, _FINISHED, _LENGTH = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISHED), int(TokenFlag.LENGTH)
-_STOPPED = int(TokenFlag.EOS | TokenFlag.STOP_TOKEN)
+_ZOMBIE, _FINISH_MASK = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISH_MASK)
 
 PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "internal"}
 
@@ -84,15 +83,16 @@ class Request:
     detok: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
-    mask_slot: int = -1
-    submitted: bool = False  # sent to the worker (else waiting for a mask slot)
+    mask_row: int = -1  # its row in the shared mask region while it holds one
+    submitted: bool = False  # sent to the worker (else waiting for a mask row)
     ended: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason = FinishReason.NONE
     error: tuple[str, str] | None = None
     output: Any = None
     text: str = ""
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
     t_end: float | None = None
 
 
@@ -100,14 +100,15 @@ class Service:
     def __init__(self, config: ServiceConfig | None = None, tokenizer=None, on_progress=None) -> None:
         """``on_progress(msg)`` sees the worker's start-up ``Progress`` messages (stage, done, total)."""
         self.config = cfg = config or ServiceConfig()
-        self.model_path = resolve_model(cfg.model)  # converts once, with progress, before the worker starts
+        self.model = ModelInfo.load(cfg.model)  # converts once, with progress, before the worker starts
+        self.model_path = self.model.path
         self.tokenizer = tokenizer or load_tokenizer(self.model_path)
-        self.vocab_size = int(json.loads((self.model_path / "config.json").read_text())["vocab_size"])
+        self.vocab_size = self.model.vocab_size
         self.generation = 0
         self.requests: dict[int, Request] = {}  # by seq_id, until the worker releases it
-        # Accepted but not sent to the worker: it is (re)starting, or no mask slot is free.
+        # Accepted but not sent to the worker: it is (re)starting, or no mask row is free.
         self.unsent: deque[Request] = deque()
-        self.free_mask_slots = list(range(cfg.max_batch - 1, -1, -1))
+        self.free_mask_rows = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
         self.worker: WorkerHandle | None = None
@@ -120,11 +121,7 @@ class Service:
     def _start_worker(self) -> None:
         """Spawn a worker generation; ``poll`` notices when it is ready."""
         self.generation += 1
-        engine_config = dict(self.config.engine_fields(), model=str(self.model_path))
-        self.worker = WorkerHandle(engine_config, self.vocab_size, self.generation,
-                                   ring_entries=self.config.ring_entries, mask_timeout_s=self.config.mask_timeout_s,
-                                   stale_s=self.config.worker_stale_s, ready_timeout_s=self.config.ready_timeout_s,
-                                   log_level=self.config.log_level, on_progress=self._progress)
+        self.worker = WorkerHandle(self.config, self.model, self.generation, on_progress=self._progress)
 
     def _progress(self, msg) -> None:
         log.info("worker generation %d: %s%s", self.generation, msg.stage,
@@ -145,7 +142,7 @@ class Service:
             self._end(req, error=("worker_failed", f"the GPU worker failed ({why}); retry the request"))
         self.requests.clear()
         self.unsent.clear()
-        self.free_mask_slots = list(range(self.config.max_batch - 1, -1, -1))
+        self.free_mask_rows = list(range(self.config.max_batch - 1, -1, -1))
         if not (self.config.restart and was_ready):
             raise WorkerFailed(why)
         self._start_worker()
@@ -165,47 +162,47 @@ class Service:
                       user_data)
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
         self.requests[seq_id] = req
-        if self.worker.ready and (constraint is None or self.free_mask_slots):
+        if self.worker.ready and (constraint is None or self.free_mask_rows):
             self._send_submit(req)
         else:
             self.unsent.append(req)
         return req
 
     def _send_unsent(self) -> None:
-        """Send what waited: everything once the worker is ready, constrained requests while mask slots last."""
+        """Send what waited: everything once the worker is ready, constrained requests while mask rows last."""
         if not self.worker.ready:
             return
         waiting = self.unsent
         self.unsent = deque()
         for req in waiting:  # (a cancel removes its request from unsent)
-            if req.constraint is not None and not self.free_mask_slots:
+            if req.constraint is not None and not self.free_mask_rows:
                 self.unsent.append(req)
             else:
                 self._send_submit(req)
 
     def _send_submit(self, req: Request) -> None:
         if req.constraint is not None:
-            req.mask_slot = self.free_mask_slots.pop()
+            req.mask_row = self.free_mask_rows.pop()
             self._write_mask(req)  # the initial mask exists before the first token can be sampled
         req.submitted = True
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
-                                        mask_slot=req.mask_slot))
+                                        mask_row=req.mask_row))
 
     def cancel(self, req: Request) -> None:
         """Client cancel or disconnect: terminal ``done`` (cancelled) now, resources freed in the worker."""
         if req.ended:
             return
-        self._end(req, reason="cancelled")
-        self._stop_worker_side(req, FinishReason.ABORT)
+        self._end(req, reason=FinishReason.CANCELLED)
+        self._stop_worker_side(req, FinishReason.CANCELLED)
 
-    def _stop_worker_side(self, req: Request, reason: int) -> None:
+    def _stop_worker_side(self, req: Request, reason: FinishReason) -> None:
         if not req.submitted:
             if req in self.unsent:
                 self.unsent.remove(req)
             self._forget(req)
-        elif reason == FinishReason.ABORT or not self.worker.acks.try_push(AckKind.FINALIZE, req.seq_id, reason):
+        elif reason == FinishReason.CANCELLED or not self.worker.acks.try_push(req.seq_id, reason):
             # A client cancel may come before the worker has read the request's Submit, so it
             # travels behind it on the control channel (an ack could overtake it and be
             # dropped as unknown). Stops come after a committed token: the ack ring is safe,
@@ -257,7 +254,7 @@ class Service:
         try:
             while (entry := reader.poll()) is not None:
                 self._commit(entry)
-                reader.consume(entry.seq)
+                reader.consume(entry.position)
                 n += 1
         except RingCorrupt as e:  # never deliver unvalidated tokens: treat as a failed worker
             self._worker_died(f"token ring corrupt: {e}")
@@ -285,9 +282,9 @@ class Service:
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.seq_id, None)
-        if req.mask_slot >= 0:
-            self.free_mask_slots.append(req.mask_slot)
-            req.mask_slot = -1
+        if req.mask_row >= 0:
+            self.free_mask_rows.append(req.mask_row)
+            req.mask_row = -1
             if self.unsent:
                 self._send_unsent()
 
@@ -302,6 +299,7 @@ class Service:
                 continue  # stale row: never recreates state, never reaches a client
             if req.t_first is None:
                 req.t_first = now
+                req.cached_tokens = flags >> CACHED_SHIFT
             req.token_ids.append(token)
             if req.logprobs and lps is not None:
                 req.token_logprobs.append(float(lps[i]))
@@ -310,30 +308,30 @@ class Service:
                 self._stop_worker_side(req, FinishReason.ERROR)
                 continue
             text = req.detok.add(token)
-            finish = None
+            finish = flags & _FINISH_MASK  # the worker's FinishReason for this token
             if req.detok.stopped:
-                finish = "stop"
+                finish = FinishReason.STOP
                 self._stop_worker_side(req, FinishReason.STOP)  # the worker stops generating at once
-            elif flags & _FINISHED:
-                finish = "length" if flags & _LENGTH and not flags & _STOPPED else "stop"
+            elif finish:
                 text += req.detok.finish()
             self._emit_chunk(req, text, token)
-            if finish is not None:
-                self._end(req, reason=finish)
+            if finish:
+                self._end(req, reason=FinishReason(finish))
             elif req.constraint is not None:
                 self._write_mask(req)
 
     def _write_mask(self, req: Request) -> None:
         words = np.empty((1, self.worker.masks.words_per_row), dtype=np.int32)
         req.constraint.fill_mask(words[0])
-        self.worker.masks.write_rows([req.mask_slot], mask_stamp(req.seq_id, len(req.token_ids)), words)
+        self.worker.masks.write_rows([req.mask_row], mask_stamp(req.seq_id, len(req.token_ids)), words)
 
     # ------------------------------------------------------------------ events
     def _emit_chunk(self, req: Request, text: str, token: int) -> None:
         if req.on_event is not None:
             req.on_event(req, "chunk", {"text": text, "token_ids": [token]})
 
-    def _end(self, req: Request, reason: str | None = None, error: tuple[str, str] | None = None) -> None:
+    def _end(self, req: Request, reason: FinishReason = FinishReason.NONE,
+             error: tuple[str, str] | None = None) -> None:
         if req.ended:
             return
         req.ended = True
@@ -345,10 +343,11 @@ class Service:
                 req.on_event(req, "error", {"code": error[0], "message": error[1]})
             return
         req.finish_reason = reason
-        payload = {"finish_reason": reason, "text": req.text, "token_ids": list(req.token_ids),
-                   "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids)},
+        payload = {"finish_reason": reason.wire, "text": req.text, "token_ids": list(req.token_ids),
+                   "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids),
+                             "cached_tokens": req.cached_tokens},
                    "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
-        if req.constraint is not None and reason == "stop":
+        if req.constraint is not None and reason == FinishReason.STOP:
             try:
                 req.output = req.constraint.output(req.text)
                 payload["output"] = req.output

@@ -16,10 +16,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from shared.control import ChannelClosed, ControlChannel
 from shared.messages import Progress, Ready, Shutdown
+from shared.models import ModelInfo
 from shared.shm import Arena, Layout, Side
+
+if TYPE_CHECKING:
+    from .service import ServiceConfig
 
 
 class WorkerFailed(RuntimeError):
@@ -27,25 +32,25 @@ class WorkerFailed(RuntimeError):
 
 
 class WorkerHandle:
-    def __init__(self, engine_config: dict, vocab_size: int, generation: int, *, ring_entries: int = 64,
-                 mask_timeout_s: float = 5.0, stale_s: float = 5.0, ready_timeout_s: float = 900.0,
-                 log_level: str = "WARNING", on_progress=None) -> None:
-        self.engine_config = engine_config
+    def __init__(self, config: "ServiceConfig", model: ModelInfo, generation: int, on_progress=None) -> None:
+        """Spawn generation ``generation`` of the worker for ``config`` (its engine fields
+        travel to the worker as JSON, with the resolved model directory)."""
+        engine_config = dict(config.engine_fields(), model=str(model.path))
         self.generation = generation
-        self.stale_s = stale_s
-        self.ready_timeout_s = ready_timeout_s
+        self.stale_s = config.worker_stale_s
+        self.ready_timeout_s = config.ready_timeout_s
         self.started = time.monotonic()
         self.on_progress = on_progress  # called with each Progress the worker sends while starting
-        max_batch = int(engine_config.get("max_batch", 64))
-        self.arena = Arena.create(Layout(vocab_size=vocab_size, ring_entries=ring_entries, max_rows=max_batch,
-                                         max_batch_rows=max_batch), generation=generation)
+        max_batch = config.max_batch
+        self.arena = Arena.create(Layout(vocab_size=model.vocab_size, ring_entries=config.ring_entries,
+                                         max_rows=max_batch, max_batch_rows=max_batch), generation=generation)
         self._beating = self.arena.start_heartbeat(Side.FRONTEND)
         self.channel, child_end = ControlChannel.pair()
         self.stderr = tempfile.TemporaryFile()  # unlinked at once: kept only for failure reports
         cmd = [sys.executable, "-m", "gpu_worker.worker", "--arena", self.arena.fd_spec(),
                "--control", str(child_end.fileno()), "--config", json.dumps(engine_config),
                "--generation", str(generation), "--parent-pid", str(os.getpid()),
-               "--mask-timeout", str(mask_timeout_s), "--log-level", log_level]
+               "--mask-timeout", str(config.mask_timeout_s), "--log-level", config.log_level]
         self.proc = subprocess.Popen(cmd, pass_fds=(*self.arena.pass_fds, child_end.fileno()),
                                      stdin=subprocess.DEVNULL, stderr=self.stderr)
         child_end.close()

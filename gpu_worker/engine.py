@@ -1,11 +1,25 @@
 """The decode loop: blocking or pipelined from the same code.
 
-One tick, pipelined (DESIGN.md 3.2):
-    1. launch forward t+1   (inputs gathered on the device from pending tokens)
-    2. commit step t        (the only host wait: step t's ids copied to pinned memory)
-    3. finalize t+1         (masks that depend on commit t, sample, copy ids to host)
-Blocking is the same engine with the order launch t -> finalize t -> commit t,
-so the device idles while the host commits and plans.
+``Engine.step(...)`` is one tick. Its inputs are explicit arguments (the
+masks of the constrained rows it samples, the host arrays its device copies
+write sampled ids into); its output is a ``StepResult`` (the committed step's
+tokens and finish reasons, the sequences released) that the caller publishes.
+The engine never calls back into its caller.
+
+One tick, pipelined (docs/DESIGN.md §4.1):
+    1. sample the constrained rows of the step launched last tick, with the
+       masks the caller brought (built after the last commit), and copy that
+       step's ids to the host
+    2. launch forward t+1   (inputs gathered on the device from pending tokens)
+    3. commit step t        (the only host wait: step t's ids copied to host)
+    4. sample the unconstrained rows of t+1 at once; if it has constrained rows,
+       return them as ``mask_requests`` (step 1 of the next tick samples them),
+       else copy its ids now
+The device sees [fwd t][sample t][copy t][fwd t+1]...; the host is one forward
+ahead. Blocking is the same code with ``pipeline=False``: a tick launches,
+samples and commits one step (a constrained step is committed by the next
+tick, once its masks have come), so the device idles while the host commits,
+publishes and plans.
 
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
@@ -26,37 +40,63 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import torch
 
 from shared.config import EngineConfig
+from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 
-from .block_manager import BlockManager
+from .allocator import Allocator
 from .device import Device, DeviceError
 from .model_runner import LaunchInputs, ModelRunner
-from .pipeline import Pipeline
+from .pipeline import NUM_SLOTS, Pipeline
+from .prefix_cache import ROOT, page_hash
 from .sampler import FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence
 
 log = logging.getLogger("tandem.engine")
 
-# (constrained sequences, step) -> (int32 bitmask words [n, ceil(V/32)], failed [n] bool or None).
-# Called after commit t for the rows sampled at t+1; a failed row ends its request only.
-MaskProvider = Callable[[list[Sequence], int], tuple[np.ndarray, "np.ndarray | None"]]
+# For in-process use (tests, benchmarks): (sequences needing masks, step) ->
+# (int32 bitmask words [n, ceil(V/32)], missing [n] bool or None).
+MaskFn = Callable[[list[Sequence], int], tuple[np.ndarray, "np.ndarray | None"]]
 
 
 @dataclass
-class StepRecord:
+class Launch:
+    """One launched step, from launch to commit."""
     step: int
     slot: int
-    kind: str  # "prefill" | "decode"
+    prefill: bool  # the launch holds prefill chunks (else pure decode)
     seqs: list[Sequence]  # every sequence in the launch
+    kv_ends: list[int]  # per sequence of ``seqs``: the end of the positions whose KV this launch writes
     sample_seqs: list[Sequence]  # one per logits row, in row order
     inputs: LaunchInputs
     marks: list = field(default_factory=list)  # compute-stream marks: forward begin/end, sampling begin/end
-    copy_done: object = None
+    constrained: np.ndarray | None = None  # sampling rows still waiting for their masks
+    copy_done: object = None  # the device->host copy's event: what the commit waits on
     dropped: bool = False  # discarded after a device failure
+
+
+@dataclass
+class StepResult:
+    """What one tick produced. Row arrays are aligned with ``seqs``."""
+    step: int | None = None  # the committed step; None when this tick committed nothing
+    prefill: bool = False
+    seqs: list[Sequence] = field(default_factory=list)  # one per sampled row
+    tokens: np.ndarray | None = None  # int32
+    finish: np.ndarray | None = None  # uint8 FinishReason of the row's token (NONE: the request runs on)
+    live: np.ndarray | None = None  # bool; False = a zombie row (its request ended before this commit)
+    cached: np.ndarray | None = None  # int32: on a request's first token, its prompt tokens from the prefix cache
+    logprobs: np.ndarray | None = None  # float32, when any row asked for them
+    released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
+    copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
+    dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
+    mask_requests: list[Sequence] = field(default_factory=list)  # the next step() must bring their masks
+    mask_step: int | None = None  # the step those masks are for
+
+    @property
+    def rows(self) -> int:
+        return len(self.seqs)
 
 
 @dataclass
@@ -72,39 +112,33 @@ class EngineStats:
     wait_s: float = 0.0
     finished: int = 0
     failed: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens of admitted requests
+    prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, mask_provider: MaskProvider | None = None,
-                 llama=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, llama=None) -> None:
         self.config = cfg = config or EngineConfig()
         if cfg.max_batch < 1 or cfg.page_size < 1 or cfg.prefill_budget < 1:
             raise ValueError("max_batch, page_size and prefill_budget must be >= 1")
         self.device = Device(cfg.device)
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-        self.runner = ModelRunner(cfg.model, self.device, cfg.max_batch, cfg.max_model_len, cfg.page_size,
-                                  cfg.kv_pages, cfg.kv_memory_fraction, dtype, cfg.cuda_graphs, cfg.debug, llama)
+        self.runner = ModelRunner(cfg, self.device, llama)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
-        self.blocks = BlockManager(self.runner.num_pages, cfg.page_size, cfg.max_batch)
-        self.scheduler = Scheduler(self.blocks, cfg.prefill_budget)
-        self.pipeline = Pipeline(2)
+        self.alloc = Allocator(self.runner.num_pages, cfg.page_size, cfg.max_batch, cfg.prefix_cache)
+        self.scheduler = Scheduler(self.alloc, cfg.prefill_budget)
+        self.pipeline = Pipeline(NUM_SLOTS)
         self.pipelined = cfg.pipeline
-        self.mask_provider = mask_provider
-        self.records: deque[StepRecord] = deque()
+        self.launches: deque[Launch] = deque()  # launched, not yet committed, in step order
+        self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
         self.stats_ = EngineStats()
-        self.on_commit: Callable[[StepRecord, np.ndarray, np.ndarray, np.ndarray, list[int]], None] | None = None
-        self.on_release: Callable[[Sequence], None] | None = None
-        # Optional: where the copy stream should also write a step's sampled ids (int32 [rows]),
-        # e.g. straight into a shared-memory ring entry (called at finalize, in step order).
-        self.token_sink: Callable[[StepRecord], np.ndarray | None] | None = None
-        self._inbox: list[tuple[str, Sequence]] = []
+        self._inbox: list[tuple[FinishReason | None, Sequence]] = []  # (None = submit | reason to end)
         self._lock = threading.Lock()
         self._next_id = 0
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, constrained: bool = False,
-               logprobs: bool = False, on_token=None, seq_id: int | None = None) -> Sequence:
+               logprobs: bool = False, seq_id: int | None = None) -> Sequence:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
@@ -117,34 +151,43 @@ class Engine:
             raise ValueError(f"prompt: {len(prompt)} tokens do not fit the context of {self.max_model_len} "
                              "(prompt + at least one generated token)")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
-        if self.blocks.pages_for(len(prompt) + max_tokens) > self.blocks.pages.capacity:
+        if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
-                             f"({self.blocks.pages.capacity}); lower max_tokens")
+                             f"({self.alloc.pages.capacity}); lower max_tokens")
         with self._lock:
             if seq_id is None:
                 seq_id = self._next_id
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, on_token)
-            self._inbox.append(("submit", seq))
+            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs)
+            self._inbox.append((None, seq))
         return seq
 
-    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+    def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request early (thread-safe): cancellation, or a stop the frontend saw."""
         with self._lock:
-            self._inbox.append((reason, seq))
+            self._inbox.append((FinishReason(reason), seq))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 **kw) -> list[Sequence]:
-        """Submit every prompt and run until all are done (convenience for tests and the CLI)."""
+                 masks: MaskFn | None = None, **kw) -> list[Sequence]:
+        """Submit every prompt and run until all are done (convenience for tests and tools)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [self.submit(p, sp, **kw) for p, sp in zip(prompts, plist)]
-        self.run_until_idle()
+        self.run_until_idle(masks)
         return seqs
 
-    def run_until_idle(self) -> None:
+    def run_until_idle(self, masks: MaskFn | None = None) -> None:
+        """Tick until nothing is left; ``masks`` answers the mask requests of constrained rows
+        (without it they are sampled unconstrained)."""
+        words = missing = None
         while self.has_work:
-            self.step()
+            result = self.step(masks=words, masks_missing=missing)
+            words = missing = None
+            if result.mask_requests:
+                if masks is not None:
+                    words, missing = masks(result.mask_requests, result.mask_step)
+                else:
+                    words = np.full((len(result.mask_requests), self.runner.mask_words), -1, dtype=np.int32)
 
     @property
     def has_work(self) -> bool:
@@ -152,7 +195,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.has_work and self.blocks.idle
+        return not self.has_work and self.alloc.idle
 
     def stats(self) -> dict:
         s = self.stats_
@@ -164,10 +207,13 @@ class Engine:
             "bubble_idle_s": b.idle_s,
             "bubble_busy_s": b.busy_s,
             "device_idle_fraction": b.idle_fraction,
-            "kv_pages_free": self.blocks.pages.num_free,
-            "kv_pages_total": self.blocks.pages.capacity,
-            "rows_free": self.blocks.rows.num_free,
-            "rows_total": self.blocks.rows.capacity,
+            "device_overruns": b.overruns,  # sim: steps whose real CPU work did not fit the simulated time
+            "kv_pages_free": self.alloc.pages.num_free,  # free or cached: what an allocation can take
+            "kv_pages_total": self.alloc.pages.capacity,
+            "kv_pages_cached": self.alloc.pages.num_cached,
+            "prefix_cache_evictions": self.alloc.pages.evictions,
+            "rows_free": self.alloc.rows.num_free,
+            "rows_total": self.alloc.rows.capacity,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
         }
@@ -183,58 +229,86 @@ class Engine:
             self.device.close()
 
     # ------------------------------------------------------------------ the tick
-    def step(self) -> bool:
-        """One tick. Returns False when there was nothing to do."""
+    def step(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,
+             copy_into: list[np.ndarray] | None = None) -> StepResult:
+        """One tick.
+
+        Inputs:
+        - ``masks``: int32 bitmask words, one row per sequence of the previous
+          result's ``mask_requests`` (built after that result's commit);
+          ``masks_missing`` (bool per row) fails the rows whose mask never came.
+        - ``copy_into``: int32 host arrays (``max_batch`` long or more) that the
+          tick's device->host copies also write sampled ids into, used in order
+          (at most two per tick): the worker passes reserved token-ring entries,
+          so sampled ids land in shared memory with no host copy.
+          ``result.copied_steps`` says which step used which.
+        """
         t0 = time.perf_counter()
         wait0 = self.stats_.wait_s
+        result = StepResult()
+        self._result = result
+        self._copy_into = list(copy_into or ())
         self._drain_inbox()
-        launched = self._launch() if self.pipeline.can_launch() else None
-        committed = False
+        finished_launch = False
+        if self.awaiting_masks is not None:
+            self._sample_constrained(self.awaiting_masks, masks, masks_missing)
+            finished_launch = True
         if self.pipelined:
+            launched = self._launch() if self.pipeline.can_launch() else None
             if self.pipeline.in_flight > (1 if launched else 0):
                 self._commit()
-                committed = True
-            if launched and not launched.dropped:
-                self._finalize(launched)
-        elif launched:
-            self._finalize(launched)
+            if launched is not None and not launched.dropped:
+                self._sample_unconstrained(launched)
+        elif finished_launch:  # blocking: the constrained step is committed now, the next launch waits a tick
             self._commit()
-            committed = True
-        if not (launched or committed):
+            launched = None
+        else:
+            launched = self._launch() if self.pipeline.can_launch() else None
+            if launched is not None:
+                self._sample_unconstrained(launched)
+                if self.awaiting_masks is None:
+                    self._commit()
+        if not (launched or finished_launch or result.step is not None or result.released
+                or result.dropped_steps):
             self.device.reset_chain()  # idle: the next gap is not a bubble
-            return False
         self.stats_.host_s += (time.perf_counter() - t0) - (self.stats_.wait_s - wait0)
-        return True
+        self._result = None
+        return result
 
     def _drain_inbox(self) -> None:
         if not self._inbox:
             return
         with self._lock:
             items, self._inbox = self._inbox, []
-        for kind, seq in items:
-            if kind == "submit":
+        for reason, seq in items:
+            if reason is None:
                 self.scheduler.add(seq)
-            elif seq.finalize(kind):
+            elif seq.finalize(reason):
                 self._maybe_release(seq)
 
     # ------------------------------------------------------------------ launch
-    def _launch(self) -> StepRecord | None:
+    def _launch(self) -> Launch | None:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
             self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
+            self.stats_.prefix_query_tokens += seq.prompt_len
+            self.stats_.prefix_hit_tokens += seq.cached_tokens
         if not plan:
             return None
         step, slot = self.pipeline.launch()
         inp, sample_seqs = self._inputs(plan)
         seqs = plan.decode + [c.seq for c in plan.prefill]
+        kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
         for seq in seqs:
             seq.inflight_refs += 1
-        rec = StepRecord(step, slot, "prefill" if plan.prefill else "decode", seqs, sample_seqs, inp)
-        rec.marks.append(self.device.mark())
+        if self.config.debug:
+            self._check_exclusive(seqs, inp.decode_pos, plan)
+        launch = Launch(step, slot, bool(plan.prefill), seqs, kv_ends, sample_seqs, inp)
+        launch.marks.append(self.device.mark())
         self.runner.enqueue_forward(slot, inp)
-        rec.marks.append(self.device.mark())
-        self.records.append(rec)
-        return rec
+        launch.marks.append(self.device.mark())
+        self.launches.append(launch)
+        return launch
 
     def _inputs(self, plan: Plan) -> tuple[LaunchInputs, list[Sequence]]:
         """Host metadata of a launch, and the counters it advances."""
@@ -274,92 +348,150 @@ class Engine:
         )
         return inp, sample_seqs
 
-    # ------------------------------------------------------------------ finalize sampling
-    def _finalize(self, rec: StepRecord) -> None:
-        if not rec.sample_seqs:  # a launch of non-final prefill chunks samples nothing
-            rec.copy_done = rec.marks[-1]
+    # ------------------------------------------------------------------ sampling
+    def _sample_unconstrained(self, launch: Launch) -> None:
+        """Sample the rows that need no mask now; constrained rows wait for the caller's masks."""
+        if not launch.sample_seqs:  # a launch of non-final prefill chunks samples nothing
+            launch.copy_done = launch.marks[-1]
             return
-        sink = self.token_sink(rec) if self.token_sink is not None else None
-        constrained = []
-        if self.mask_provider is not None:
-            # Zombie rows (already finalized) are never queried.
-            constrained = [i for i, s in enumerate(rec.sample_seqs) if s.constrained and not s.finalized]
-        rec.marks.append(self.device.mark())
-        if not constrained:
-            self.runner.enqueue_sample(rec.slot, rec.inputs)
-        else:
-            # Unconstrained rows are sampled first: they never wait for a mask.
-            free = np.setdiff1d(np.arange(len(rec.sample_seqs)), constrained)
-            if len(free):
-                self.runner.enqueue_sample(rec.slot, rec.inputs, free)
-                rec.marks.append(self.device.mark())
-            # Built now, after the commit of the previous step: never a stale mask.
-            words, failed = self.mask_provider([rec.sample_seqs[i] for i in constrained], rec.step)
-            if failed is not None:
-                for i, bad in zip(constrained, failed):
-                    if bad:
-                        self._fail(rec.sample_seqs[i], "mask_timeout",
-                                   "the constraint mask for this request did not arrive in time")
-            if len(free):
-                rec.marks.append(self.device.mark())
-            self.runner.enqueue_sample(rec.slot, rec.inputs, np.asarray(constrained, dtype=np.int64),
-                                       np.ascontiguousarray(words, dtype=np.int32))
-        rec.marks.append(self.device.mark())
-        rec.copy_done = self.runner.enqueue_copy(rec.slot, rec.inputs, sink)
+        # Zombie rows (already finalized) never wait for a mask.
+        constrained = np.fromiter((i for i, s in enumerate(launch.sample_seqs) if s.constrained and not s.finalized),
+                                  np.int64)
+        launch.marks.append(self.device.mark())
+        if not len(constrained):
+            self.runner.enqueue_sample(launch.slot, launch.inputs)
+            launch.marks.append(self.device.mark())
+            self._enqueue_copy(launch)
+            return
+        free = np.setdiff1d(np.arange(len(launch.sample_seqs)), constrained)
+        if len(free):
+            self.runner.enqueue_sample(launch.slot, launch.inputs, free)
+        launch.marks.append(self.device.mark())
+        launch.constrained = constrained
+        self.awaiting_masks = launch
+        self._result.mask_requests = [launch.sample_seqs[i] for i in constrained]
+        self._result.mask_step = launch.step
+
+    def _sample_constrained(self, launch: Launch, words: np.ndarray | None, missing: np.ndarray | None) -> None:
+        """Sample the rows that waited for masks (built after the previous commit), then copy the step."""
+        self.awaiting_masks = None
+        rows = launch.constrained
+        if words is None or len(words) != len(rows):
+            raise ValueError(f"step {launch.step} needs masks for {len(rows)} constrained rows")
+        if missing is not None:
+            for i, gone in zip(rows, missing):
+                if gone:
+                    self._fail(launch.sample_seqs[i], "mask_timeout",
+                               "the constraint mask for this request did not arrive in time")
+        launch.marks.append(self.device.mark())
+        self.runner.enqueue_sample(launch.slot, launch.inputs, rows, np.ascontiguousarray(words, dtype=np.int32))
+        launch.marks.append(self.device.mark())
+        self._enqueue_copy(launch)
+
+    def _enqueue_copy(self, launch: Launch) -> None:
+        dest = None
+        if self._copy_into:
+            dest = self._copy_into.pop(0)
+            self._result.copied_steps.append(launch.step)
+        launch.copy_done = self.runner.enqueue_copy(launch.slot, launch.inputs, dest)
 
     # ------------------------------------------------------------------ commit
     def _commit(self) -> None:
         step, slot = self.pipeline.pop_commit()
-        rec = self.records.popleft()
-        assert rec.step == step, (rec.step, step)
+        launch = self.launches.popleft()
+        assert launch.step == step and launch.copy_done is not None, (launch.step, step)
         t = time.perf_counter()
         try:
-            rec.copy_done.synchronize()
+            launch.copy_done.synchronize()
             error = None
         except DeviceError as e:
             error = e
         self.stats_.wait_s += time.perf_counter() - t
-        for seq in rec.seqs:
+        for seq in launch.seqs:
             seq.inflight_refs -= 1
             assert seq.inflight_refs >= 0, "inflight_refs underflow"
         if error is not None:
-            self._device_failed(rec, error)
+            self._device_failed(launch, error)
             return
-        self.device.account(rec.marks)
-        self.stats_.steps += 1
-        if rec.kind == "decode":
-            self.stats_.decode_steps += 1
-        else:
-            self.stats_.prefill_steps += 1
-        n = len(rec.sample_seqs)
-        self.stats_.sample_rows += n
+        self.device.account(launch.marks, launch.copy_done)
+        self._count(launch)
+        n = len(launch.sample_seqs)
         tokens, flags, logprobs = self.runner.read_step(slot, n)
+        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
+        r = self._result
+        r.step, r.prefill, r.seqs, r.live, r.finish = step, launch.prefill, launch.sample_seqs, live, finish
+        r.cached = cached
+        r.tokens = tokens.astype(np.int32)
+        r.logprobs = logprobs.astype(np.float32) if launch.inputs.want_logprobs else None
+        for seq, end in zip(launch.seqs, launch.kv_ends):
+            seq.kv_committed = max(seq.kv_committed, end)
+            if self.alloc.pages.caching:
+                self._register_full_pages(seq)
+            self._maybe_release(seq)
+        self.pipeline.release(step)
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Name the sequence's pages whose KV is complete and committed (prompt and generated
+        tokens alike, so a follow-up turn hits): from now on other requests may map them."""
+        size = self.alloc.page_size
+        full = min(seq.kv_committed, seq.prompt_len + len(seq.output_ids)) // size
+        names = seq.page_names
+        if len(names) < full:
+            tokens = seq.prompt_ids + seq.output_ids
+            parent = names[-1] if names else ROOT
+            for i in range(len(names), full):
+                parent = page_hash(parent, tokens[i * size:(i + 1) * size])
+                names.append(parent)
+        for i in range(seq.pages_registered, full):
+            self.alloc.pages.register(seq.pages[i], names[i])
+        seq.pages_registered = max(seq.pages_registered, full)
+
+    def _check_exclusive(self, seqs: list[Sequence], decode_pos: np.ndarray, plan: Plan) -> None:
+        """Debug: a launch writes KV only into pages no other request reads (never a cached page)."""
+        size, pool = self.alloc.page_size, self.alloc.pages
+        spans = [(int(p), int(p) + 1) for p in decode_pos] + [(c.start, c.start + c.length) for c in plan.prefill]
+        for seq, (start, end) in zip(seqs, spans):
+            for page in seq.pages[start // size:(end - 1) // size + 1]:
+                if not pool.exclusive(page):
+                    raise AssertionError(f"request {seq.seq_id} would write shared or cached kv page {page}")
+
+    def _count(self, launch: Launch) -> None:
+        s = self.stats_
+        s.steps += 1
+        if launch.prefill:
+            s.prefill_steps += 1
+        else:
+            s.decode_steps += 1
+        s.sample_rows += len(launch.sample_seqs)
+
+    def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs):
+        """Append each live row's token to its sequence and end it on a stop or its length cap.
+        Returns (live, finish reason, cached prompt tokens on first tokens) per row."""
+        n = len(seqs)
+        live = np.ones(n, dtype=bool)
+        finish = np.zeros(n, dtype=np.uint8)
+        cached = np.zeros(n, dtype=np.int32)
         now = time.perf_counter()
-        committed = []
-        for i, seq in enumerate(rec.sample_seqs):
+        for i, seq in enumerate(seqs):
             if seq.finalized:  # a zombie: launched before its end was known
+                live[i] = False
                 seq.zombie_rows += 1
-                self.stats_.zombie_rows += 1
                 continue
-            token = int(tokens[i])
-            seq.output_ids.append(token)
+            seq.output_ids.append(int(tokens[i]))
             if seq.logprobs:
                 seq.output_logprobs.append(float(logprobs[i]))
             if seq.t_first_token is None:
                 seq.t_first_token = now
-            committed.append(i)
+                cached[i] = seq.cached_tokens
             if flags[i] & FLAG_STOP:
-                seq.finalize("stop")
+                seq.finalize(FinishReason.STOP)
             elif len(seq.output_ids) >= seq.max_tokens:
-                seq.finalize("length")
-            if seq.on_token is not None:
-                seq.on_token(seq, token)
-        self.stats_.committed_tokens += len(committed)
-        if self.on_commit is not None:
-            self.on_commit(rec, tokens, flags, logprobs, committed)
-        for seq in rec.seqs:
-            self._maybe_release(seq)
-        self.pipeline.release(step)
+                seq.finalize(FinishReason.LENGTH)
+            finish[i] = seq.finish_reason
+        zombies = n - int(live.sum())
+        self.stats_.zombie_rows += zombies
+        self.stats_.committed_tokens += n - zombies
+        return live, finish, cached
 
     # ------------------------------------------------------------------ release and failure
     def _maybe_release(self, seq: Sequence) -> None:
@@ -368,31 +500,31 @@ class Engine:
             return
         seq.released = True
         if seq.admitted:
-            self.blocks.release(seq.row, seq.pages)
+            self.alloc.release(seq.row, seq.pages)
             self.scheduler.remove(seq)
             self.runner.poison_row(seq.row)
         else:  # ended while still queued: it holds nothing but its place in the queue
             self.scheduler.drop_waiting(seq)
         if seq.error is None:
             self.stats_.finished += 1
-        if self.on_release is not None:
-            self.on_release(seq)
+        self._result.released.append(seq)
 
     def _fail(self, seq: Sequence, code: str, message: str) -> None:
-        if seq.finalize("error", f"{code}: {message}"):
+        if seq.finalize(FinishReason.ERROR, f"{code}: {message}"):
             self.stats_.failed += 1
             log.warning("request %d failed: %s: %s", seq.seq_id, code, message)
 
-    def _device_failed(self, rec: StepRecord, error: BaseException) -> None:
+    def _device_failed(self, launch: Launch, error: BaseException) -> None:
         """Device work failed: fail the requests of every outstanding step, keep serving."""
-        log.error("device work failed at step %d: %r", rec.step, error)
-        victims = list(rec.seqs)
-        for other in self.records:
-            victims += other.seqs
-        self.pipeline.release(rec.step)
-        while self.records:  # later steps ran on a failed stream: drop them too
-            later = self.records.popleft()
+        log.error("device work failed at step %d: %r", launch.step, error)
+        victims = list(launch.seqs)
+        self._result.dropped_steps.append(launch.step)
+        self.pipeline.release(launch.step)
+        self.awaiting_masks = None
+        while self.launches:  # later steps ran on a failed stream: drop them too
+            later = self.launches.popleft()
             later.dropped = True
+            victims += later.seqs
             if later.copy_done is not None:
                 try:
                     later.copy_done.synchronize()
@@ -402,6 +534,7 @@ class Engine:
             for seq in later.seqs:
                 seq.inflight_refs -= 1
             self.pipeline.release(s)
+            self._result.dropped_steps.append(s)
         self.device.recover()
         for seq in victims:
             self._fail(seq, "internal", f"device error: {error}")

@@ -5,6 +5,10 @@ prefill, decode and any mix of them: the caller packs the new tokens of all
 sequences into one flat ``input_ids[T]`` and describes the layout with a
 :class:`~gpu_worker.kv_cache.Batch`.
 
+A vision-language checkpoint (Idefics3 / SmolVLM) loads as its text backbone;
+the prefill of an image prompt passes the vision encoder's features for the
+``<image>`` placeholder tokens (``gpu_worker/vision.py``).
+
 The forward does no host syncs and allocates only shape-determined tensors, so a
 decode step can be captured in a CUDA graph and replayed with new Batch contents.
 """
@@ -20,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpu_worker.kv_cache import Batch, PagedKVCache
+from gpu_worker.batch import Batch
+from gpu_worker.kv_cache import PagedKVCache
 
 # Default cap on the rope table length when the engine does not pass max_model_len.
 MAX_ROPE_LEN = 32768
@@ -59,7 +64,12 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaConfig":
-        """Parse a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        """Parse a Hugging Face config.json dict (transformers 4.x or 5.x layout).
+
+        A vision-language config (Idefics3) is parsed as its Llama text backbone.
+        """
+        if "text_config" in cfg:
+            cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}")
@@ -242,9 +252,18 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", freqs.sin().to(device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, kv: PagedKVCache,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], logits_indices [R] (indices into T) -> float32 logits [R, vocab]."""
+                logits_indices: torch.Tensor,
+                image_features: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T], logits_indices [R] (indices into T) -> float32 logits [R, vocab].
+
+        image_features: optional (token_index [K] int64 into T, features [K, hidden]):
+        the embeddings of those tokens (a prefill's <image> placeholders) are
+        replaced by the image encoder's features.
+        """
         x = self.embed_tokens(input_ids)
+        if image_features is not None:
+            index, features = image_features
+            x = x.index_copy(0, index, features.to(x.dtype))
         cos = self.rope_cos[batch.positions].to(x.dtype)
         sin = self.rope_sin[batch.positions].to(x.dtype)
 
@@ -273,17 +292,15 @@ class Llama(nn.Module):
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                         max_model_len: int | None = None) -> "Llama":
         """Load a Hugging Face checkpoint directory (config.json + *.safetensors)."""
-        from safetensors import safe_open
-
         path = Path(path)
         config = LlamaConfig.from_pretrained(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        where = {name: h for h in handles for name in h.keys()}
+        where = checkpoint_index(path)
+        # A vision-language checkpoint (Idefics3) keeps its text backbone under model.text_model.
+        prefix = "model.text_model." if "model.text_model.embed_tokens.weight" in where else "model."
 
         def get(name: str) -> torch.Tensor | None:
+            if name.startswith("model."):
+                name = prefix + name[len("model."):]
             h = where.get(name)
             return None if h is None else h.get_tensor(name)
 
@@ -350,6 +367,17 @@ class Llama(nn.Module):
             put(model.lm_head, "weight", lm_head)
         model._init_rope(device)
         return model.eval()
+
+
+def checkpoint_index(path: Path) -> dict:
+    """Tensor name -> the open safetensors file holding it, over all shards of a checkpoint directory."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    return {name: h for h in handles for name in h.keys()}
 
 
 def _hf_shape(config: LlamaConfig, name: str) -> tuple[int, ...] | None:

@@ -2,9 +2,10 @@
 
 Per batch row the device keeps the *pending token* (the last sampled id, which
 the next forward gathers without the host ever seeing it) and the row's
-sampling parameters. Per DecodeSlot it keeps the page-locked host buffers the
-sampled ids are copied into, and on CUDA the decode graphs captured for that
-slot (one per batch-size bucket and page-count bucket).
+sampling parameters. Per pipeline slot (``pipeline.py``) it keeps the
+page-locked host buffers the sampled ids are copied into, and on CUDA the
+decode graphs captured for that slot (one per batch-size bucket and page-count
+bucket).
 
 Nothing here decides *what* to run; ``engine.py`` does. Functions named
 ``enqueue_*`` return immediately: the work runs on the compute stream (an
@@ -19,12 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shared.config import EngineConfig
 from shared.models import resolve_model
 
 from .device import Device
-from .kv_cache import Batch, PagedKVCache
+from .batch import Batch
+from .kv_cache import PagedKVCache
 from .model import Llama, LlamaConfig
-from .sampler import RowParams, apply_bitmask, sample
+from .pipeline import NUM_SLOTS
+from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
 
 log = logging.getLogger("tandem.worker")
 
@@ -80,42 +84,34 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: str,
-        device: Device,
-        max_rows: int,
-        max_model_len: int,
-        page_size: int,
-        kv_pages: int | None,
-        kv_memory_fraction: float,
-        dtype: torch.dtype | None,
-        cuda_graphs: bool,
-        debug: bool,
-        llama: Llama | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, device: Device, llama: Llama | None = None) -> None:
+        """``llama``: an already-built model (tests); else ``config.model`` is loaded."""
         self.device = device
         dev = device.torch_device
-        self.dtype = dtype or default_dtype(device.is_cuda)
+        self.dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device.is_cuda)
+        max_model_len, page_size, max_rows = config.max_model_len, config.page_size, config.max_batch
         if llama is None:
-            path = resolve_model(model)
-            cfg = LlamaConfig.from_pretrained(path)
-            max_model_len = min(max_model_len, cfg.max_position_embeddings)
+            path = resolve_model(config.model)
+            max_model_len = min(max_model_len, LlamaConfig.from_pretrained(path).max_position_embeddings)
             llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
         self.model = llama.eval()
         self.config = llama.config
         self.max_model_len = min(max_model_len, llama.max_model_len)
         self.page_size = page_size
         self.max_rows = max_rows
-        self.debug = debug
+        self.debug = config.debug
         self.vocab_size = self.config.vocab_size
+        self.mask_words = -(-self.vocab_size // 32)  # int32 words of one token bitmask
         self.eos_ids = tuple(self.config.eos_token_id)
+        if len(self.eos_ids) > MAX_EOS_IDS:
+            raise ValueError(f"the model has {len(self.eos_ids)} EOS ids; at most {MAX_EOS_IDS} are supported")
+        kv_pages = config.kv_pages
         per_page = PagedKVCache.page_bytes(self.config.num_hidden_layers, page_size,
                                            self.config.num_key_value_heads, self.config.head_dim, self.dtype)
         if kv_pages is None:
             if device.is_cuda:
                 free, _total = torch.cuda.mem_get_info(dev)
-                kv_pages = int(free * kv_memory_fraction // per_page)
+                kv_pages = int(free * config.kv_memory_fraction // per_page)
             else:
                 # Enough for every row at full length, capped at 2 GiB of host memory.
                 want = max_rows * -(-self.max_model_len // page_size) + 1
@@ -124,14 +120,14 @@ class ModelRunner:
         self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.dtype, dev)
         self.max_pages_per_seq = -(-self.max_model_len // page_size)
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
-        self.pending = torch.full((max_rows + 1,), POISON if debug else 0, dtype=torch.int64, device=dev)
+        self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)
         self.pending[max_rows] = 0
         self.params = RowParams(max_rows + 1, dev)
         # Host copy of every row's page table, written at admission, so a decode
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
-        self.slots = [SlotBuffers(device, max_rows) for _ in range(2)]
-        self.use_graphs = cuda_graphs and device.is_cuda
+        self.slots = [SlotBuffers(device, max_rows) for _ in range(NUM_SLOTS)]
+        self.use_graphs = config.cuda_graphs and device.is_cuda
         self.graphs: dict[tuple[int, int, int], "_DecodeGraph"] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -234,7 +230,7 @@ class ModelRunner:
             dev_meta = self._upload(meta)
             rows, pos = dev_meta[0], dev_meta[1]
             with torch.inference_mode():
-                logits = buf.logits
+                logits, idx = buf.logits, None
                 if buf.out is None:  # the step's first part: full-size outputs
                     buf.out = (torch.empty(num, dtype=torch.int64, device=logits.device),
                                torch.empty(num, dtype=torch.int32, device=logits.device),
@@ -244,28 +240,19 @@ class ModelRunner:
                     logits, rows, pos = logits[idx], rows[idx], pos[idx]
                 if masks is not None:
                     logits = apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
-                tokens, flags, logprobs = sample(logits, rows, pos, self.params, inp.any_random,
-                                                 inp.any_filter, inp.want_logprobs)
-                self.pending.index_copy_(0, rows, tokens)
-                out_tokens, out_flags, out_logprobs = buf.out
-                if part is None:
-                    out_tokens.copy_(tokens)
-                    out_flags.copy_(flags)
-                    if logprobs is not None:
-                        out_logprobs.copy_(logprobs)
-                else:
-                    out_tokens.index_copy_(0, idx, tokens)
-                    out_flags.index_copy_(0, idx, flags)
-                    if logprobs is not None:
-                        out_logprobs.index_copy_(0, idx, logprobs)
+                sampled = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter, inp.want_logprobs)
+                self.pending.index_copy_(0, rows, sampled[0])
+                for out, values in zip(buf.out, sampled):  # tokens, flags, logprobs (None unless asked)
+                    if values is not None:
+                        out.copy_(values) if idx is None else out.index_copy_(0, idx, values)
 
         self.device.compute.submit(run)
 
-    def enqueue_copy(self, slot: int, inp: LaunchInputs, sink: np.ndarray | None = None):
+    def enqueue_copy(self, slot: int, inp: LaunchInputs, dest: np.ndarray | None = None):
         """After the step's sampling parts: copy the sampled ids (and flags, logprobs)
-        to the slot's page-locked buffers, and to ``sink`` (an int32 host array such
-        as a ring entry) if given, on the copy stream. Returns the copy-done event:
-        the only thing the commit waits on."""
+        to the slot's page-locked buffers, and the ids to ``dest[:rows]`` (an int32 host
+        array such as a token-ring entry) if given, on the copy stream. Returns the
+        copy-done event: the only thing the commit waits on."""
         buf = self.slots[slot]
         num = len(inp.sample_rows)
         want_lp = inp.want_logprobs
@@ -273,7 +260,7 @@ class ModelRunner:
         def release() -> None:
             tokens, flags, logprobs = buf.out
             buf.keep = [tokens, flags, logprobs if want_lp else None,
-                        tokens.to(torch.int32) if sink is not None else None]
+                        tokens.to(torch.int32) if dest is not None else None]
             buf.out = None
             buf.logits = None
 
@@ -282,8 +269,8 @@ class ModelRunner:
 
         def copy() -> None:
             tokens, flags, logprobs, tokens32 = buf.keep
-            if sink is not None:
-                torch.from_numpy(sink).copy_(tokens32, non_blocking=True)
+            if dest is not None:
+                torch.from_numpy(dest[:num]).copy_(tokens32, non_blocking=True)
             buf.tokens[:num].copy_(tokens, non_blocking=True)
             buf.flags[:num].copy_(flags, non_blocking=True)
             if logprobs is not None:
@@ -319,7 +306,7 @@ class ModelRunner:
         if not self.use_graphs:
             return
         todo = [(slot, b, min(p, self.max_pages_per_seq))
-                for slot in range(2) for b in batch_sizes if b <= self.max_rows for p in pages]
+                for slot in range(NUM_SLOTS) for b in batch_sizes if b <= self.max_rows for p in pages]
         for i, key in enumerate(todo):
             self._graph_for(*key)
             if progress is not None:

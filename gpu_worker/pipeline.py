@@ -1,4 +1,7 @@
-"""The pipeline's bookkeeping: two ping-pong DecodeSlots, as a pure state machine.
+"""The pipeline's bookkeeping: two ping-pong slots, as a pure state machine.
+
+A *slot* is one set of per-step buffers (staged metadata, logits, sampled ids,
+the host copy's destination, CUDA graphs); step n uses slot n % NUM_SLOTS.
 
 No torch here: this module only decides which slot a launch uses, which step is
 committed next and when a slot may be reused, so it is tested exhaustively on
@@ -24,6 +27,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 
+NUM_SLOTS = 2  # launch t+1 while t is committed: two steps in flight at most
+
+
 class PipelineError(RuntimeError):
     pass
 
@@ -41,7 +47,7 @@ class SlotRecord:
 
 
 class Pipeline:
-    def __init__(self, num_slots: int = 2) -> None:
+    def __init__(self, num_slots: int = NUM_SLOTS) -> None:
         if num_slots < 1:
             raise PipelineError("a pipeline needs at least one slot")
         self.num_slots = num_slots

@@ -5,14 +5,18 @@ are below its cap decodes in every launch (it joins as soon as its first token
 is sampled on the device, before the host has seen it). Prompts prefill in
 chunks bounded by a per-launch token budget, oldest first. Admission is FIFO
 and reserves a request's whole KV (prompt + max_tokens) up front, so a running
-sequence never runs out of pages; a request that does not fit waits.
+sequence never runs out of pages; a request that does not fit waits. The
+leading full pages of a prompt that the prefix cache holds are mapped, not
+computed: prefill starts after them (always recomputing at least the last
+prompt token, whose logits sample the first output token).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .allocator import Allocator
+from .prefix_cache import chain
 from .sequence import Sequence
 
 
@@ -37,8 +41,8 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, prefill_budget: int) -> None:
-        self.blocks = blocks
+    def __init__(self, alloc: Allocator, prefill_budget: int) -> None:
+        self.alloc = alloc
         self.prefill_budget = prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, not yet released, in admission order
@@ -54,14 +58,26 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             need = seq.prompt_len + seq.max_tokens
-            if not self.blocks.can_admit(need):
+            hits = self._cached_prefix(seq)
+            if not self.alloc.can_admit(need, hits):
                 break
-            seq.row, seq.pages = self.blocks.admit(need)
+            seq.row, seq.pages = self.alloc.admit(need, hits)
+            seq.num_prefilled = seq.kv_committed = seq.cached_tokens = len(hits) * self.alloc.page_size
             seq.admitted = True
             self.waiting.popleft()
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached pages for the longest prefix of the prompt's full pages (the last token excluded)."""
+        pool = self.alloc.pages
+        if not pool.caching:
+            return []
+        size = self.alloc.page_size
+        if not seq.page_names:
+            seq.page_names = chain(seq.prompt_ids, size, (seq.prompt_len - 1) // size)
+        return pool.lookup(seq.page_names)
 
     def plan(self) -> tuple[Plan, list[Sequence]]:
         """The next launch, and the sequences admitted for it."""

@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
+from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 
 
@@ -31,10 +31,16 @@ class Sequence:
     seed: int
     constrained: bool = False
     logprobs: bool = False
-    on_token: Callable[["Sequence", int], None] | None = None
 
     row: int = -1
     pages: list[int] = field(default_factory=list)
+    # Prefix cache: names of the full pages whose tokens are known (a chain, prefix_cache.py),
+    # how many of them are registered, the prompt tokens mapped from the cache at admission,
+    # and how many positions have KV written by committed launches.
+    page_names: list[bytes] = field(default_factory=list)
+    pages_registered: int = 0
+    cached_tokens: int = 0
+    kv_committed: int = 0
     num_prefilled: int = 0
     num_dispatched: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -42,8 +48,8 @@ class Sequence:
 
     admitted: bool = False
     finalized: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
+    finish_reason: FinishReason = FinishReason.NONE
+    error: str | None = None  # "code: message" when finish_reason is ERROR
     inflight_refs: int = 0
     released: bool = False
     zombie_rows: int = 0
@@ -74,12 +80,12 @@ class Sequence:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def finalize(self, reason: str, error: str | None = None) -> bool:
+    def finalize(self, reason: FinishReason, error: str | None = None) -> bool:
         """Mark the end; returns False if it had already ended (first reason wins)."""
         if self.finalized:
             return False
         self.finalized = True
-        self.finish_reason = reason
+        self.finish_reason = FinishReason(reason)
         self.error = error
         self.t_done = time.perf_counter()
         self._done.set()

@@ -21,23 +21,25 @@ import os
 import select
 import sys
 import time
+from collections import deque
 
 import numpy as np
 
+from shared.config import EngineConfig
 from shared.control import ChannelClosed, ControlChannel
+from shared.finish import FinishReason
 from shared.messages import (Cancel, Progress, Ready, Released, RequestFailed, Shutdown, Stats, StatsRequest,
                              Submit, to_sampling_params)
-from shared.shm import AckKind, Arena, Kind, RingAborted, Side, TokenFlag, mask_stamp
+from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
-from shared.config import EngineConfig
-
-from .engine import Engine
-from .sampler import FLAG_STOP
+from .engine import Engine, StepResult
+from .sequence import Sequence
 
 log = logging.getLogger("tandem.worker")
 
 FRONTEND_STALE_S = 5.0  # the frontend beats every 100 ms; this long without one means it is gone
 IDLE_WAIT_S = 0.05
+INPUT_WAIT_S = 0.002  # one wait for masks or ring space, between two reads of the control channel
 
 
 class FrontendGone(SystemExit):
@@ -45,6 +47,11 @@ class FrontendGone(SystemExit):
 
 
 class Worker:
+    """The worker's tick: read every input from the frontend in one place
+    (``_gather_inputs``: control messages, acks, the masks and ring space the
+    next step needs), run one engine step with them, publish its result
+    (``_publish``: ring entry, releases, failures)."""
+
     def __init__(self, arena: Arena, channel: ControlChannel, config: EngineConfig, generation: int,
                  parent_pid: int, mask_timeout_s: float = 5.0) -> None:
         self.arena = arena
@@ -52,25 +59,25 @@ class Worker:
         self.generation = generation
         self.parent_pid = parent_pid
         self.mask_timeout_s = mask_timeout_s
-        self.engine = Engine(config, mask_provider=self.masks_for)
-        self.engine.on_commit = self._publish
-        self.engine.on_release = self._on_release
+        self.engine = Engine(config)
         device = self.engine.device
-        if device.is_cuda and not device.page_lock(arena.buffer, arena.layout.total_bytes):
+        # The copy stream writes sampled ids straight into reserved ring entries
+        # (page-locked on CUDA); else the host copies them in at commit.
+        self.direct_copy = not device.is_cuda or device.page_lock(arena.buffer, arena.layout.total_bytes)
+        if not self.direct_copy:
             log.warning("could not page-lock the arena: sampled ids are copied into the ring by the host")
-        else:  # the copy stream writes sampled ids straight into the ring entry
-            self.engine.token_sink = self._reserve_entry
-        self.eos_ids = np.asarray(self.engine.runner.eos_ids or (-1,), dtype=np.int64)
         self.ring = arena.token_writer()
         self.acks = arena.ack_reader()
         self.masks = arena.mask_reader()
-        self.seqs: dict = {}  # seq_id -> Sequence, until released
-        self.mask_slots: dict[int, int] = {}
-        self.ended: set[int] = set()  # finalize/cancel acks seen, not yet applied by the engine
-        self._released: list[int] = []
-        self._entries: dict = {}  # step -> reserved ring entry the copy stream writes into
+        self.seqs: dict[int, Sequence] = {}  # seq_id -> Sequence, until released
+        self.mask_rows: dict[int, int] = {}  # seq_id -> its row in the mask region
+        self.ended: set[int] = set()  # ended by the frontend (an ack or a cancel), not yet released
+        self.spare: deque = deque()  # reserved ring entries, oldest first, for the next copies/commits
+        self.entries: dict = {}  # step -> the ring entry its device copy wrote into
+        self.mask_requests: list[Sequence] = []  # the previous step's constrained rows
+        self.mask_step: int | None = None
         self._failed: list[RequestFailed] = []
-        self._control_inbox: list = []  # control messages read while waiting, applied by the main loop
+        self._released: list[int] = []
         self.running = True
 
     # ------------------------------------------------------------------ liveness
@@ -84,19 +91,6 @@ class Worker:
         self.channel.send(Progress(stage=stage, done=done, total=total))
         self.channel.flush()
 
-    def _waiting(self) -> bool:
-        """Called while the worker waits on the frontend (ring space, masks). It is
-        healthy, so it beats (a stalled frontend must not get it killed as hung), and
-        it keeps the control channel moving both ways (messages read now are applied
-        by the main loop). True (stop waiting) when the frontend is gone."""
-        self._beat()
-        try:
-            self._control_inbox += self.channel.receive()
-            self.channel.flush()
-        except ChannelClosed:
-            return True
-        return self.frontend_gone()
-
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
         self.engine.runner.warmup(progress=lambda done, total: self._progress("capturing CUDA graphs", done, total))
@@ -104,26 +98,62 @@ class Worker:
         info = {"model": self.engine.config.model, "device": self.engine.device.spec,
                 "max_batch": self.engine.config.max_batch, "max_model_len": self.engine.max_model_len,
                 "pipeline": self.engine.pipelined, "vocab_size": self.engine.vocab_size,
-                "kv_pages": self.engine.blocks.pages.capacity, "pid": os.getpid()}
+                "kv_pages": self.engine.alloc.pages.capacity, "pid": os.getpid()}
         self.channel.send(Ready(generation=self.generation, info=info))
         while self.running:
+            words, missing = self._gather_inputs()
+            if self.engine.has_work:
+                copy_into = [p.token_ids for p in self.spare] if self.direct_copy else None
+                self._publish(self.engine.step(masks=words, masks_missing=missing, copy_into=copy_into))
+            self._flush()
+
+    # ------------------------------------------------------------------ inputs
+    def _gather_inputs(self):
+        """Everything the next step needs from the frontend, read in one place.
+
+        Applies control messages and acks to the engine, reserves the ring
+        entries the step's copies and commit write into, and waits for the
+        masks of the previous step's constrained rows (stamped for exactly the
+        token being sampled; rows of requests the frontend ended are not waited
+        for; a row still missing at the timeout fails that request only). While
+        it waits it beats and keeps the control channel moving both ways, so a
+        slow frontend neither deadlocks nor gets this worker killed as hung.
+        Returns (mask words, missing) for ``engine.step``.
+        """
+        deadline = time.monotonic() + self.mask_timeout_s
+        while True:
             self._beat()
             if self.frontend_gone():
                 raise FrontendGone(3)
-            self._control()
-            self._absorb_acks()
-            if self.engine.has_work:
-                self.engine.step()
-            else:
+            self._read_control()
+            for ev in self.acks.poll():
+                self._end(ev.seq_id, ev.reason)
+            if not self.engine.has_work:
                 select.select([self.channel], [self.channel] if self.channel.unsent_bytes else [], [], IDLE_WAIT_S)
-            self._flush()
+                return None, None
+            ring_ready = self._reserve_entries()
+            pending = self._pending_masks()
+            if ring_ready and (not pending or time.monotonic() > deadline):
+                return self._read_masks(pending)
+            try:
+                self.channel.flush()
+            except ChannelClosed:
+                raise FrontendGone(3) from None
+            if not ring_ready:
+                try:
+                    self.spare.append(self.ring.reserve(timeout=INPUT_WAIT_S))
+                except RingTimeout:
+                    pass
+            else:
+                seq = self.mask_requests[pending[0]]
+                row = np.array([self.mask_rows[seq.seq_id]])
+                self.masks.wait_rows(row, mask_stamp(seq.seq_id, len(seq.output_ids)), timeout=INPUT_WAIT_S)
 
-    def _control(self) -> None:
+    def _read_control(self) -> None:
         try:
-            messages = self._control_inbox + self.channel.receive()
+            messages = self.channel.receive()
         except ChannelClosed:
             raise FrontendGone(3) from None
-        self._control_inbox = []
         if self.channel.last_error:
             log.error("rejected a control message: %s", self.channel.last_error)
             self.channel.last_error = None
@@ -131,7 +161,7 @@ class Worker:
             if isinstance(msg, Submit):
                 self._submit(msg)
             elif isinstance(msg, Cancel):
-                self._end(msg.seq_id, "cancelled")
+                self._end(msg.seq_id, FinishReason.CANCELLED)
             elif isinstance(msg, StatsRequest):
                 stats = {k: v for k, v in self.engine.stats().items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -146,8 +176,8 @@ class Worker:
         try:
             if msg.seq_id in self.seqs:
                 raise ValueError(f"seq_id {msg.seq_id} is already live")
-            if msg.constrained and not 0 <= msg.mask_slot < self.arena.layout.max_batch_rows:
-                raise ValueError(f"mask_slot {msg.mask_slot} is out of range")
+            if msg.constrained and not 0 <= msg.mask_row < self.arena.layout.max_batch_rows:
+                raise ValueError(f"mask_row {msg.mask_row} is out of range")
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
                                      logprobs=msg.logprobs, seq_id=msg.seq_id)
         except ValueError as e:
@@ -156,118 +186,84 @@ class Worker:
             return
         self.seqs[msg.seq_id] = seq
         if msg.constrained:
-            self.mask_slots[msg.seq_id] = msg.mask_slot
+            self.mask_rows[msg.seq_id] = msg.mask_row
 
-    def _end(self, seq_id: int, reason: str) -> None:
+    def _end(self, seq_id: int, reason: FinishReason) -> None:
         seq = self.seqs.get(seq_id)
         if seq is not None and not seq.finalized:
             self.ended.add(seq_id)
             self.engine.cancel(seq, reason)
 
-    def _absorb_acks(self) -> None:
-        for ev in self.acks.poll():
-            self._end(ev.seq_id, "cancelled" if ev.kind == AckKind.CANCEL else "stop")
+    def _reserve_entries(self) -> bool:
+        """Hold as many reserved ring entries as the next step may write: one per
+        copy (two when a constrained step is finished and the next launched in
+        one pipelined tick), or one for the commit when the host copies the ids."""
+        need = 2 if self.direct_copy and self.engine.pipelined and self.engine.awaiting_masks else 1
+        while len(self.spare) < need:
+            p = self.ring.try_reserve()
+            if p is None:
+                return False
+            self.spare.append(p)
+        return True
+
+    def _pending_masks(self) -> list[int]:
+        """Indices of mask requests whose row is not yet stamped for their next token."""
+        return [i for i, s in enumerate(self.mask_requests)
+                if s.seq_id not in self.ended
+                and not self.masks.stamped(np.array([self.mask_rows[s.seq_id]]),
+                                           mask_stamp(s.seq_id, len(s.output_ids)))]
+
+    def _read_masks(self, missing_rows: list[int]):
+        if not self.mask_requests:
+            return None, None
+        seqs = self.mask_requests
+        words = np.full((len(seqs), self.masks.words_per_row), -1, dtype=np.int32)
+        missing = np.zeros(len(seqs), dtype=bool)
+        missing[missing_rows] = True
+        ready = [i for i, s in enumerate(seqs) if not missing[i] and s.seq_id not in self.ended]
+        if ready:
+            words[ready] = self.masks.read_rows(np.array([self.mask_rows[seqs[i].seq_id] for i in ready]))
+        return words, missing
+
+    # ------------------------------------------------------------------ outputs
+    def _publish(self, result: StepResult) -> None:
+        """Publish one step's result: its ring entry (token ids already in it when the
+        device copied them there), then the releases and failures it produced."""
+        for step in result.copied_steps:
+            self.entries[step] = self.spare.popleft()
+        for step in result.dropped_steps:  # a device failure: their entries go out empty
+            p = self.entries.pop(step, None)
+            if p is not None:
+                self.ring.commit(p, step, Kind.DECODE, [], [])
+        if result.step is not None and result.rows:
+            p = self.entries.pop(result.step) if self.direct_copy else self.spare.popleft()
+            flags = np.where(result.live, result.finish.astype(np.uint32) | (result.cached.astype(np.uint32) << CACHED_SHIFT),
+                             np.uint32(TokenFlag.ZOMBIE))
+            seq_ids = np.fromiter((s.seq_id for s in result.seqs), np.uint32, result.rows)
+            self.ring.commit(p, result.step, Kind.PREFILL if result.prefill else Kind.DECODE, seq_ids, flags,
+                             result.logprobs, None if self.direct_copy else result.tokens)
+        self.mask_requests, self.mask_step = result.mask_requests, result.mask_step
+        for seq in result.released:
+            self.seqs.pop(seq.seq_id, None)
+            self.mask_rows.pop(seq.seq_id, None)
+            ended_by_frontend = seq.seq_id in self.ended
+            self.ended.discard(seq.seq_id)
+            if seq.error and not ended_by_frontend:
+                code, _, message = seq.error.partition(": ")
+                self._failed.append(RequestFailed(seq_id=seq.seq_id, code=code, message=message))
+            self._released.append(seq.seq_id)
 
     def _flush(self) -> None:
-        if self._failed:
-            for msg in self._failed:
-                self.channel.send(msg)
-            self._failed.clear()
+        for msg in self._failed:
+            self.channel.send(msg)
+        self._failed.clear()
         if self._released:
             self.channel.send(Released(seq_ids=self._released))
             self._released = []
-        self.channel.flush()
-
-    # ------------------------------------------------------------------ engine hooks
-    def _reserve_entry(self, rec):
-        """Token sink: reserve step t's ring entry at its finalize, so the copy stream
-        writes the sampled ids straight into it (page-locked on CUDA)."""
-        self._flush_stale(rec.step)
-        p = self._reserve(rec)
-        self._entries[rec.step] = p
-        return p.token_ids
-
-    def _reserve(self, rec):
-        n = len(rec.sample_seqs)
-        kind = Kind.PREFILL if rec.kind == "prefill" else Kind.DECODE
         try:
-            p = self.ring.reserve(rec.step, kind, n, logprobs=any(s.logprobs for s in rec.sample_seqs),
-                                  abort=self._waiting)
-        except RingAborted:
+            self.channel.flush()
+        except ChannelClosed:
             raise FrontendGone(3) from None
-        return p
-
-    def _flush_stale(self, step: int) -> None:
-        """Entries of steps dropped after a device failure: publish them as all-zombie rows."""
-        for old in sorted(k for k in self._entries if k < step):
-            p = self._entries.pop(old)
-            p.token_ids[:] = 0
-            self.ring.commit(p, np.zeros(p.nrows, np.uint32), np.full(p.nrows, int(TokenFlag.ZOMBIE), np.uint32),
-                             np.zeros(p.nrows, np.float32) if p.logprobs else None)
-
-    def _publish(self, rec, tokens, flags, logprobs, committed) -> None:
-        """Commit hook: stamp the step's ring entry (its token ids are already there).
-        Rows of sequences that ended before this commit are flagged ZOMBIE."""
-        self._flush_stale(rec.step)
-        seqs = rec.sample_seqs
-        if not seqs:
-            return
-        p = self._entries.pop(rec.step, None)
-        token_ids = None
-        if p is None:  # no direct device copy into the ring: copy the ids here
-            p = self._reserve(rec)
-            token_ids = tokens[:len(seqs)].astype(np.int32)
-        n = len(seqs)
-        live = np.zeros(n, dtype=bool)
-        live[committed] = True
-        stop = (flags & FLAG_STOP) != 0
-        eos = stop & np.isin(tokens, self.eos_ids)
-        first = np.fromiter((len(s.output_ids) == 1 for s in seqs), bool, n)
-        length = np.fromiter((s.finish_reason == "length" for s in seqs), bool, n)
-        out = (eos * int(TokenFlag.EOS) | (stop & ~eos) * int(TokenFlag.STOP_TOKEN)
-               | first * int(TokenFlag.FIRST) | length * int(TokenFlag.LENGTH)).astype(np.uint32)
-        out = np.where(live, out, np.uint32(TokenFlag.ZOMBIE)).astype(np.uint32)
-        seq_ids = np.fromiter((s.seq_id for s in seqs), np.uint32, n)
-        self.ring.commit(p, seq_ids, out, logprobs[:n].astype(np.float32) if p.logprobs else None, token_ids)
-
-    def _on_release(self, seq) -> None:
-        ended_by_frontend = seq.seq_id in self.ended
-        self.seqs.pop(seq.seq_id, None)
-        self.mask_slots.pop(seq.seq_id, None)
-        self.ended.discard(seq.seq_id)
-        if seq.error and not ended_by_frontend:
-            code, _, message = seq.error.partition(": ")
-            self._failed.append(RequestFailed(seq_id=seq.seq_id, code=code, message=message))
-        self._released.append(seq.seq_id)
-
-    def masks_for(self, seqs, step):
-        """Mask provider: wait for the frontend's rows stamped for exactly the token being sampled.
-
-        Rows of requests the frontend has already ended (an ack arrived) stop
-        being waited for. A row still missing at the timeout fails that request
-        only; rows of unconstrained requests never come here.
-        """
-        rows = np.fromiter((self.mask_slots[s.seq_id] for s in seqs), np.int64, len(seqs))
-        stamps = [mask_stamp(s.seq_id, len(s.output_ids)) for s in seqs]
-        pending = list(range(len(seqs)))
-        deadline = time.monotonic() + self.mask_timeout_s
-        while True:
-            pending = [i for i in pending
-                       if not self.masks.stamped(rows[i:i + 1], stamps[i]) and seqs[i].seq_id not in self.ended]
-            if not pending or time.monotonic() > deadline:
-                break
-            self._absorb_acks()
-            if self._waiting():
-                raise FrontendGone(3)
-            i = pending[0]
-            self.masks.wait_rows(rows[i:i + 1], stamps[i], timeout=0.002)
-        words = np.full((len(seqs), self.masks.words_per_row), -1, dtype=np.int32)
-        ready = [i for i in range(len(seqs)) if i not in pending and seqs[i].seq_id not in self.ended]
-        if ready:
-            words[ready] = self.masks.read_rows(rows[ready])
-        failed = np.zeros(len(seqs), dtype=bool)
-        failed[pending] = True
-        return words, failed
 
 
 def main(argv=None) -> None:

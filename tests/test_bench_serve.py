@@ -74,10 +74,3 @@ def test_option_errors():
                        (["--model", "tiny-random"], "--spawn")):
         res = runner.invoke(serve.serve_command, argv)
         assert res.exit_code != 0 and text in res.output, res.output
-
-
-def test_registered_in_the_cli():
-    from frontend.cli import main
-
-    res = CliRunner().invoke(main, ["bench", "serve", "--help"])
-    assert res.exit_code == 0 and "--concurrency" in res.output and "--spawn" in res.output

@@ -25,6 +25,7 @@ from frontend.client import (
     TooLong,
 )
 from frontend import client as C
+from shared.sampling import SAMPLING_FIELD_NAMES, SamplingParams
 
 
 class FakeServer(threading.Thread):
@@ -45,6 +46,7 @@ class FakeServer(threading.Thread):
         self.halt = threading.Event()
         self.live: dict[tuple[bytes, str], dict] = {}
         self.cancels: list[str] = []
+        self.requests: dict[str, P.GenerateRequest] = {}  # every generate parsed, by id
 
     def send(self, ident: bytes, frames: list[bytes]) -> None:
         self.sock.send_multipart([ident, *frames])
@@ -65,6 +67,7 @@ class FakeServer(threading.Thread):
             if st is not None:
                 self.finish(ident, st, "cancelled")
         else:
+            self.requests[req.id] = req
             key = (ident, req.id)
             if key in self.live:
                 self.send(ident, P.encode_error(req.id, "duplicate_id", f"id {req.id} is live"))
@@ -310,6 +313,26 @@ def test_ping_info_point_detect(client):
     assert client.detect("the cat", max_tokens=2)["objects"][0]["x_max"] == 0.3
 
 
+def test_every_sampling_field_reaches_the_server(client, server):
+    """The client's options are SamplingParams' fields: each one set arrives in the parsed request."""
+    params = SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, top_k=5, seed=11,
+                            stop_token_ids=(3, 4), ignore_eos=True)
+    default = SamplingParams()
+    unset = [n for n in SAMPLING_FIELD_NAMES if getattr(params, n) == getattr(default, n)]
+    assert not unset, f"give these fields a non-default value in this test: {unset}"
+    options = {n: getattr(params, n) for n in SAMPLING_FIELD_NAMES}
+    client.generate("x", request_id="all-sampling", **options)
+    assert server.requests["all-sampling"].sampling_params() == params
+    assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "grammar"}
+
+
+def test_every_error_code_has_its_exception_class():
+    for code in P.ERROR_CODES:
+        e = TandemError.from_code(code, "m", "i")
+        assert type(e) is not TandemError and e.code == code and e.id == "i"
+    assert type(TandemError.from_code("new_code", "m")) is TandemError  # unknown codes still raise
+
+
 def test_local_validation(client):
     with pytest.raises(ValueError, match="exactly one of"):
         client.generate()
@@ -317,6 +340,10 @@ def test_local_validation(client):
         client.generate("a", messages=[{"role": "user", "content": "b"}])
     with pytest.raises(ValueError, match="request_id"):
         client.generate("a", request_id="x" * 129)
+    with pytest.raises(TypeError, match="unknown generate option.*max_token;"):
+        client.generate("a", max_token=5)
+    with pytest.raises(TypeError, match="unknown generate option.*stream;"):  # set by the method called
+        client.stream("a", stream=False)
     s = client.stream("long", max_tokens=100000, request_id="dup")
     with pytest.raises(DuplicateId):
         client.generate("a", request_id="dup")

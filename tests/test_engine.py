@@ -9,6 +9,7 @@ import pytest
 
 from gpu_worker.device import DeviceError
 from gpu_worker.engine import Engine, EngineConfig
+from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 from workload import VOCAB, WORDS, BannedByLastToken, workload
 
@@ -18,8 +19,9 @@ def make_engine(pipeline=True, device="cpu", **kw) -> Engine:
     kw.setdefault("prefill_budget", 96)
     kw.setdefault("kv_pages", 1200)
     kw.setdefault("page_size", 8)
-    return Engine(EngineConfig(model="tiny-random", device=device, pipeline=pipeline, debug=True, **kw),
-                  mask_provider=BannedByLastToken())
+    engine = Engine(EngineConfig(model="tiny-random", device=device, pipeline=pipeline, debug=True, **kw))
+    engine.masks = BannedByLastToken()  # answers the mask requests of constrained rows (see run)
+    return engine
 
 
 def run(engine, reqs, stops=None):
@@ -29,7 +31,7 @@ def run(engine, reqs, stops=None):
         if stops and i in stops:
             kw["stop_token_ids"] = [stops[i]]
         seqs.append(engine.submit(r["prompt"], SamplingParams(**kw), constrained=r["constrained"]))
-    engine.run_until_idle()
+    engine.run_until_idle(engine.masks)
     return seqs
 
 
@@ -39,11 +41,11 @@ def check_accounting(engine, seqs, pipelined):
         # Every sampling row launched is a committed token or a zombie row.
         assert s.num_dispatched == len(s.output_ids) + s.zombie_rows
         assert len(s.output_ids) <= s.max_tokens
-        if s.finish_reason == "length":
+        if s.finish_reason == FinishReason.LENGTH:
             assert len(s.output_ids) == s.max_tokens and s.zombie_rows == 0
-        if s.finish_reason == "stop":
+        if s.finish_reason == FinishReason.STOP:
             assert s.zombie_rows <= (1 if pipelined else 0)
-    assert engine.idle and engine.blocks.idle
+    assert engine.idle and engine.alloc.idle
     stats = engine.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["rows_free"] == stats["rows_total"]
 
@@ -75,9 +77,9 @@ def test_pipelined_equals_blocking(reference, device, dtype):
         outs[pipelined] = [(s.output_ids, s.finish_reason) for s in seqs]
         if pipelined:
             assert eng.stats()["zombie_rows"] > 0  # stops really happened mid-pipeline
-            assert eng.mask_provider.calls > 0
+            assert eng.masks.calls > 0
         eng.close()
-    assert sum(r == "stop" for _, r in outs[True]) >= 10
+    assert sum(r == FinishReason.STOP for _, r in outs[True]) >= 10
     assert outs[True] == outs[False]
 
 
@@ -149,7 +151,7 @@ def test_cancel_at_every_phase(pipelined):
     queued = eng.submit([3] * 10, p)
     eng.cancel(queued)
     eng.step()
-    assert queued.finish_reason == "cancelled" and not queued.admitted and queued.output_ids == []
+    assert queued.finish_reason == FinishReason.CANCELLED and not queued.admitted and queued.output_ids == []
 
     mid_prefill = eng.submit([4] * 100, p)  # 7 chunks of 16
     _step_until(eng, lambda: 0 < mid_prefill.num_prefilled < 100)
@@ -161,8 +163,8 @@ def test_cancel_at_every_phase(pipelined):
     n = len(in_flight.output_ids)
 
     eng.run_until_idle()
-    assert mid_prefill.finish_reason == "cancelled" and mid_prefill.output_ids == []
-    assert in_flight.finish_reason == "cancelled" and len(in_flight.output_ids) <= n + 1
+    assert mid_prefill.finish_reason == FinishReason.CANCELLED and mid_prefill.output_ids == []
+    assert in_flight.finish_reason == FinishReason.CANCELLED and len(in_flight.output_ids) <= n + 1
     for s in (mid_prefill, in_flight):
         assert s.released
     assert eng.idle
@@ -179,14 +181,14 @@ def test_cancel_on_the_eos_step_and_as_zombie():
     _step_until(eng, lambda: len(s.output_ids) == first)  # the stop token is next to commit
     eng.cancel(s)
     eng.run_until_idle()
-    assert s.finish_reason in ("stop", "cancelled") and s.released
+    assert s.finish_reason in (FinishReason.STOP, FinishReason.CANCELLED) and s.released
     # Cancel a zombie: already finalized by its stop, a step still in flight.
     z = eng.submit([9] * 6, SamplingParams(max_tokens=10, stop_token_ids=[stop]))
     _step_until(eng, lambda: z.finalized)
     assert z.inflight_refs == 1 and not z.released  # it rides one extra step
     eng.cancel(z)
     eng.run_until_idle()
-    assert z.finish_reason == "stop" and z.output_ids == base[: first + 1] and z.released
+    assert z.finish_reason == FinishReason.STOP and z.output_ids == base[: first + 1] and z.released
     assert eng.idle
     eng.close()
 
@@ -225,12 +227,11 @@ def test_mask_failure_fails_only_that_request():
         words = np.full((len(seqs), WORDS), -1, dtype=np.int32)
         return words, np.array([s.seq_id == bad.seq_id for s in seqs])
 
-    eng.mask_provider = provider
     bad = eng.submit([1, 2, 3], SamplingParams(max_tokens=8), constrained=True)
     good = eng.submit([1, 2, 3], SamplingParams(max_tokens=8), constrained=True)
     free = eng.submit([1, 2, 3], SamplingParams(max_tokens=8))
-    eng.run_until_idle()
-    assert bad.finish_reason == "error" and "mask" in bad.error
+    eng.run_until_idle(provider)
+    assert bad.finish_reason == FinishReason.ERROR and "mask" in bad.error
     assert len(good.output_ids) == 8 and len(free.output_ids) == 8
     assert eng.idle
     eng.close()
@@ -250,7 +251,7 @@ def test_device_error_fails_requests_and_engine_keeps_serving():
     eng.runner.model.forward = flaky
     victims = [eng.submit([1, 2, 3], SamplingParams(max_tokens=10)) for _ in range(2)]
     eng.run_until_idle()
-    assert all(v.finish_reason == "error" for v in victims)
+    assert all(v.finish_reason == FinishReason.ERROR for v in victims)
     after = eng.generate([[4, 5]], SamplingParams(max_tokens=3))[0]
     assert len(after.output_ids) == 3 and eng.idle
     eng.close()
@@ -269,7 +270,7 @@ def test_default_model_answers_paris():
         seq = eng.generate([ids], SamplingParams(max_tokens=24))[0]
         eng.close()
         assert "Paris" in tok.decode(seq.output_ids, skip_special_tokens=True)
-        assert seq.finish_reason == "stop"  # ended on EOS
+        assert seq.finish_reason == FinishReason.STOP  # ended on EOS
 
 
 def test_unconstrained_rows_are_sampled_before_masks_are_awaited():
@@ -284,19 +285,18 @@ def test_unconstrained_rows_are_sampled_before_masks_are_awaited():
 
     def provider(seqs, step):
         eng.device.compute.record().synchronize()  # everything enqueued so far has run
-        rec = eng.records[-1]
-        assert rec.step == step
-        for s in rec.sample_seqs:
+        launch = eng.awaiting_masks
+        assert launch.step == step
+        for s in launch.sample_seqs:
             if s.num_dispatched >= 2 and not s.finalized:  # a decode row of this step
                 value = int(eng.runner.pending[s.row])
                 assert (value == POISON) == s.constrained, (s.seq_id, s.constrained, value)
                 checked["n"] += 1
         return inner(seqs, step)
 
-    eng.mask_provider = provider
     seqs = [eng.submit([3, 4, 5 + i], SamplingParams(max_tokens=12, ignore_eos=True), constrained=i % 2 == 0)
             for i in range(6)]
-    eng.run_until_idle()
+    eng.run_until_idle(provider)
     eng.close()
     assert checked["n"] > 20 and all(len(s.output_ids) == 12 for s in seqs)
 
@@ -315,3 +315,22 @@ def test_warmup_captures_each_bucket_once_and_reports_progress():
         assert seen == [(i + 1, 12) for i in range(12)]
     finally:
         eng.close()
+
+
+def test_the_protocols_64_stop_token_ids_fit_on_the_device():
+    """Regression: the device kept 8 stop ids per row while the protocol allows 64; a request
+    with more failed its launch, and with it every request in the same steps."""
+    from shared.sampling import MAX_STOP_TOKEN_IDS
+
+    eng = make_engine()
+    base = eng.generate([[9] * 6], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_ids
+    stop = base[5]
+    first = base.index(stop)
+    others = [t for t in range(3, 3 + 2 * MAX_STOP_TOKEN_IDS) if t not in base][:MAX_STOP_TOKEN_IDS - 1]
+    many = eng.submit([9] * 6, SamplingParams(max_tokens=10, stop_token_ids=others + [stop], ignore_eos=True))
+    mate = eng.submit([7] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
+    eng.run_until_idle()
+    assert many.error is None and mate.error is None
+    assert many.output_ids == base[:first + 1] and many.finish_reason == FinishReason.STOP
+    assert len(mate.output_ids) == 10 and eng.idle
+    eng.close()

@@ -7,6 +7,7 @@ import pytest
 
 from frontend.grammars import GrammarCompiler
 from frontend.service import Service, ServiceConfig
+from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 
 SIZES = dict(max_batch=32, prefill_budget=128, kv_pages=2000, page_size=8)
@@ -74,7 +75,7 @@ def test_a_thousand_constrained_requests_at_temperature_one(service, compiler):
     service.run_until(service.idle, 300)
     for spec, r in zip(specs, reqs):
         assert r.error is None, r.error
-        assert r.finish_reason == "stop", (spec, r.text)
+        assert r.finish_reason == FinishReason.STOP, (spec, r.text)
         check_output(spec, r.output)
     def nonempty(output):
         return bool(output.get("points") or output.get("objects") or "label" in output) \
@@ -137,7 +138,7 @@ def test_a_stale_mask_is_never_used():
             # The fresh mask, but stamped for the previous token: never written with the right stamp.
             words = np.empty((1, svc.worker.masks.words_per_row), dtype=np.int32)
             req.constraint.fill_mask(words[0])
-            svc.worker.masks.write_rows([req.mask_slot], mask_stamp(req.seq_id, len(req.token_ids) - 1), words)
+            svc.worker.masks.write_rows([req.mask_row], mask_stamp(req.seq_id, len(req.token_ids) - 1), words)
 
         svc._write_mask = stale
         r = svc.submit([1, 2, 3], SamplingParams(max_tokens=40), constraint=comp.compile(
@@ -146,7 +147,7 @@ def test_a_stale_mask_is_never_used():
         svc.run_until(lambda: r.ended and free.ended, 30)
         assert r.error is not None and "mask" in r.error[1]
         assert len(r.token_ids) == 1  # only the first token (initial mask, stamp 0) was sampled
-        assert free.finish_reason == "length"
+        assert free.finish_reason == FinishReason.LENGTH
     finally:
         svc.close()
 
@@ -165,14 +166,14 @@ def test_stop_strings_cancel_and_length_with_grammars(service, compiler):
     service.run_until(lambda: len(cancelled.token_ids) >= 1)  # a box needs >= 24 tokens: still live
     service.cancel(cancelled)
     service.run_until(service.idle, 60)
-    assert cut.finish_reason == "length" and cut.output is None
-    assert stopped.finish_reason == "stop" and ";" not in stopped.text
-    assert cancelled.finish_reason == "cancelled" and cancelled.output is None
-    assert len(service.free_mask_slots) == SIZES["max_batch"]
+    assert cut.finish_reason == FinishReason.LENGTH and cut.output is None
+    assert stopped.finish_reason == FinishReason.STOP and ";" not in stopped.text
+    assert cancelled.finish_reason == FinishReason.CANCELLED and cancelled.output is None
+    assert len(service.free_mask_rows) == SIZES["max_batch"]
 
 
-def test_cancel_while_waiting_for_a_mask_slot(compiler):
-    """A constrained request cancelled before a mask slot freed up never reaches the worker,
+def test_cancel_while_waiting_for_a_mask_row(compiler):
+    """A constrained request cancelled before a mask row freed up never reaches the worker,
     and takes no slot when one frees (one slot here: max_batch=1)."""
     svc = make_service(max_batch=1)
     try:
@@ -185,11 +186,11 @@ def test_cancel_while_waiting_for_a_mask_slot(compiler):
                            constraint=compiler.compile(spec).matcher())
         assert first.submitted and list(svc.unsent) == [queued, after]
         svc.cancel(queued)
-        assert queued.finish_reason == "cancelled" and list(svc.unsent) == [after]
+        assert queued.finish_reason == FinishReason.CANCELLED and list(svc.unsent) == [after]
         svc.run_until(lambda: first.ended and after.ended, 60)
         svc.run_until(svc.idle, 30)
         assert not queued.submitted and after.submitted and after.error is None and after.token_ids
-        assert svc.free_mask_slots == [0] and not svc.unsent
+        assert svc.free_mask_rows == [0] and not svc.unsent
         assert svc.stats()["finished"] == 2  # the worker ran first and after, never queued
     finally:
         svc.close()

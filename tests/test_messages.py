@@ -6,13 +6,14 @@ import math
 import random
 
 import msgpack
+import msgspec.structs
 import pytest
 
 from shared.messages import (
     Cancel, Message, MessageError, Progress, Ready, Released, RequestFailed, Sampling, Shutdown,
     Stats, StatsRequest, Submit, decode, encode, to_sampling_params,
 )
-from shared.sampling import SamplingParams
+from shared.sampling import SAMPLING_FIELD_NAMES, SamplingParams
 
 MESSAGE_TYPES = (Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed)
 
@@ -61,12 +62,22 @@ def test_defaults_and_sampling_conversion():
     assert to_sampling_params(m) == SamplingParams()
     p = SamplingParams(max_tokens=3, temperature=1.5, top_p=0.5, top_k=4, seed=9,
                        stop_token_ids=(1, 2), ignore_eos=True)
+    default = SamplingParams()
+    assert all(getattr(p, n) != getattr(default, n) for n in SAMPLING_FIELD_NAMES), "set every field"
     sub = decode(encode(Submit(seq_id=1, prompt_ids=[1], sampling=Sampling.from_params(p))))
     assert to_sampling_params(sub) == p
     # int on the wire for a float field is fine (JSON-ish clients send 1 for 1.0)
     m = decode(msgpack.packb({"type": "submit", "seq_id": 1, "prompt_ids": [],
                               "sampling": {"temperature": 1}}))
     assert m.sampling.temperature == 1.0
+
+
+def test_wire_sampling_is_generated_from_sampling_params():
+    """Same fields in the same order, same defaults (token ids travel as a list)."""
+    wire = msgspec.structs.asdict(Sampling())
+    assert list(wire) == list(SAMPLING_FIELD_NAMES)
+    assert SamplingParams(**wire) == SamplingParams()
+    assert Sampling.from_params(SamplingParams()) == Sampling()
 
 
 @pytest.mark.parametrize("field,value", [

@@ -20,7 +20,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from gpu_worker.kv_cache import Batch, PagedKVCache  # noqa: E402
+from gpu_worker.batch import Batch  # noqa: E402
+from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama, LlamaConfig  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -24,7 +24,7 @@ from frontend.protocol import (
     encode_pong,
     parse_client_message,
 )
-from shared.sampling import SamplingParams
+from shared.sampling import SAMPLING_FIELDS, SamplingParams
 
 
 def frames(msg) -> list[bytes]:
@@ -203,6 +203,18 @@ def test_bad_messages(msg, code, message):
     e = err(msg)
     assert (e.code, e.message) == (code, message)
     assert str(e) == message
+
+
+@pytest.mark.parametrize("f", SAMPLING_FIELDS, ids=lambda f: f.name)
+def test_sampling_fields_are_read_as_sampling_params_declares_them(f):
+    """Every SamplingParams field is a generate field of the same name; a wrong type is named
+    with the field's ``must_be``; absent or nil gives SamplingParams' default."""
+    assert getattr(parse(gen(**{f.name: None})).sampling_params(), f.name) == f.default
+    e = err(gen(**{f.name: "x"}))
+    assert (e.code, e.message, e.id) == ("bad_request", f"{f.name} must be {f.must_be}, got str", "r1")
+    value = {int: 1 + (f.default or 0), float: 0.5, bool: not f.default, tuple: [1]}[f.type]
+    parsed = getattr(parse(gen(**{f.name: value})).sampling_params(), f.name)
+    assert parsed == (tuple(value) if f.type is tuple else value) and parsed != f.default
 
 
 def test_error_carries_id_when_readable():

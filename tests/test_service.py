@@ -17,6 +17,7 @@ from frontend.service import Service, ServiceConfig
 from frontend.worker_handle import WorkerFailed
 from gpu_worker.engine import Engine, EngineConfig
 from shared.control import ControlChannel
+from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 from workload import BannedByLastToken, BannedMatcher, workload
 
@@ -45,9 +46,10 @@ def submit_all(svc, reqs, stops, stream_log=None):
 def reference():
     """In-process engine outputs for the mixed workload (with stops at varied positions)."""
     reqs = workload(seed=3, n=48)
-    eng = Engine(EngineConfig(model="tiny-random", device="cpu", **SIZES), mask_provider=BannedByLastToken())
+    eng = Engine(EngineConfig(model="tiny-random", device="cpu", **SIZES))
+    masks = BannedByLastToken()
     base = [eng.submit(r["prompt"], SamplingParams(**r["params"]), constrained=r["constrained"]) for r in reqs]
-    eng.run_until_idle()
+    eng.run_until_idle(masks)
     rng = random.Random(2)
     stops = {i: s.output_ids[rng.randrange(len(s.output_ids))] for i, s in enumerate(base)
              if i % 3 == 0 and len(s.output_ids) > 1}
@@ -55,7 +57,7 @@ def reference():
     for i, r in enumerate(reqs):
         kw = dict(r["params"], **({"stop_token_ids": [stops[i]]} if i in stops else {}))
         seqs.append(eng.submit(r["prompt"], SamplingParams(**kw), constrained=r["constrained"]))
-    eng.run_until_idle()
+    eng.run_until_idle(masks)
     eng.close()
     return reqs, stops, [(s.output_ids, s.finish_reason) for s in seqs]
 
@@ -76,7 +78,7 @@ def test_two_processes_equal_in_process(reference, service, pipeline):
         got = submit_all(svc, reqs, stops, log)
         svc.run_until(svc.idle, 120)
         assert [(r.token_ids, r.finish_reason) for r in got] == expected
-        assert sum(reason == "stop" for _, reason in expected) >= 5
+        assert sum(reason == FinishReason.STOP for _, reason in expected) >= 5
         # Streaming: chunks in order, exactly one terminal event, concatenation == final text.
         for r in got:
             events = [(k, p) for sid, k, p in log if sid == r.seq_id]
@@ -84,7 +86,7 @@ def test_two_processes_equal_in_process(reference, service, pipeline):
             assert "".join(p["text"] for k, p in events if k == "chunk") == events[-1][1]["text"]
         stats = svc.stats()
         assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["rows_free"] == stats["rows_total"]
-        assert len(svc.free_mask_slots) == SIZES["max_batch"]
+        assert len(svc.free_mask_rows) == SIZES["max_batch"]
     finally:
         if svc is not service:
             svc.close()
@@ -157,7 +159,7 @@ def test_cancel_frees_worker_resources(service):
     service.run_until(lambda: all(len(r.token_ids) >= 3 for r in reqs))
     for r in reqs:
         service.cancel(r)
-    assert all(r.finish_reason == "cancelled" for r in reqs)
+    assert all(r.finish_reason == FinishReason.CANCELLED for r in reqs)
     service.run_until(service.idle)
     stats = service.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
@@ -176,10 +178,10 @@ def test_mask_stall_fails_only_constrained_requests():
         stuck = svc.submit([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), constraint=Stalling())
         svc.run_until(lambda: free.ended and stuck.ended, 60)
         assert stuck.error is not None and "mask" in stuck.error[1]
-        assert free.finish_reason == "length" and len(free.token_ids) == 20
+        assert free.finish_reason == FinishReason.LENGTH and len(free.token_ids) == 20
         ok = svc.submit([4, 5], SamplingParams(max_tokens=5), constraint=BannedMatcher())
         svc.run_until(svc.idle, 30)
-        assert ok.finish_reason == "length"
+        assert ok.finish_reason == FinishReason.LENGTH
     finally:
         svc.close()
 
@@ -189,7 +191,7 @@ def test_malformed_control_messages_are_rejected_not_fatal(service):
     service.worker.channel.send_raw(b"\x81\xa4type\xa6submit")  # truncated / missing fields
     req = service.submit([1, 2, 3], SamplingParams(max_tokens=4))
     service.run_until(lambda: req.ended)
-    assert req.finish_reason == "length"
+    assert req.finish_reason == FinishReason.LENGTH
     a, b = ControlChannel.pair()
     peer = ControlChannel(b)
     peer.send_raw(b"garbage")
@@ -212,7 +214,7 @@ def test_cancel_never_overtakes_its_submit():
                 svc.worker.channel.send_raw(b"\xc1" * 65536)  # rejected by the worker, harmless
             req = svc.submit([3, 4], SamplingParams(max_tokens=1900, ignore_eos=True))
             svc.cancel(req)
-            assert req.finish_reason == "cancelled"
+            assert req.finish_reason == FinishReason.CANCELLED
         finally:
             os.kill(svc.worker_pid, signal.SIGCONT)
         svc.run_until(svc.idle, 30)
@@ -287,9 +289,9 @@ def test_kill_worker_mid_generation_fails_requests_and_restarts():
         with pytest.raises(TimeoutError):
             svc.stats()  # at once, not after its timeout
         svc.cancel(dropped)  # cancelled while waiting: never reaches the worker
-        assert dropped.finish_reason == "cancelled" and list(svc.unsent) == [again]
+        assert dropped.finish_reason == FinishReason.CANCELLED and list(svc.unsent) == [again]
         svc.run_until(lambda: again.ended)
-        assert again.finish_reason == "length" and svc.worker_ready
+        assert again.finish_reason == FinishReason.LENGTH and svc.worker_ready
         stats = svc.stats()
         assert stats["finished"] == 1 and stats["failed"] == 0  # the new worker saw only `again`
         assert svc.idle() and not svc.unsent
@@ -309,7 +311,7 @@ def test_a_stalled_frontend_is_not_mistaken_for_a_hung_worker():
         time.sleep(2.5)  # no poll: the 4-entry ring is full long before this ends
         svc.run_until(lambda: all(r.ended for r in reqs), 30)
         assert svc.generation == 1, "the worker was declared dead"
-        assert [(r.finish_reason, len(r.token_ids)) for r in reqs] == [("length", 60)] * 2
+        assert [(r.finish_reason, len(r.token_ids)) for r in reqs] == [(FinishReason.LENGTH, 60)] * 2
         assert svc.stats()["ring_blocked"] > 0  # non-vacuous: the worker did wait for ring space
     finally:
         svc.close()
@@ -335,7 +337,7 @@ def test_a_burst_of_large_submits_while_the_ring_is_full_does_not_deadlock():
             sender.join(10)
             pytest.fail("deadlock: the frontend is blocked sending, the worker waits for ring space")
         svc.run_until(lambda: running.ended and all(r.ended for r in burst), 120)
-        assert running.finish_reason == "length" and all(r.finish_reason == "length" for r in burst)
+        assert running.finish_reason == FinishReason.LENGTH and all(r.finish_reason == FinishReason.LENGTH for r in burst)
         assert len(burst) == 60 and svc.stats()["ring_blocked"] > 0
     finally:
         svc.close()
@@ -357,7 +359,7 @@ def test_hung_worker_is_detected_by_its_heartbeat():
         assert svc.generation == 2 and not _alive(old_pid)  # killed and reaped though stopped
         again = svc.submit([1, 2], SamplingParams(max_tokens=3))
         svc.run_until(lambda: again.ended, 60)
-        assert again.finish_reason == "length"
+        assert again.finish_reason == FinishReason.LENGTH
     finally:
         svc.close()
 

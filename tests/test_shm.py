@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from shared import shm
+from shared.finish import FinishReason
 from shared.shm import (
-    AckKind, AckRingFull, Arena, FinishReason, Kind, Layout, LayoutMismatch,
+    AckRingFull, Arena, Kind, Layout, LayoutMismatch,
     MaskNotReady, RingAborted, RingCorrupt, RingTimeout, Side, TokenFlag,
 )
 
@@ -105,17 +106,17 @@ def test_publish_poll_roundtrip_and_64bit_step(arena):
     assert r.poll() is None
     big = (1 << 40) + 12345
     pos = w.publish(big, Kind.DECODE, np.array([1, 2]), np.array([5, 6]),
-                    np.array([TokenFlag.FIRST, TokenFlag.EOS | TokenFlag.ZOMBIE]))
+                    np.array([TokenFlag.NONE, FinishReason.LENGTH | TokenFlag.ZOMBIE]))
     e = r.poll()
-    assert e.seq == pos == 0 and e.step == big and e.kind == Kind.DECODE
+    assert e.position == pos == 0 and e.step == big and e.kind == Kind.DECODE
     assert e.token_ids.tolist() == [5, 6] and e.logprobs is None
-    assert TokenFlag(int(e.flags[1])) & TokenFlag.FINISHED
+    assert int(e.flags[1]) & TokenFlag.FINISH_MASK == FinishReason.LENGTH and int(e.flags[1]) & TokenFlag.ZOMBIE
     assert r.poll() is None  # nothing more
     for step in range(1, 30):  # wraps the 8-entry ring several times
         publish_expected(w, step)
         e = r.poll()
         check_entry(e, step, SMALL.max_rows)
-        r.consume(e.seq)
+        r.consume(e.position)
     w.publish(0, Kind.PREFILL, np.array([], np.uint32), np.array([], np.int32), np.array([], np.uint32))
     assert r.poll().seq_ids.size == 0  # empty entries are fine
 
@@ -123,15 +124,15 @@ def test_publish_poll_roundtrip_and_64bit_step(arena):
 def test_reserve_commit_device_path(arena):
     """The staging view is where a device copy lands; commit stamps the tags."""
     w, r = arena.token_writer(), arena.token_reader()
-    p1 = w.reserve(10, Kind.DECODE, 3)
-    p2 = w.reserve(11, Kind.DECODE, 2, logprobs=True)   # pipelined: two in flight
-    p1.token_ids[:] = [7, 8, 9]          # stands in for tensor.copy_(non_blocking=True)
-    p2.token_ids[:] = [1, 2]
+    p1 = w.reserve()
+    p2 = w.reserve()   # pipelined: two in flight
+    p1.token_ids[:3] = [7, 8, 9]          # stands in for tensor.copy_(non_blocking=True)
+    p2.token_ids[:2] = [1, 2]
     with pytest.raises(ValueError, match="out of order"):
-        w.commit(p2, [0, 1], [0, 0], [0.0, 0.0])
+        w.commit(p2, 11, Kind.DECODE, [0, 1], [0, 0], [0.0, 0.0])
     assert r.poll() is None  # reserved is not published
-    w.commit(p1, [4, 5, 6], [0, 0, 0])
-    w.commit(p2, [0, 1], [0, 0], np.array([-1.5, -2.5]))
+    w.commit(p1, 10, Kind.DECODE, [4, 5, 6], [0, 0, 0])
+    w.commit(p2, 11, Kind.DECODE, [0, 1], [0, 0], np.array([-1.5, -2.5]))
     e1, e2 = r.poll(), r.poll()
     assert e1.token_ids.tolist() == [7, 8, 9] and e1.seq_ids.tolist() == [4, 5, 6]
     assert e2.step == 11 and e2.logprobs.tolist() == [-1.5, -2.5]
@@ -194,12 +195,12 @@ print(json.dumps({"blocked": w.blocked, "sleeps": w.sleeps}))
             e = r.poll()
             if e is None:
                 continue
-            assert e.seq == step
+            assert e.position == step
             check_entry(e, step, SMALL.max_rows)
             time.sleep(0.002)  # slow reader: the ring fills up
             # the writer must not have reused the slot while we held it
-            assert int(meta[e.seq % SMALL.ring_entries, 2]) >> 32 == (e.seq + 1)
-            r.consume(e.seq)
+            assert int(meta[e.position % SMALL.ring_entries, 2]) >> 32 == (e.position + 1)
+            r.consume(e.position)
             step += 1
         stats = finish(proc)
     finally:
@@ -311,7 +312,7 @@ def test_mixed_old_and_new_words_are_never_accepted(arena):
             live[c][:] = after[c]
         e = r.poll()
         check_entry(e, step, SMALL.max_rows)
-        r.consume(e.seq)
+        r.consume(e.position)
 
 
 # ---------------------------------------------------------- header validation
@@ -373,7 +374,7 @@ def test_pass_fds_and_heartbeats(arena):
 
 
 # ------------------------------------------------------------------ mask rows
-def test_mask_rows_exact_step_only(arena):
+def test_mask_rows_exact_stamp_only(arena):
     mw, mr = arena.mask_writer(), arena.mask_reader(corrupt_after_s=0.05)
     words = arena.layout.mask_words
     rows = np.array([3, 0, 15])
@@ -388,7 +389,7 @@ def test_mask_rows_exact_step_only(arena):
     assert mr.read_rows(rows, 5).dtype == np.int32
     assert not mr.wait_rows(rows, 6, timeout=0.02)       # stale stamp: never accepted
     assert not mr.wait_rows(rows, 4, timeout=0.02)       # newer than asked: not accepted
-    with pytest.raises(MaskNotReady, match="step 6"):
+    with pytest.raises(MaskNotReady, match="stamped 6"):
         mr.read_rows(rows, 6)
     mw.write_rows(rows[:2], 6, m5[:2] ^ 1)               # only two rows advance
     assert not mr.wait_rows(rows, 6, timeout=0.02)
@@ -424,11 +425,11 @@ def test_ack_events_roundtrip_and_wrap(arena):
     sent = []
     for i in range(50):  # > 6x the 8-event ring
         if i % 3 == 0:
-            aw.cancel(i)
-            sent.append((AckKind.CANCEL, i, FinishReason.ABORT))
+            aw.push(i, FinishReason.CANCELLED)
+            sent.append((i, FinishReason.CANCELLED))
         else:
-            aw.finalize(0xFFFFFFFF - i, FinishReason.STOP if i % 2 else FinishReason.EOS)
-            sent.append((AckKind.FINALIZE, 0xFFFFFFFF - i, FinishReason.STOP if i % 2 else FinishReason.EOS))
+            aw.push(0xFFFFFFFF - i, FinishReason.STOP if i % 2 else FinishReason.ERROR)
+            sent.append((0xFFFFFFFF - i, FinishReason.STOP if i % 2 else FinishReason.ERROR))
         if i % 5 == 4:
             assert [tuple(e) for e in ar.poll()] == sent
             sent = []
@@ -438,20 +439,22 @@ def test_ack_events_roundtrip_and_wrap(arena):
 def test_ack_ring_full_raises(arena):
     aw, ar = arena.ack_writer(), arena.ack_reader()
     for i in range(8):
-        aw.cancel(i)
+        aw.push(i, FinishReason.CANCELLED)
     with pytest.raises(AckRingFull):
-        aw.cancel(8, timeout=0.01)
+        aw.push(8, FinishReason.CANCELLED, timeout=0.01)
+    with pytest.raises(ValueError):
+        aw.try_push(9, FinishReason.NONE)  # not an end
     assert aw.pending() == 8
     assert [e.seq_id for e in ar.poll()] == list(range(8))
-    aw.cancel(8)
+    aw.push(8, FinishReason.CANCELLED)
     assert ar.poll()[0].seq_id == 8
 
 
 def test_ack_torn_and_corrupt_events(arena):
     aw, ar = arena.ack_writer(), arena.ack_reader(corrupt_after_s=0.05)
     ev = arena.region("ack_events")
-    aw.finalize(1, 2)
-    aw.finalize(2, 3)
+    aw.push(1, FinishReason.STOP)
+    aw.push(2, FinishReason.CANCELLED)
     ev[1, 0] = (9 << 32) | 2              # second event's body has a wrong tag
     assert [e.seq_id for e in ar.poll()] == [1]   # prefix only
     assert ar.poll() == []

@@ -1,8 +1,9 @@
 """Run the HTTP app beside a ``Server``: uvicorn on its own thread and asyncio loop.
 
-The listening socket is bound in the constructor (so a taken port fails
-``tandem serve`` at once, with the address in the message); the thread's loop
-runs the app and one ``Bridge`` into the server's ``inproc_endpoint``.
+The listening socket is bound first (``listen_socket``; ``tandem serve`` does it
+before the model loads, so a taken port fails at once, with the address in the
+message); the thread's loop runs the app and one ``Bridge`` into the server's
+``inproc_endpoint``.
 """
 from __future__ import annotations
 
@@ -17,22 +18,30 @@ from .bridge import Bridge
 from .common import Context
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on HOST:PORT (OSError naming the address if it is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+    # Nagle's algorithm holds each response's body behind its headers for a delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen for HTTP on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
 class HttpListener:
-    def __init__(self, server, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+    def __init__(self, server, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: a socket from ``listen_socket(host, port)`` bound earlier (else bound here)."""
         self._server = server
         self._api_key = api_key
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without it
-        # Nagle's algorithm holds each response's body behind its headers for a delayed ACK (~40 ms).
-        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as e:
-            self._sock.close()
-            raise OSError(f"cannot listen for HTTP on {host}:{port}: {e.strerror or e}") from None
-        self._sock.listen(2048)
-        self._sock.setblocking(False)
+        self._sock = sock if sock is not None else listen_socket(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}"

@@ -22,7 +22,7 @@ Regions (every one 64-byte aligned; each cache line has exactly one writer):
               a meta line (step, kind, row count) and a (4, max_rows) block of
               row columns (sequence id uint32, token id int32, flags uint32,
               optional float32 logprob), plus an int32 token staging row.
-* ack ring    frontend -> worker. finalize(seq, reason) / cancel(seq) events.
+* ack ring    frontend -> worker. (seq, FinishReason) events: the frontend ended it.
 * mask rows   frontend -> worker. One xgrammar-layout token bitmask per batch row
               (bit j of word i allows token 32*i+j) plus a per-row step stamp.
 
@@ -52,9 +52,9 @@ never lost; waiters drain the fd and re-check the shared words.
 Device copies: the worker may page-lock the whole mapping once (e.g.
 ``cudaHostRegister`` on the address of ``arena.buffer``, ``layout.total_bytes``
 long) and let the GPU write sampled token ids straight into a reserved slot:
-``p = writer.reserve(step, kind, n)``; ``torch.from_numpy(p.token_ids).copy_(
-dev_ids, non_blocking=True)``; record an event; later, once the event has
-completed, ``writer.commit(p, seq_ids, flags)`` stamps the tagged words (from
+``p = writer.reserve()``; ``torch.from_numpy(p.token_ids[:n]).copy_(dev_ids,
+non_blocking=True)``; record an event; later, once the event has completed,
+``writer.commit(p, step, kind, seq_ids, flags)`` stamps the tagged words (from
 the staging row) and the commit word. Reservations commit in order.
 
 Each ring has exactly one writer object and one reader object, each used from
@@ -72,7 +72,7 @@ from .arena import Arena
 from .errors import (
     AckRingFull, ArenaError, LayoutMismatch, MaskNotReady, RingAborted, RingCorrupt, RingTimeout,
 )
-from .layout import AckKind, FinishReason, Kind, Layout, Side, TokenFlag
+from .layout import CACHED_SHIFT, Kind, Layout, Side, TokenFlag
 from .masks import MaskReader, MaskWriter, mask_stamp
 from .token_ring import Entry, PendingEntry, TokenRingReader, TokenRingWriter
 from .wake import WakeFds
@@ -85,7 +85,7 @@ from .wake import AbortFn  # noqa: F401
 __all__ = [
     "ArenaError", "LayoutMismatch", "RingCorrupt", "RingTimeout", "RingAborted",
     "AckRingFull", "MaskNotReady",
-    "Side", "Kind", "TokenFlag", "AckKind", "FinishReason",
+    "Side", "Kind", "TokenFlag", "CACHED_SHIFT",
     "Layout", "WakeFds", "Arena",
     "Entry", "PendingEntry", "TokenRingWriter", "TokenRingReader",
     "AckEvent", "AckWriter", "AckReader", "MaskWriter", "MaskReader", "mask_stamp",

@@ -1,4 +1,4 @@
-"""The ack ring, frontend -> worker: finalize(seq, reason) / cancel(seq) events."""
+"""The ack ring, frontend -> worker: "this request has ended" events (seq_id, FinishReason)."""
 from __future__ import annotations
 
 import time
@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from .errors import AckRingFull, RingCorrupt
-from .layout import _H_ACK_CONSUMED, _H_CONSUMED, AckKind, FinishReason
+from shared.finish import FinishReason
+
+from .layout import _H_ACK_CONSUMED, _H_CONSUMED
 from .tags import _LOW, _SHIFT, _U32, _TornClock, _prev_tag, _tag, _tags
 
 if TYPE_CHECKING:
@@ -15,15 +17,14 @@ if TYPE_CHECKING:
 
 
 class AckEvent(NamedTuple):
-    kind: AckKind
     seq_id: int
-    reason: int
+    reason: FinishReason  # STOP (stop string, grammar complete), CANCELLED or ERROR
 
 
 class AckWriter:
-    """Frontend side of the ack ring (finalize / cancel events).
+    """Frontend side of the ack ring.
 
-    Slot words: [(tag << 32) | seq_id, (tag << 32) | kind << 16 | reason];
+    Slot words: [(tag << 32) | seq_id, (tag << 32) | reason];
     the second is the commit word and is written last."""
 
     def __init__(self, arena: Arena):
@@ -39,33 +40,27 @@ class AckWriter:
     def has_space(self) -> bool:
         return self.pending() < self._cap
 
-    def try_push(self, kind: AckKind, seq_id: int, reason: int = 0) -> bool:
-        kind = AckKind(kind)
-        if not 0 <= seq_id <= _U32 or not 0 <= reason < 1 << 16:
-            raise ValueError(f"seq_id must fit uint32 and reason uint16 ({seq_id}, {reason})")
+    def try_push(self, seq_id: int, reason: FinishReason) -> bool:
+        reason = FinishReason(reason)
+        if not 0 <= seq_id <= _U32 or reason == FinishReason.NONE:
+            raise ValueError(f"seq_id must fit uint32 and reason must be an end ({seq_id}, {reason!r})")
         if not self.has_space():
             return False
         pos = self._next
         hi = _tag(pos) << 32
         ev = self._events[pos % self._cap]
         ev[0] = hi | int(seq_id)
-        ev[1] = hi | (int(kind) << 16) | int(reason)  # commit word last
+        ev[1] = hi | int(reason)  # commit word last
         self._next += 1
         return True
 
-    def push(self, kind: AckKind, seq_id: int, reason: int = 0, timeout: float = 0.0) -> None:
+    def push(self, seq_id: int, reason: FinishReason, timeout: float = 0.0) -> None:
         """Push, waiting up to ``timeout`` s for space; raises ``AckRingFull``."""
         deadline = time.monotonic() + timeout
-        while not self.try_push(kind, seq_id, reason):
+        while not self.try_push(seq_id, reason):
             if time.monotonic() >= deadline:
                 raise AckRingFull(f"ack ring full ({self._cap} events unconsumed by the worker)")
             time.sleep(0.0002)
-
-    def finalize(self, seq_id: int, reason: int = FinishReason.NONE, timeout: float = 0.0) -> None:
-        self.push(AckKind.FINALIZE, seq_id, reason, timeout)
-
-    def cancel(self, seq_id: int, timeout: float = 0.0) -> None:
-        self.push(AckKind.CANCEL, seq_id, FinishReason.ABORT, timeout)
 
 
 class AckReader:
@@ -120,11 +115,10 @@ class AckReader:
             self._torn.clear()
         if n:
             seq = (words[:n, 0] & _LOW).tolist()
-            kr = (words[:n, 1] & _LOW)
-            kinds, reasons = (kr >> np.uint64(16)).tolist(), (kr & np.uint64(0xFFFF)).tolist()
+            reasons = (words[:n, 1] & _LOW).tolist()
             try:
-                out.extend(AckEvent(AckKind(k_), s, r) for k_, s, r in zip(kinds, seq, reasons))
+                out.extend(AckEvent(s, FinishReason(r)) for s, r in zip(seq, reasons))
             except ValueError as e:
-                raise RingCorrupt(f"ack ring holds an invalid event kind: {e}") from None
+                raise RingCorrupt(f"ack ring holds an invalid finish reason: {e}") from None
             self._next += n
         return n

@@ -10,7 +10,7 @@ from enum import IntEnum, IntFlag
 import numpy as np
 
 MAGIC = int.from_bytes(b"TANDEMAR", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 CACHE_LINE = 64
 
 
@@ -27,30 +27,15 @@ class Kind(IntEnum):
 
 
 class TokenFlag(IntFlag):
-    """Per-row flags of a token-ring entry (a uint32 bitfield)."""
+    """Per-row flags of a token-ring entry (a uint32 bitfield): the low bits
+    hold the row's ``FinishReason`` (NONE while the request runs on)."""
     NONE = 0
-    FIRST = 1 << 0       # first generated token of the sequence
-    EOS = 1 << 1         # the token is EOS (sequence finished)
-    LENGTH = 1 << 2      # max_tokens reached with this token
-    STOP_TOKEN = 1 << 3  # the token is one of stop_token_ids
-    ZOMBIE = 1 << 4      # the frontend already finalized/cancelled it: ignore
-    FINISHED = EOS | LENGTH | STOP_TOKEN
+    FINISH_MASK = 0x7    # a shared.finish.FinishReason
+    ZOMBIE = 1 << 3      # the frontend already ended this request: ignore the row
 
 
-class AckKind(IntEnum):
-    FINALIZE = 1  # the frontend is done with the sequence: free it
-    CANCEL = 2    # the client went away: stop generating
-
-
-class FinishReason(IntEnum):
-    """Reason carried by a finalize/cancel event (uint16)."""
-    NONE = 0
-    STOP = 1        # a stop string matched (detected by the frontend)
-    EOS = 2
-    LENGTH = 3
-    STOP_TOKEN = 4
-    ABORT = 5       # client disconnected / cancelled
-    ERROR = 6
+# On a request's first row, flags >> CACHED_SHIFT = its prompt tokens mapped from the prefix cache.
+CACHED_SHIFT = 8
 
 
 # Header word indices (uint64 words). Line 0-1: static; 2/3: heartbeats;

@@ -1,5 +1,5 @@
 """The mask rows, frontend -> worker: one xgrammar-layout token bitmask per
-batch row (bit j of word i allows token 32*i+j) plus a per-row step stamp."""
+batch row (bit j of word i allows token 32*i+j) plus a per-row stamp (``mask_stamp``)."""
 from __future__ import annotations
 
 import time
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 class MaskWriter:
     """Frontend side of the mask rows.
 
-    Words are ``(tag << 32) | mask32`` with ``tag = (step + 1) mod 2**32``;
-    the per-row stamp (``step + 1``; 0 = never written) is written after the
+    Words are ``(tag << 32) | mask32`` with ``tag = (stamp + 1) mod 2**32``;
+    the per-row stamp word (``stamp + 1``; 0 = never written) is written after the
     words, then the ``masks`` eventfd is signalled."""
 
     def __init__(self, arena: Arena):
@@ -29,7 +29,7 @@ class MaskWriter:
         self._stamp = arena.region("mask_stamp")
         self._words = arena.region("mask_words")
 
-    def write_rows(self, rows, step: int, masks: np.ndarray) -> None:
+    def write_rows(self, rows, stamp: int, masks: np.ndarray) -> None:
         """masks: int32 (len(rows), words_per_row), xgrammar bitmask layout."""
         rows = _check_rows(rows, self._rows)
         masks = np.asarray(masks)
@@ -37,11 +37,11 @@ class MaskWriter:
         if masks.shape != (len(rows), w) or masks.dtype not in (np.int32, np.uint32):
             raise ValueError(f"masks must be int32 of shape ({len(rows)}, {w}), "
                              f"got {masks.dtype} {masks.shape}")
-        if not 0 <= step < (1 << 64) - 1:
-            raise ValueError(f"step must be a uint64, got {step}")
-        tagged = masks.view(np.uint32).astype(np.uint64) | np.uint64(_tag(step) << 32)
+        if not 0 <= stamp < (1 << 64) - 1:
+            raise ValueError(f"stamp must be a uint64, got {stamp}")
+        tagged = masks.view(np.uint32).astype(np.uint64) | np.uint64(_tag(stamp) << 32)
         self._words[rows, :w] = tagged
-        self._stamp[rows] = np.uint64(step + 1)
+        self._stamp[rows] = np.uint64(stamp + 1)
         _signal(self._a.wake.masks)
 
 
@@ -68,21 +68,21 @@ class MaskReader:
     def sleeps(self) -> int:
         return self._waiter.sleeps
 
-    def stamped(self, rows, step: int) -> bool:
-        """True iff every row's stamp is exactly ``step`` (never older/newer)."""
+    def stamped(self, rows, stamp: int) -> bool:
+        """True iff every row's stamp is exactly ``stamp`` (never older/newer)."""
         rows = _check_rows(rows, self._rows)
-        return bool(np.all(self._stamp[rows] == np.uint64(step + 1)))
+        return bool(np.all(self._stamp[rows] == np.uint64(stamp + 1)))
 
-    def wait_rows(self, rows, step: int, timeout: Optional[float], abort: AbortFn = None) -> bool:
-        """Wait until all ``rows`` are stamped with ``step``; False on timeout."""
+    def wait_rows(self, rows, stamp: int, timeout: Optional[float], abort: AbortFn = None) -> bool:
+        """Wait until all ``rows`` are stamped with ``stamp``; False on timeout."""
         rows = _check_rows(rows, self._rows)
-        target = np.uint64(step + 1)
+        target = np.uint64(stamp + 1)
         return self._waiter.wait(lambda: bool(np.all(self._stamp[rows] == target)), timeout, abort)
 
-    def read_rows(self, rows, step: Optional[int] = None) -> np.ndarray:
+    def read_rows(self, rows, stamp: Optional[int] = None) -> np.ndarray:
         """Validated int32 copy (len(rows), words_per_row) of the masks.
 
-        With ``step``, every row must be stamped with exactly that step
+        With ``stamp``, every row must be stamped with exactly that stamp
         (``MaskNotReady`` otherwise). Without, each row is read as of its own
         current stamp. Words not yet visible are retried; still torn after
         ``corrupt_after_s`` -> ``RingCorrupt``."""
@@ -91,9 +91,9 @@ class MaskReader:
         deadline = time.monotonic() + self._corrupt_after_s
         while True:
             stamps = self._stamp[rows]  # fancy index: a copy
-            if step is not None and not np.all(stamps == np.uint64(step + 1)):
-                bad = rows[stamps != np.uint64(step + 1)]
-                raise MaskNotReady(f"mask rows {bad[:8].tolist()} are not stamped for step {step}")
+            if stamp is not None and not np.all(stamps == np.uint64(stamp + 1)):
+                bad = rows[stamps != np.uint64(stamp + 1)]
+                raise MaskNotReady(f"mask rows {bad[:8].tolist()} are not stamped {stamp}")
             if np.any(stamps == 0):
                 raise MaskNotReady(f"mask rows {rows[stamps == 0][:8].tolist()} were never written")
             words = self._words[rows, :w]

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 class Entry(NamedTuple):
     """One committed step, copied out of the ring (safe to keep)."""
-    seq: int                      # ring position (0, 1, 2, ...): pass to consume()
+    position: int                 # ring position (0, 1, 2, ...): pass to consume()
     step: int
     kind: Kind
     seq_ids: np.ndarray           # uint32
@@ -34,14 +34,11 @@ class Entry(NamedTuple):
 
 @dataclass
 class PendingEntry:
-    """A reserved slot. ``token_ids`` is the int32 staging view (page-locked
-    arena memory) that a device copy may write into before ``commit``."""
-    seq: int
+    """A reserved slot. ``token_ids`` is its int32 staging row (``max_rows``
+    long, page-locked arena memory) that a device copy may write into before
+    ``commit``; what the entry holds (step, kind, rows) is decided at commit."""
+    position: int
     slot: int
-    step: int
-    kind: Kind
-    nrows: int
-    logprobs: bool
     token_ids: np.ndarray
 
 
@@ -89,63 +86,66 @@ class TokenRingWriter:
     def has_space(self) -> bool:
         return self._next - self.consumed() < self._cap
 
-    def try_reserve(self, step: int, kind: Kind, nrows: int, *, logprobs: bool = False
-                    ) -> Optional[PendingEntry]:
+    def try_reserve(self) -> Optional[PendingEntry]:
         """Reserve the next slot, or None if the ring is full."""
-        if not 0 <= nrows <= self._max_rows:
-            raise ValueError(f"nrows must be in [0, {self._max_rows}], got {nrows}")
-        if not 0 <= step < 1 << 64:
-            raise ValueError(f"step must be a uint64, got {step}")
-        kind = Kind(kind)
         if not self.has_space():
             return None
-        seq, slot = self._next, self._next % self._cap
+        position, slot = self._next, self._next % self._cap
         self._next += 1
-        return PendingEntry(seq, slot, step, kind, nrows, bool(logprobs),
-                            self._stage[slot, :nrows])
+        return PendingEntry(position, slot, self._stage[slot])
 
-    def reserve(self, step: int, kind: Kind, nrows: int, *, logprobs: bool = False,
-                timeout: Optional[float] = None, abort: AbortFn = None) -> PendingEntry:
+    def reserve(self, *, timeout: Optional[float] = None, abort: AbortFn = None) -> PendingEntry:
         """Like ``try_reserve`` but blocks while the ring is full; raises
         ``RingTimeout`` after ``timeout`` s or ``RingAborted`` when ``abort()``."""
-        p = self.try_reserve(step, kind, nrows, logprobs=logprobs)
+        p = self.try_reserve()
         if p is not None:
             return p
         self.blocked += 1
         if not self._waiter.wait(self.has_space, timeout, abort):
             raise RingTimeout(f"token ring full for {timeout} s "
                               f"(consumed={self.consumed()}, next={self._next})")
-        return self.try_reserve(step, kind, nrows, logprobs=logprobs)
+        return self.try_reserve()
 
-    def commit(self, p: PendingEntry, seq_ids, flags, logprobs=None, token_ids=None) -> int:
-        """Stamp a reserved entry and publish it. Token ids come from
-        ``token_ids`` if given, else from ``p.token_ids`` (the staging view a
-        device copy wrote: that copy must have completed, e.g. after
-        ``event.synchronize()``). Returns the ring position."""
-        if p.seq != self._commit_next:
-            raise ValueError(f"commit out of order: got position {p.seq}, expected {self._commit_next}")
-        rows = _normalize_rows(p.nrows, seq_ids, flags, token_ids, logprobs, p.logprobs)
-        return self._write(p, *rows)
+    def commit(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, logprobs=None,
+               token_ids=None) -> int:
+        """Fill a reserved entry with one step's rows and publish it. Token ids
+        come from ``token_ids`` if given, else from the first rows of
+        ``p.token_ids`` (the staging row a device copy wrote: that copy must
+        have completed, e.g. after ``event.synchronize()``). Returns the ring
+        position."""
+        if p.position != self._commit_next:
+            raise ValueError(f"commit out of order: got position {p.position}, expected {self._commit_next}")
+        return self._write(p, *self._validate(step, kind, seq_ids, flags, token_ids, logprobs))
 
-    def _write(self, p: PendingEntry, seq_ids, flags, tok, lp) -> int:
-        tag, slot, n = _tag(p.seq), p.slot, p.nrows
+    def _validate(self, step: int, kind: Kind, seq_ids, flags, token_ids, logprobs) -> tuple:
+        """(step, kind, seq_ids u32, flags u32, token_ids i32 | None, logprobs f32 | None), checked."""
+        n = len(seq_ids)
+        if not 0 <= n <= self._max_rows:
+            raise ValueError(f"an entry holds 0..{self._max_rows} rows (nrows), got {n}")
+        if not 0 <= step < 1 << 64:
+            raise ValueError(f"step must be a uint64, got {step}")
+        return (step, Kind(kind), *_normalize_rows(n, seq_ids, flags, token_ids, logprobs))
+
+    def _write(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, tok, lp) -> int:
+        tag, slot, n = _tag(p.position), p.slot, len(seq_ids)
         if tok is None:
-            tok = p.token_ids
-        ncols = _NCOLS if p.logprobs else _C_LOGP
+            tok = p.token_ids[:n]
+        has_lp = lp is not None
+        ncols = _NCOLS if has_lp else _C_LOGP
         payload = np.empty((ncols, n), np.uint32)
         payload[_C_SEQ], payload[_C_TOK], payload[_C_FLAGS] = seq_ids, tok.view(np.uint32), flags
-        if p.logprobs:
+        if has_lp:
             payload[_C_LOGP] = lp.view(np.uint32)
         # Payload words first ...
         _tagged(tag, payload, self._rows[slot, :ncols, :n])
         meta, hi = self._meta[slot], tag << 32
-        meta[_M_STEP_LO] = hi | (p.step & _U32)
-        meta[_M_STEP_HI] = hi | (p.step >> 32)
+        meta[_M_STEP_LO] = hi | (step & _U32)
+        meta[_M_STEP_HI] = hi | (step >> 32)
         # ... the commit word last: readers key on it.
-        meta[_M_COMMIT] = hi | n | (int(p.kind) << 24) | (int(p.logprobs) << 28)
+        meta[_M_COMMIT] = hi | n | (int(kind) << 24) | (int(has_lp) << 28)
         self._commit_next += 1
         _signal(self._a.wake.tokens)
-        return p.seq
+        return p.position
 
     def _no_outstanding(self) -> None:
         if self._commit_next != self._next:
@@ -156,10 +156,10 @@ class TokenRingWriter:
         """Non-blocking publish: the ring position, or None if the ring is full."""
         if token_ids is None:
             raise ValueError("publish needs token_ids (use reserve/commit for device copies)")
-        rows = _normalize_rows(len(seq_ids), seq_ids, flags, token_ids, logprobs, logprobs is not None)
+        entry = self._validate(step, kind, seq_ids, flags, token_ids, logprobs)
         self._no_outstanding()
-        p = self.try_reserve(step, kind, len(seq_ids), logprobs=logprobs is not None)
-        return None if p is None else self._write(p, *rows)
+        p = self.try_reserve()
+        return None if p is None else self._write(p, *entry)
 
     def publish(self, step: int, kind: Kind, seq_ids, token_ids, flags, logprobs=None, *,
                 timeout: Optional[float] = None, abort: AbortFn = None) -> int:
@@ -167,14 +167,13 @@ class TokenRingWriter:
         # Validate before reserving so a bad call never leaves a dangling slot.
         if token_ids is None:
             raise ValueError("publish needs token_ids (use reserve/commit for device copies)")
-        rows = _normalize_rows(len(seq_ids), seq_ids, flags, token_ids, logprobs, logprobs is not None)
+        entry = self._validate(step, kind, seq_ids, flags, token_ids, logprobs)
         self._no_outstanding()
-        p = self.reserve(step, kind, len(seq_ids), logprobs=logprobs is not None,
-                         timeout=timeout, abort=abort)
-        return self._write(p, *rows)
+        p = self.reserve(timeout=timeout, abort=abort)
+        return self._write(p, *entry)
 
 
-def _normalize_rows(n: int, seq_ids, flags, token_ids, logprobs, want_lp: bool):
+def _normalize_rows(n: int, seq_ids, flags, token_ids, logprobs):
     """Validated (seq_ids u32, flags u32, token_ids i32 | None, logprobs f32 | None)."""
     seq_ids = _as_u32("seq_ids", seq_ids, n)
     flags = _as_u32("flags", flags, n)
@@ -187,14 +186,10 @@ def _normalize_rows(n: int, seq_ids, flags, token_ids, logprobs, want_lp: bool):
             raise ValueError("token_ids must fit in int32")
         tok = tok.astype(np.int32, copy=False)
     lp = None
-    if want_lp:
-        if logprobs is None:
-            raise ValueError("entry was reserved with logprobs=True but none were given")
+    if logprobs is not None:
         lp = np.asarray(logprobs, dtype=np.float32)
         if lp.shape != (n,):
             raise ValueError(f"logprobs must have shape ({n},), got {lp.shape}")
-    elif logprobs is not None:
-        raise ValueError("logprobs given for an entry reserved without them")
     return seq_ids, flags, tok, lp
 
 
@@ -214,7 +209,7 @@ class TokenRingReader:
         self._waiter = _Waiter(arena.wake.tokens, spin_s, slice_s)
 
     @property
-    def next_seq(self) -> int:
+    def next_position(self) -> int:
         """Position the next ``poll`` returns."""
         return self._next
 
@@ -273,11 +268,11 @@ class TokenRingReader:
         then sleep on the eventfd). Returns False on timeout."""
         return self._waiter.wait(self.ready, timeout, abort)
 
-    def consume(self, upto_seq: int) -> None:
-        """Hand slots up to and including position ``upto_seq`` back to the writer."""
-        if upto_seq >= self._next:
-            raise ValueError(f"cannot consume position {upto_seq}: only {self._next} polled")
-        if upto_seq + 1 > self._consumed:
-            self._consumed = upto_seq + 1
+    def consume(self, upto_position: int) -> None:
+        """Hand slots up to and including ``upto_position`` back to the writer."""
+        if upto_position >= self._next:
+            raise ValueError(f"cannot consume position {upto_position}: only {self._next} polled")
+        if upto_position + 1 > self._consumed:
+            self._consumed = upto_position + 1
             self._a._set_hword(_H_CONSUMED, self._consumed)
             _signal(self._a.wake.space)
