@@ -10,8 +10,9 @@ Where a figure means what vLLM's does, the name mirrors vLLM's (``vllm:`` ->
 - The engine's figures, read from a snapshot of the server's ``info`` answer
   (the worker's stats) taken when the page is rendered: requests running and
   waiting, KV cache usage, prefix cache queries and hits, device idle
-  fraction, zombie rows, steps and host ms per step. Counters kept by the worker restart from 0 with a new worker
-  generation (Prometheus' ``rate`` treats that as a counter reset).
+  fraction, zombie rows, steps and host ms per step. Counters kept by the
+  worker restart from 0 with a new worker generation (Prometheus' ``rate``
+  treats that as a counter reset).
 
 Each ``Metrics`` has its own registry, so several servers can live in one
 process (tests). ``prometheus_client`` is thread-safe: the server loop

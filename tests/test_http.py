@@ -230,6 +230,7 @@ def test_metrics_move_by_exactly_the_requests(live, oai, raw):
     assert after["tandem:num_requests_live"] == 0 and after["tandem:kv_cache_usage_perc"] == 0
     assert after["tandem:worker_ready"] == 1 and 0 <= after["tandem:device_idle_fraction"] <= 1
     assert delta("tandem:engine_steps_total") > 0 and after["tandem:host_ms_per_step"] > 0
+    assert 0 <= after["tandem:prefix_cache_hits_total"] <= after["tandem:prefix_cache_queries_total"]
 
 
 # --------------------------------------------------------------------------- load with disconnects
