@@ -5,7 +5,11 @@ are below its cap decodes in every launch (it joins as soon as its first token
 is sampled on the device, before the host has seen it). Prompts prefill in
 chunks bounded by a per-launch token budget, oldest first. Admission is FIFO
 and reserves a request's whole KV (prompt + max_tokens) up front, so a running
-sequence never runs out of pages; a request that does not fit waits.
+sequence never runs out of pages; a request that does not fit waits. A request
+naming a LoRA adapter also takes a reference to its adapter's slot at
+admission (``lora_slots.py``); while every slot is referenced by running
+requests of other adapters it waits at the head of the queue (FIFO is kept:
+no request overtakes another).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .allocator import Allocator
+from .lora_slots import LoraSlots
 from .sequence import Sequence
 
 
@@ -37,8 +42,9 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, alloc: Allocator, prefill_budget: int) -> None:
+    def __init__(self, alloc: Allocator, prefill_budget: int, lora: LoraSlots | None = None) -> None:
         self.alloc = alloc
+        self.lora = lora
         self.prefill_budget = prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, not yet released, in admission order
@@ -56,6 +62,11 @@ class Scheduler:
             need = seq.prompt_len + seq.max_tokens
             if not self.alloc.can_admit(need):
                 break
+            if seq.adapter is not None:
+                slot = self.lora.acquire(seq.adapter)
+                if slot is None:  # every slot is referenced: wait for one to be released
+                    break
+                seq.lora_slot = slot
             seq.row, seq.pages = self.alloc.admit(need)
             seq.admitted = True
             self.waiting.popleft()

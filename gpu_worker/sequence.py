@@ -31,8 +31,10 @@ class Sequence:
     seed: int
     constrained: bool = False
     logprobs: bool = False
+    adapter: str | None = None  # a LoRA adapter's name, None for the base model
 
     row: int = -1
+    lora_slot: int = 0  # its adapter's device slot from admission to release (0: none)
     pages: list[int] = field(default_factory=list)
     num_prefilled: int = 0
     num_dispatched: int = 0
