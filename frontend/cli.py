@@ -83,7 +83,7 @@ def timeout_option(default: float):
 
 # Options that configure the in-process engine (the worker that `generate` and `serve` start).
 ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "max_batch", "max_model_len", "kv_pages",
-                  "kv_memory_fraction"]
+                  "kv_memory_fraction", "lora", "max_loras"]
 
 
 def engine_options(fn):
@@ -100,6 +100,10 @@ def engine_options(fn):
         click.option("--kv-pages", type=int, default=None, help="KV cache pages (default: sized to memory)."),
         click.option("--kv-memory-fraction", default=0.5, show_default=True,
                      help="Fraction of free GPU memory for the KV cache (CUDA, without --kv-pages)."),
+        click.option("--lora", multiple=True, metavar="NAME=DIR",
+                     help="Serve a LoRA adapter (PEFT directory) under NAME (repeatable)."),
+        click.option("--max-loras", default=4, show_default=True, type=click.IntRange(min=1),
+                     help="Device slots for adapters; more adapters are loaded on demand (LRU)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -110,8 +114,11 @@ def service_config(engine_kw: dict, **extra):
     """The ServiceConfig (engine fields + the frontend's) for the engine options of a command."""
     from frontend.service import ServiceConfig
 
+    from shared.lora_config import parse_lora_option
+
     kw = dict(engine_kw)
     dtype = kw.pop("dtype")
+    kw["loras"] = parse_lora_option(kw.pop("lora"))
     return ServiceConfig(pipeline=not kw.pop("no_pipeline"), dtype=None if dtype == "auto" else dtype,
                          log_level=logging.getLevelName(logging.getLogger().level), **kw, **extra)
 
@@ -152,6 +159,7 @@ def main() -> None:
 @click.option("--regex", default=None, help="Constrain the answer to a regular expression.")
 @click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
               help="Constrain the answer to a JSON schema (file).")
+@click.option("--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
@@ -159,7 +167,7 @@ def main() -> None:
 @log_level_option()
 @click.pass_context
 def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, stream, as_json, **engine_kw):
+             ignore_eos, grammar, max_objects, regex, json_schema, adapter, stream, as_json, **engine_kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -171,6 +179,7 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
       echo "Once upon a time" | tandem generate --raw --max-tokens 40
       tandem generate "Point at the cat" --grammar point --max-objects 3
       tandem generate "Hi" --connect 127.0.0.1:5557
+      tandem generate "Hi" --lora pirate=./pirate-lora --adapter pirate
     """
     if connect:
         misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
@@ -196,9 +205,9 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
     if connect:
         model = engine_kw["model"] if given(ctx, "model") else None
-        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model)
+        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, adapter)
     else:
-        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw))
+        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), adapter)
     if live:
         click.echo()
     if as_json:
@@ -237,10 +246,10 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
                                    "(is `tandem serve` running there?)") from None
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model) -> dict:
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, adapter=None) -> dict:
     from frontend.client import Client
 
-    kw = dict(sampling, stop=stop or None, grammar=spec)
+    kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter)
     kw["stop_token_ids"] = kw["stop_token_ids"] or None
     if raw:
         kw["prompt"] = prompt
@@ -258,7 +267,7 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
     return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, config) -> dict:
+def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None) -> dict:
     """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
     from frontend.server import grammar_compiler
     from frontend.service import Service
@@ -278,7 +287,8 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config) -> dict:
             else:
                 ended[kind] = payload
 
-        service.submit(ids, SamplingParams(**sampling), stop=stop, constraint=constraint, on_event=on_event)
+        service.submit(ids, SamplingParams(**sampling), stop=stop, constraint=constraint, on_event=on_event,
+                       adapter=adapter)
         while not ended:
             service.poll(0.1)
     finally:
@@ -387,6 +397,7 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
       tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
       tandem serve --dtype float32 --bind 0.0.0.0:5557
+      tandem serve --lora pirate=./pirate-lora --lora legal=./legal-lora --max-loras 2
     """
     from frontend.server import Server, install_signal_handlers
     from frontend.service import Service

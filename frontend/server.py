@@ -158,10 +158,11 @@ class Server:
         elif isinstance(msg, P.InfoRequest):
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
-                     "live_requests": len(self.live)}
+                     "live_requests": len(self.live), "adapters": list(self.service.adapters)}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total")}
+                extra["adapters_loaded"] = stats.get("adapters_loaded", [])  # the adapters in device slots
             except (TimeoutError, KeyError):
                 pass  # a busy or restarting worker: answer without the KV figures
             self._send(identity, P.encode_info(
@@ -200,7 +201,8 @@ class Server:
         state = ClientRequest(identity, msg.id, msg.stream)
         try:
             req = self.service.submit(ids, msg.sampling_params(), stop=msg.stop, constraint=constraint,
-                                      logprobs=msg.logprobs, on_event=self._on_event, user_data=state)
+                                      logprobs=msg.logprobs, on_event=self._on_event, user_data=state,
+                                      adapter=msg.adapter)
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
         if not req.ended:

@@ -340,3 +340,60 @@ def test_bad_adapter_directories_are_clear_errors_at_start_up(model_path, adapte
     for bad_option in (["a"], ["=x"], ["a=/x", "a=/y"]):
         with pytest.raises(AdapterError):
             parse_lora_option(bad_option)
+
+
+# ------------------------------------------------------------------ through the server and the CLI
+
+
+def test_server_serves_adapters_and_rejects_unknown_ones(model_path, adapters):
+    """Over ZeroMQ: each adapter's tokens equal the engine's; info lists adapters and those in slots;
+    an unknown or mistyped adapter is a bad_request for that request only."""
+    import threading
+
+    from frontend.client import BadRequest, Client
+    from frontend.server import Server
+    from frontend.service import Service, ServiceConfig
+
+    two = {k: adapters[k] for k in ("qv", "mlp")}
+    prompt = [1, 42, 7, 300, 5, 9]
+    eng = make_engine(model_path, two)
+    want = {name: eng.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), adapter=name)[0].output_ids
+            for name in (None, "qv", "mlp")}
+    eng.close()
+    assert len({tuple(v) for v in want.values()}) == 3  # non-vacuity: three different answers
+    svc = Service(ServiceConfig(model="tiny-random", device="cpu", dtype="float32", max_batch=8, kv_pages=200,
+                                page_size=8, loras=two, max_loras=1))
+    server = Server(svc, "tcp://127.0.0.1:*")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with Client(server.endpoint, timeout=60) as c:
+            for name, tokens in want.items():
+                r = c.generate(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True, adapter=name)
+                assert r.token_ids == tokens, name
+            info = c.info()
+            assert info["adapters"] == ["qv", "mlp"] and info["adapters_loaded"] == ["mlp"]  # one slot, LRU
+            with pytest.raises(BadRequest, match="unknown adapter 'nope'"):
+                c.generate(prompt_token_ids=prompt, max_tokens=2, adapter="nope")
+            with pytest.raises(BadRequest, match="adapter must be a string"):
+                c.generate(prompt_token_ids=prompt, max_tokens=2, adapter=3)
+            assert c.generate(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True,
+                              adapter="qv").token_ids == want["qv"]  # still serving
+    finally:
+        server.stop()
+        thread.join(60)
+
+
+def test_cli_reports_a_bad_adapter_in_one_line_before_starting_a_worker(model_path, adapters, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = _copy_adapter(Path(adapters["qv"]), tmp_path / "big", dict(r=65))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-m", "frontend.cli", "generate", "hi", "--model", "tiny-random",
+                        "--device", "cpu", "--lora", f"big={bad}", "--adapter", "big"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"Error: adapter 'big' ({bad}): rank 65 is over the limit of 64"]
