@@ -1,6 +1,6 @@
 """Decode benchmark: blocking vs pipelined decoding, side by side in one process.
 
-    python -m bench.decode --model tiny-random --device sim:2.6 --streams 1,32 --tokens 128 --repeats 5
+    python -m bench.decode --model random-tiny --device sim:2.6 --streams 1,32 --tokens 128 --repeats 5
     python -m bench.decode --model smollm2-135m --device cpu --streams 1,32 --baseline transformers
     python -m bench.decode --model random-1b --device cuda --json
     tandem bench decode ...        (the same options, once registered in frontend/cli.py)
@@ -23,6 +23,8 @@ What is timed (BENCHMARKS.md has the full methodology):
   consecutive steps, CUDA events on a GPU, stream timestamps on cpu/sim).
 - Host ms per step: ``host_s / steps`` from the engine (host time in
   ``Engine.step`` minus its waits on the device).
+- Overruns (``sim:MS``): steps whose real CPU work did not fit in the simulated
+  MS (the engine's ``device_overruns``); a row with overruns measured the CPU.
 - Zombie tax: zombie rows / useful (committed) rows.
 
 ``--baseline transformers`` times Hugging Face ``generate`` (greedy, batched,
@@ -84,7 +86,7 @@ OPTIONS = [
     (("--model",), dict(default="smollm2-135m",
                         help="tiny-random | smollm2-135m | random-tiny | random-135m | random-1b | "
                              "path to a HF directory")),
-    (("--device",), dict(default="auto", help="auto | cpu | cuda | sim:MS (simulated device, MS per forward)")),
+    (("--device",), dict(default="auto", help="auto | cpu | cuda | sim:MS (simulated device: MS per decode step)")),
     (("--streams",), dict(default="1,32", help="comma-separated concurrent streams, e.g. 1,32")),
     (("--tokens",), dict(default=128, type=int, help="decode tokens (= decode steps) per stream")),
     (("--prompt-len",), dict(default=32, type=int, help="prompt tokens per stream")),
@@ -92,8 +94,8 @@ OPTIONS = [
     (("--repeats",), dict(default=3, type=int, help="timed repetitions (interleaved across modes)")),
     (("--warmup",), dict(default=1, type=int, help="untimed passes per (streams, mode) before timing")),
     (("--seed",), dict(default=0, type=int, help="prompt and random-weight seed")),
-    (("--dtype",), dict(default=None, help="float32 | bfloat16 | float16 (default: the engine's, bf16 on CUDA and "
-                                                   "on CPUs with native bf16, fp32 else)")),
+    (("--dtype",), dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="model dtype; auto: the engine's (bf16 on CUDA and on CPUs with native bf16, fp32 else)")),
     (("--no-cuda-graphs",), dict(flag=True, help="disable CUDA graphs (CUDA only)")),
     (("--baseline",), dict(default=None, choices=["transformers"],
                            help="also time transformers generate on the same weights and prompts")),
@@ -148,7 +150,8 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
         torch_device = device
     from gpu_worker.model_runner import default_dtype
 
-    dtype = getattr(torch, dtype_name) if dtype_name else default_dtype(torch_device != "cpu")
+    auto = dtype_name in (None, "auto")
+    dtype = default_dtype(torch_device != "cpu") if auto else getattr(torch, dtype_name)
     if name in RANDOM_MODELS:
         cfg = LlamaConfig(**RANDOM_MODELS[name])
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)
@@ -200,6 +203,7 @@ class Pass:
     sample_rows: int
     zombie_rows: int
     outputs: list
+    overruns: int = 0  # sim:MS steps whose real work did not fit in MS
 
     @property
     def ms_per_step(self) -> float:
@@ -222,7 +226,7 @@ def timed_pass(engine, prompts, params, adapters=None) -> Pass:
             raise RuntimeError(f"request failed: {s.error}")
     return Pass(wall, st["decode_steps"], st["steps"], st["committed_tokens"], st["host_s"], st["wait_s"],
                 st["device_idle_fraction"], st["bubble_idle_s"], st["bubble_busy_s"], st["sample_rows"],
-                st["zombie_rows"], [list(s.output_ids) for s in seqs])
+                st["zombie_rows"], [list(s.output_ids) for s in seqs], st["device_overruns"])
 
 
 def _spread(values: list[float]) -> tuple[list[float], list[float]]:
@@ -254,6 +258,9 @@ def summarize(passes: list[Pass], streams: int, mode: str, case: str) -> dict:
         "device_idle_fraction_all": [p.idle_fraction for p in passes],
         "device_idle_ms_per_step": 1e3 * idle / max(steps, 1),
         "device_busy_ms_per_step": 1e3 * busy / max(steps, 1),
+        "device_overruns": sum(p.overruns for p in passes),
+        "timed_steps": steps,  # committed launches over all repeats: the overruns' denominator
+        "device_overrun_fraction": sum(p.overruns for p in passes) / max(steps, 1),
         "host_ms_per_step": 1e3 * sum(p.host_s for p in passes) / max(steps, 1),
         "wait_ms_per_step": 1e3 * sum(p.wait_s for p in passes) / max(steps, 1),
         "zombie_rows": sum(p.zombie_rows for p in passes),
@@ -383,7 +390,8 @@ def summarize_hf(passes: list[Pass], streams: int) -> dict:
     return {
         "case": "throughput", "streams": streams, "mode": "transformers",
         "ms_per_step": statistics.median(ms), "ms_per_step_spread": spread, "ms_per_step_iqr": iqr,
-        "ms_per_step_all": ms, "device_idle_fraction": None, "host_ms_per_step": None, "zombie_tax": 0.0,
+        "ms_per_step_all": ms, "device_idle_fraction": None, "device_overruns": None, "host_ms_per_step": None,
+        "zombie_tax": 0.0,
         "tokens_per_s": statistics.median([p.committed_tokens / p.wall_s for p in passes]),
         "decode_steps": passes[0].decode_steps, "repeats": len(passes),
     }
@@ -439,7 +447,7 @@ def run_throughput(args, loaded, engines, streams_list, modes, hf, result, devic
                     out = p.outputs
                 outputs.setdefault(m, out)
                 passes[m].append(p)
-                extra = "" if m == "transformers" else f", idle {100 * p.idle_fraction:.1f}%"
+                extra = "" if m == "transformers" else f", idle {100 * p.idle_fraction:.1f}%, {p.overruns} overruns"
                 progress(args, f"{loaded.name} {device} streams={streams} {m}: repeat {r + 1}/{args.repeats}: "
                                f"{p.ms_per_step:.3f} ms/step{extra}")
         rows = {}
@@ -617,6 +625,12 @@ def _f(x, fmt="{:.3f}") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+def _overruns(row: dict) -> str:
+    if row.get("device_overruns") is None:
+        return "-"
+    return f"{row['device_overruns']}/{row['timed_steps']}"
+
+
 def format_table(result: dict) -> str:
     lines = [f"Decode benchmark: model {result['model']} ({result['params'] / 1e6:.0f} M params, {result['dtype']}"
              f"{', CUDA graphs' if result['cuda_graphs'] else ''}) on {result['device']}; {result['tokens']} decode "
@@ -627,18 +641,22 @@ def format_table(result: dict) -> str:
     if not result["rows"]:
         lines[0] = (f"Decode benchmark: model {result['model']} ({result['params'] / 1e6:.0f} M params, "
                     f"{result['dtype']}) on {result['device']}; median of {result['repeats']} interleaved repeats")
-    head = ("| streams | mode | ms/step | spread (min-max) | device idle | host ms/step | zombie tax | tokens/s "
-            "| vs blocking | vs transformers |")
+    head = ("| streams | mode | ms/step | spread (min-max) | device idle | overruns | host ms/step | zombie tax "
+            "| tokens/s | vs blocking | vs transformers |")
     if result["rows"]:
-        lines += ["", head, "|" + "---|" * 10]
+        lines += ["", head, "|" + "---|" * 11]
     for r in result["rows"]:
         lo, hi = r["ms_per_step_spread"]
         idle = r["device_idle_fraction"]
         lines.append(
             f"| {r['streams']} | {r['mode']} | {_f(r['ms_per_step'])} | {lo:.3f}-{hi:.3f} | "
-            f"{_f(idle if idle is None else 100 * idle, '{:.1f}%')} | {_f(r['host_ms_per_step'])} | "
+            f"{_f(idle if idle is None else 100 * idle, '{:.1f}%')} | {_overruns(r)} | {_f(r['host_ms_per_step'])} | "
             f"{_f(r['zombie_tax'], '{:.4f}')} | {_f(r['tokens_per_s'], '{:.0f}')} | "
             f"{_f(r.get('speedup_vs_blocking'), '{:.3f}x')} | {_f(r.get('ratio_vs_transformers'), '{:.2f}x')} |")
+    late = [r for r in result["rows"] + result["zombie"] if r.get("device_overruns")]
+    if late:
+        lines += ["", f"WARNING: {sum(r['device_overruns'] for r in late)} simulated steps overran {result['device']} "
+                      "(their real CPU work took longer): those rows measure this CPU, not the simulated device."]
     by = {(r["streams"], r["mode"]): r for r in result["rows"]}
     streams = sorted({r["streams"] for r in result["rows"]})
     if any((s, "blocking") in by and (s, "pipelined") in by for s in streams):

@@ -82,7 +82,7 @@ def timeout_option(default: float):
 
 
 # Options that configure the in-process engine (the worker that `generate` and `serve` start).
-ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "max_batch", "max_model_len", "kv_pages",
+ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len", "kv_pages",
                   "kv_memory_fraction", "lora", "max_loras"]
 
 
@@ -95,6 +95,8 @@ def engine_options(fn):
         click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
                      help="Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)."),
         click.option("--no-pipeline", is_flag=True, help="Blocking decode (the baseline)."),
+        click.option("--no-prefix-cache", is_flag=True,
+                     help="Compute every prompt in full (no KV pages shared between requests; for A/B runs)."),
         click.option("--max-batch", default=64, show_default=True, help="Batch rows (concurrent sequences)."),
         click.option("--max-model-len", default=2048, show_default=True, help="Context length cap."),
         click.option("--kv-pages", type=int, default=None, help="KV cache pages (default: sized to memory)."),
@@ -119,7 +121,8 @@ def service_config(engine_kw: dict, **extra):
     kw = dict(engine_kw)
     dtype = kw.pop("dtype")
     kw["loras"] = parse_lora_option(kw.pop("lora"))
-    return ServiceConfig(pipeline=not kw.pop("no_pipeline"), dtype=None if dtype == "auto" else dtype,
+    return ServiceConfig(pipeline=not kw.pop("no_pipeline"), prefix_cache=not kw.pop("no_prefix_cache"),
+                         dtype=None if dtype == "auto" else dtype,
                          log_level=logging.getLevelName(logging.getLogger().level), **kw, **extra)
 
 

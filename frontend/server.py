@@ -162,6 +162,8 @@ class Server:
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total")}
+                extra["prefix_cache"] = {"hit_tokens": stats["prefix_hit_tokens"],
+                                         "query_tokens": stats["prefix_query_tokens"]}
                 extra["adapters_loaded"] = stats.get("adapters_loaded", [])  # the adapters in device slots
             except (TimeoutError, KeyError):
                 pass  # a busy or restarting worker: answer without the KV figures

@@ -41,7 +41,7 @@ from shared.lora_config import read_adapters
 from shared.messages import Cancel, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
 from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
-from shared.shm import RingCorrupt, TokenFlag, mask_stamp
+from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
 from .detokenizer import IncrementalDetokenizer
@@ -95,6 +95,7 @@ class Request:
     text: str = ""
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
     t_end: float | None = None
 
 
@@ -306,6 +307,7 @@ class Service:
                 continue  # stale row: never recreates state, never reaches a client
             if req.t_first is None:
                 req.t_first = now
+                req.cached_tokens = flags >> CACHED_SHIFT
             req.token_ids.append(token)
             if req.logprobs and lps is not None:
                 req.token_logprobs.append(float(lps[i]))
@@ -350,7 +352,8 @@ class Service:
             return
         req.finish_reason = reason
         payload = {"finish_reason": reason.wire, "text": req.text, "token_ids": list(req.token_ids),
-                   "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids)},
+                   "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids),
+                             "cached_tokens": req.cached_tokens},
                    "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
         if req.constraint is not None and reason == FinishReason.STOP:
             try:

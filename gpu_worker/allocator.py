@@ -1,4 +1,4 @@
-"""What a running sequence holds: KV pages and a batch row (free lists for both).
+"""What a running sequence holds: KV pages (``prefix_cache.PagePool``) and a batch row.
 
 Both are handed out at admission and taken back exactly once, when a sequence
 is finalized and no launched step references it any more. Freeing something
@@ -6,6 +6,8 @@ twice, or something never handed out, raises: that is a bookkeeping bug, and
 hiding it would corrupt another request's cache.
 """
 from __future__ import annotations
+
+from .prefix_cache import PagePool
 
 
 class FreeList:
@@ -38,30 +40,30 @@ class FreeList:
 
 
 class Allocator:
-    """Hands out, at admission, a sequence's KV pages (page 0 is a scratch page for padded
-    rows, never handed out) and its batch row; takes both back at release."""
+    """Hands out, at admission, a sequence's KV pages (``PagePool``: shared by refcount with
+    the prefix cache) and its batch row; takes both back at release."""
 
-    def __init__(self, num_pages: int, page_size: int, max_rows: int) -> None:
-        if num_pages < 2:
-            raise ValueError("the KV cache needs at least 2 pages")
+    def __init__(self, num_pages: int, page_size: int, max_rows: int, prefix_cache: bool = True) -> None:
         self.page_size = page_size
-        self.pages = FreeList("kv pages", range(1, num_pages))
+        self.pages = PagePool(num_pages, caching=prefix_cache)
         self.rows = FreeList("batch rows", range(max_rows))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        return self.rows.can_allocate(1) and self.pages.can_allocate(self.pages_for(num_tokens))
+    def can_admit(self, num_tokens: int, hits: list[int] = ()) -> bool:
+        return self.rows.can_allocate(1) and self.pages.can_allocate(self.pages_for(num_tokens) - len(hits), hits)
 
-    def admit(self, num_tokens: int) -> tuple[int, list[int]]:
-        pages = self.pages.allocate(self.pages_for(num_tokens))
+    def admit(self, num_tokens: int, hits: list[int] = ()) -> tuple[int, list[int]]:
+        """A batch row and the pages for ``num_tokens``: the cached ``hits`` first, then fresh ones."""
+        pages = self.pages.acquire(hits, self.pages_for(num_tokens) - len(hits))
         return self.rows.allocate(1)[0], pages
 
     def release(self, row: int, pages: list[int]) -> None:
-        self.pages.free(pages)
+        self.pages.release(pages)
         self.rows.free([row])
 
     @property
     def idle(self) -> bool:
-        return self.pages.num_free == self.pages.capacity and self.rows.num_free == self.rows.capacity
+        """Every page free or cached and unreferenced, every row free."""
+        return self.pages.idle and self.rows.num_free == self.rows.capacity

@@ -15,9 +15,25 @@ The engine is written once against this small interface:
   both the gap between steps and, for constrained rows, a forward that finished
   before its masks arrived.
 
-The simulated device is the CPU stream plus a fixed time per forward (``sim:MS``):
-each forward is padded with a sleep to take MS milliseconds, reproducing a given
-GPU's regime on a CPU for the cost-model benchmark.
+The simulated device (``sim:MS``) is the CPU streams on a *device clock*: a
+decode step (forward + sampling + the copy of the ids to the host) takes MS ms
+of device time, whatever the host does meanwhile, as on a GPU:
+
+- Every piece of work starts, in device time, at max(its submission, the end of
+  the stream's previous work). A forward lasts ``(1 - SIM_SAMPLE_SHARE) * MS``,
+  each sampling launch (work inside a pair of marks other than the forward)
+  ``SIM_SAMPLE_SHARE * MS``; the copy of the ids and bookkeeping outside marks
+  (row parameters, buffer release) take none. The copy runs on the compute
+  executor (``SimCopyStream``). A host that enqueues sampling late leaves the
+  device idle in between, and the meter sees it, as on a GPU.
+- The real CPU work runs on the executor threads as soon as it can (usually
+  ahead of device time); an event records its device time and is released to
+  the host (``synchronize``) no earlier than that. So the device does not slow
+  down when the host thread works, and the host cannot see results early.
+- When the real work before an event finished after the event's device time
+  (the CPU could not keep up), the device clock moves to the real time and the
+  event is *late*; the meter counts a step with a late mark or a late completion
+  as an overrun. A table with overruns measured the CPU, not the simulated device.
 """
 from __future__ import annotations
 
@@ -39,35 +55,82 @@ class DeviceError(RuntimeError):
 
 # ----------------------------------------------------------------------------- CPU
 
+SIM_SAMPLE_SHARE = 0.1  # of a simulated step: each sampling launch; the forward takes the rest
+
+
+class Clock:
+    """Wall time for the CPU streams; tests inject a fake one."""
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def sleep_until(t: float) -> None:
+        delay = t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
+SYSTEM_CLOCK = Clock()
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    """Device time of one simulated step (``sim:MS``), in seconds."""
+
+    forward_s: float
+    sample_s: float
+
+    @classmethod
+    def from_ms(cls, step_ms: float) -> "SimTiming":
+        step = step_ms / 1e3
+        return cls(step * (1 - SIM_SAMPLE_SHARE), step * SIM_SAMPLE_SHARE)
+
 
 class CpuEvent:
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self._done = threading.Event()
+        self._clock = clock
         self.error: BaseException | None = None
-        self.time = 0.0  # perf_counter when the stream reached the event
+        self.time = 0.0  # when the stream reached the event (device time on sim:MS)
+        self.late = False  # sim:MS: the real work before it ended after that time
 
-    def set(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.time = time.perf_counter()
+    def set(self, error: BaseException | None, at: float, late: bool = False) -> None:
+        self.error, self.time, self.late = error, at, late
         self._done.set()
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self._done.is_set() and self._clock.now() >= self.time
 
     def synchronize(self, timeout: float | None = None) -> None:
         if not self._done.wait(timeout):
             raise TimeoutError("device event not reached in time")
+        self._clock.sleep_until(self.time)  # never released before its device time
         if self.error is not None:
             raise DeviceError(f"device work failed: {self.error!r}") from self.error
 
 
 class CpuStream:
-    """One executor thread; functions run in submission order."""
+    """One executor thread; functions run in submission order.
 
-    def __init__(self, name: str) -> None:
+    With ``timing`` (sim:MS) the stream keeps a device clock (module docstring):
+    its device work is what marks bracket, plus the copies (``SimCopyStream``);
+    other work (row parameters, buffer release) is bookkeeping that takes no
+    device time and whose real time is not checked.
+    """
+
+    def __init__(self, name: str, timing: SimTiming | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.name = name
+        self.timing = timing
+        self.clock = clock
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        # Device clock (executor thread only).
+        self._device_time = 0.0  # device time at which the stream's enqueued work ends
+        self._real_end = 0.0  # real time at which the last checked work ended
+        self._in_marks = False  # between a begin mark and its end mark
+        self._work_s: float | None = None  # device time declared by the running work (a forward)
         self._thread = threading.Thread(target=self._run, name=f"tandem-{name}", daemon=True)
         self._thread.start()
 
@@ -76,26 +139,68 @@ class CpuStream:
             item = self._queue.get()
             if item is None:
                 return
-            fn, event = item
-            if event is not None:
-                event.set(self._error)
-                continue
-            if self._error is None:  # after a failure, skip work until the error is seen
-                try:
-                    fn()
-                except BaseException as e:  # noqa: BLE001 - reported at the next event
-                    self._error = e
+            kind, obj, submitted = item
+            if kind in ("work", "copy"):
+                self._work(obj, submitted, kind == "copy")
+            elif kind == "wait":
+                self._wait(obj)
+            else:
+                self._reach(obj, submitted, kind == "mark")
+
+    def _work(self, fn, submitted: float, is_copy: bool) -> None:
+        start = max(self._device_time, submitted)
+        self._work_s = None
+        if self._error is None:  # after a failure, skip work until the error is seen
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported at the next event
+                self._error = e
+        if self.timing is None:
+            return
+        if self._work_s is not None:
+            duration = self._work_s
+        else:
+            duration = self.timing.sample_s if self._in_marks else 0.0
+        self._device_time = start + duration
+        if self._in_marks or is_copy:
+            self._real_end = self.clock.now()
+
+    def _reach(self, event: CpuEvent, submitted: float, is_mark: bool) -> None:
+        if self.timing is None:
+            event.set(self._error, self.clock.now())
+            return
+        at = max(self._device_time, submitted)
+        late = self._real_end > at
+        if late:  # the CPU did not keep up: the device is behind by that much
+            at = self._real_end
+        self._device_time = at
+        if is_mark:
+            self._in_marks = not self._in_marks
+        event.set(self._error, at, late)
+
+    def _wait(self, event: CpuEvent) -> None:
+        event._done.wait()
+        self._device_time = max(self._device_time, event.time)
+        if event.error is not None and self._error is None:  # work ordered after a failure fails too
+            self._error = DeviceError(f"device work failed: {event.error!r}")
+
+    def charge(self, seconds: float) -> None:
+        """Called by work running on this stream: its device time (a simulated forward)."""
+        self._work_s = seconds
 
     def submit(self, fn) -> None:
-        self._queue.put((fn, None))
+        self._queue.put(("work", fn, self.clock.now()))
 
-    def record(self) -> CpuEvent:
-        ev = CpuEvent()
-        self._queue.put((None, ev))
+    def record(self, mark: bool = False) -> CpuEvent:
+        ev = CpuEvent(self.clock)
+        self._queue.put(("mark" if mark else "event", ev, self.clock.now()))
         return ev
 
+    def submit_copy(self, fn) -> None:
+        self._queue.put(("copy", fn, self.clock.now()))
+
     def wait(self, event: CpuEvent) -> None:
-        self.submit(lambda: event.synchronize())
+        self._queue.put(("wait", event, 0.0))
 
     def clear_error(self) -> BaseException | None:
         err, self._error = self._error, None
@@ -106,11 +211,38 @@ class CpuStream:
         self._thread.join(timeout=5)
 
 
+class SimCopyStream:
+    """The copy stream of sim:MS. A copy takes no device time, so it runs on the
+    compute executor, in order after the work it waits for: a copy thread would
+    add a thread wake-up per step, late on a busy CPU, that no GPU has."""
+
+    def __init__(self, compute: CpuStream) -> None:
+        self.name = "copy"
+        self.compute = compute
+
+    def submit(self, fn) -> None:
+        self.compute.submit_copy(fn)
+
+    def record(self) -> CpuEvent:
+        return self.compute.record()
+
+    def wait(self, event: CpuEvent) -> None:
+        self.compute.wait(event)  # an event of the compute stream itself is already reached
+
+    def clear_error(self) -> BaseException | None:
+        return self.compute.clear_error()
+
+    def close(self) -> None:
+        pass  # the compute stream's owner closes it
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 
 class CudaEvent:
     """A CUDA event plus the error of the work enqueued before it, if any."""
+
+    late = False  # a real device is never behind its own clock
 
     def __init__(self, event, error: BaseException | None) -> None:
         self.event, self.error = event, error
@@ -176,6 +308,7 @@ class BubbleStats:
     steps: int = 0
     busy_s: float = 0.0
     idle_s: float = 0.0  # gaps between consecutive steps while work was queued
+    overruns: int = 0  # sim:MS: steps whose real CPU work did not fit in the simulated time
 
     @property
     def idle_fraction(self) -> float:
@@ -186,16 +319,21 @@ class BubbleStats:
 class Device:
     """Factory and holder of the two streams for one backend."""
 
-    def __init__(self, spec: str = "cpu") -> None:
+    def __init__(self, spec: str = "cpu", clock: Clock | None = None) -> None:
         spec = spec or "cpu"
         if spec == "auto":
             spec = "cuda" if torch.cuda.is_available() else "cpu"
         self.spec = spec
         self.sim_ms = 0.0
+        self.sim: SimTiming | None = None
         if spec.startswith("sim:"):
-            self.sim_ms = float(spec.split(":", 1)[1])
-            if self.sim_ms < 0:
-                raise ValueError("sim:MS needs MS >= 0")
+            try:
+                self.sim_ms = float(spec.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"device {spec!r}: sim:MS needs a number of milliseconds, e.g. sim:2.6") from None
+            if not self.sim_ms >= 0 or self.sim_ms == float("inf"):
+                raise ValueError("sim:MS needs a finite MS >= 0")
+            self.sim = SimTiming.from_ms(self.sim_ms)
             kind = "sim"
         elif spec in ("cpu", "cuda") or spec.startswith("cuda:"):
             kind = "cuda" if spec.startswith("cuda") else "cpu"
@@ -210,8 +348,8 @@ class Device:
             self.copy = CudaStream("copy", self.torch_device)
         else:
             self.torch_device = torch.device("cpu")
-            self.compute = CpuStream("compute")
-            self.copy = CpuStream("copy")
+            self.compute = CpuStream("compute", self.sim, clock or SYSTEM_CLOCK)
+            self.copy = SimCopyStream(self.compute) if self.sim else CpuStream("copy")
         self.bubble = BubbleStats()
         self._pending_marks: list = []  # (begin, end) events of recent steps (CUDA)
         self._last_end = None  # CPU: perf_counter of the previous step's end
@@ -242,10 +380,11 @@ class Device:
         """A timestamped event on the compute stream (reached even after a failure)."""
         if self.is_cuda:
             return self.compute.record(timing=True)
-        return self.compute.record()
+        return self.compute.record(mark=True)
 
-    def account(self, marks: list) -> None:
-        """Fold a finished step's marks [begin, end, begin, end, ...] into the meter."""
+    def account(self, marks: list, done=None) -> None:
+        """Fold a finished step's marks [begin, end, begin, end, ...] and its
+        completion event (what the host waited on) into the meter."""
         busy = idle = 0.0
         prev_end = self._last_end
         for begin, end in zip(marks[::2], marks[1::2]):
@@ -256,6 +395,7 @@ class Device:
         self.bubble.steps += 1
         self.bubble.busy_s += busy
         self.bubble.idle_s += idle
+        self.bubble.overruns += any(ev.late for ev in marks) or (done is not None and done.late)
         self._last_end = prev_end
 
     def _elapsed(self, a, b) -> float:
@@ -270,11 +410,10 @@ class Device:
         self._last_end = None
 
     def pad_forward(self, t0: float) -> None:
-        """Simulated device: make this forward take sim_ms (runs on the stream)."""
-        if self.sim_ms > 0:
-            remaining = self.sim_ms / 1e3 - (time.perf_counter() - t0)
-            if remaining > 0:
-                time.sleep(remaining)
+        """Called by the forward's work on the compute stream: on sim:MS it lasts
+        the forward's share of MS in device time (``t0``, its real start, is unused)."""
+        if self.sim is not None:
+            self.compute.charge(self.sim.forward_s)
 
     def synchronize(self) -> None:
         if self.is_cuda:

@@ -51,6 +51,7 @@ from .device import Device, DeviceError
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
+from .prefix_cache import ROOT, page_hash
 from .sampler import FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence
@@ -69,6 +70,7 @@ class Launch:
     slot: int
     prefill: bool  # the launch holds prefill chunks (else pure decode)
     seqs: list[Sequence]  # every sequence in the launch
+    kv_ends: list[int]  # per sequence of ``seqs``: the end of the positions whose KV this launch writes
     sample_seqs: list[Sequence]  # one per logits row, in row order
     inputs: LaunchInputs
     marks: list = field(default_factory=list)  # compute-stream marks: forward begin/end, sampling begin/end
@@ -86,6 +88,7 @@ class StepResult:
     tokens: np.ndarray | None = None  # int32
     finish: np.ndarray | None = None  # uint8 FinishReason of the row's token (NONE: the request runs on)
     live: np.ndarray | None = None  # bool; False = a zombie row (its request ended before this commit)
+    cached: np.ndarray | None = None  # int32: on a request's first token, its prompt tokens from the prefix cache
     logprobs: np.ndarray | None = None  # float32, when any row asked for them
     released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
     copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
@@ -111,6 +114,8 @@ class EngineStats:
     wait_s: float = 0.0
     finished: int = 0
     failed: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens of admitted requests
+    prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
 
 
 class Engine:
@@ -122,7 +127,7 @@ class Engine:
         self.runner = ModelRunner(cfg, self.device, llama)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
-        self.alloc = Allocator(self.runner.num_pages, cfg.page_size, cfg.max_batch)
+        self.alloc = Allocator(self.runner.num_pages, cfg.page_size, cfg.max_batch, cfg.prefix_cache)
         # LoRA adapters (None without --lora): device slots, referenced by sequences like their KV pages.
         self.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora) if self.runner.lora else None
         self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
@@ -220,8 +225,11 @@ class Engine:
             "bubble_idle_s": b.idle_s,
             "bubble_busy_s": b.busy_s,
             "device_idle_fraction": b.idle_fraction,
-            "kv_pages_free": self.alloc.pages.num_free,
+            "device_overruns": b.overruns,  # sim: steps whose real CPU work did not fit the simulated time
+            "kv_pages_free": self.alloc.pages.num_free,  # free or cached: what an allocation can take
             "kv_pages_total": self.alloc.pages.capacity,
+            "kv_pages_cached": self.alloc.pages.num_cached,
+            "prefix_cache_evictions": self.alloc.pages.evictions,
             "rows_free": self.alloc.rows.num_free,
             "rows_total": self.alloc.rows.capacity,
             "waiting": len(self.scheduler.waiting),
@@ -302,16 +310,21 @@ class Engine:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
             self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
+            self.stats_.prefix_query_tokens += seq.prompt_len
+            self.stats_.prefix_hit_tokens += seq.cached_tokens
         if not plan:
             return None
         step, slot = self.pipeline.launch()
         inp, sample_seqs = self._inputs(plan)
         seqs = plan.decode + [c.seq for c in plan.prefill]
+        kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
         for seq in seqs:
             seq.inflight_refs += 1
         if self.lora_slots is not None:
             self.lora_slots.launched(s.lora_slot for s in seqs)
-        launch = Launch(step, slot, bool(plan.prefill), seqs, sample_seqs, inp)
+        if self.config.debug:
+            self._check_exclusive(seqs, inp.decode_pos, plan)
+        launch = Launch(step, slot, bool(plan.prefill), seqs, kv_ends, sample_seqs, inp)
         launch.marks.append(self.device.mark())
         self.runner.enqueue_forward(slot, inp)
         launch.marks.append(self.device.mark())
@@ -433,18 +446,47 @@ class Engine:
         if error is not None:
             self._device_failed(launch, error)
             return
-        self.device.account(launch.marks)
+        self.device.account(launch.marks, launch.copy_done)
         self._count(launch)
         n = len(launch.sample_seqs)
         tokens, flags, logprobs = self.runner.read_step(slot, n)
-        live, finish = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
+        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
         r = self._result
         r.step, r.prefill, r.seqs, r.live, r.finish = step, launch.prefill, launch.sample_seqs, live, finish
+        r.cached = cached
         r.tokens = tokens.astype(np.int32)
         r.logprobs = logprobs.astype(np.float32) if launch.inputs.want_logprobs else None
-        for seq in launch.seqs:
+        for seq, end in zip(launch.seqs, launch.kv_ends):
+            seq.kv_committed = max(seq.kv_committed, end)
+            if self.alloc.pages.caching:
+                self._register_full_pages(seq)
             self._maybe_release(seq)
         self.pipeline.release(step)
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Name the sequence's pages whose KV is complete and committed (prompt and generated
+        tokens alike, so a follow-up turn hits): from now on other requests may map them."""
+        size = self.alloc.page_size
+        full = min(seq.kv_committed, seq.prompt_len + len(seq.output_ids)) // size
+        names = seq.page_names
+        if len(names) < full:
+            tokens = seq.prompt_ids + seq.output_ids
+            parent = names[-1] if names else ROOT
+            for i in range(len(names), full):
+                parent = page_hash(parent, tokens[i * size:(i + 1) * size], seq.page_salt)
+                names.append(parent)
+        for i in range(seq.pages_registered, full):
+            self.alloc.pages.register(seq.pages[i], names[i])
+        seq.pages_registered = max(seq.pages_registered, full)
+
+    def _check_exclusive(self, seqs: list[Sequence], decode_pos: np.ndarray, plan: Plan) -> None:
+        """Debug: a launch writes KV only into pages no other request reads (never a cached page)."""
+        size, pool = self.alloc.page_size, self.alloc.pages
+        spans = [(int(p), int(p) + 1) for p in decode_pos] + [(c.start, c.start + c.length) for c in plan.prefill]
+        for seq, (start, end) in zip(seqs, spans):
+            for page in seq.pages[start // size:(end - 1) // size + 1]:
+                if not pool.exclusive(page):
+                    raise AssertionError(f"request {seq.seq_id} would write shared or cached kv page {page}")
 
     def _count(self, launch: Launch) -> None:
         s = self.stats_
@@ -455,11 +497,13 @@ class Engine:
             s.decode_steps += 1
         s.sample_rows += len(launch.sample_seqs)
 
-    def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs) -> tuple[np.ndarray, np.ndarray]:
-        """Append each live row's token to its sequence and end it on a stop or its length cap."""
+    def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs):
+        """Append each live row's token to its sequence and end it on a stop or its length cap.
+        Returns (live, finish reason, cached prompt tokens on first tokens) per row."""
         n = len(seqs)
         live = np.ones(n, dtype=bool)
         finish = np.zeros(n, dtype=np.uint8)
+        cached = np.zeros(n, dtype=np.int32)
         now = time.perf_counter()
         for i, seq in enumerate(seqs):
             if seq.finalized:  # a zombie: launched before its end was known
@@ -471,6 +515,7 @@ class Engine:
                 seq.output_logprobs.append(float(logprobs[i]))
             if seq.t_first_token is None:
                 seq.t_first_token = now
+                cached[i] = seq.cached_tokens
             if flags[i] & FLAG_STOP:
                 seq.finalize(FinishReason.STOP)
             elif len(seq.output_ids) >= seq.max_tokens:
@@ -479,7 +524,7 @@ class Engine:
         zombies = n - int(live.sum())
         self.stats_.zombie_rows += zombies
         self.stats_.committed_tokens += n - zombies
-        return live, finish
+        return live, finish, cached
 
     # ------------------------------------------------------------------ release and failure
     def _maybe_release(self, seq: Sequence) -> None:

@@ -29,7 +29,7 @@ from .kv_cache import PagedKVCache
 from .lora import LoraPool
 from .model import Llama, LlamaConfig
 from .pipeline import NUM_SLOTS
-from .sampler import RowParams, apply_bitmask, sample
+from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
 
 log = logging.getLogger("tandem.worker")
 
@@ -107,6 +107,8 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.mask_words = -(-self.vocab_size // 32)  # int32 words of one token bitmask
         self.eos_ids = tuple(self.config.eos_token_id)
+        if len(self.eos_ids) > MAX_EOS_IDS:
+            raise ValueError(f"the model has {len(self.eos_ids)} EOS ids; at most {MAX_EOS_IDS} are supported")
         kv_pages = config.kv_pages
         per_page = PagedKVCache.page_bytes(self.config.num_hidden_layers, page_size,
                                            self.config.num_key_value_heads, self.config.head_dim, self.dtype)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 
-MAX_STOP_IDS = 8  # stop ids per row kept on device (EOS ids + stop_token_ids)
+MAX_EOS_IDS = 8
+MAX_STOP_IDS = MAX_EOS_IDS + MAX_STOP_TOKEN_IDS  # stop ids per row kept on device (EOS ids + stop_token_ids)
 NO_TOKEN = -1
 
 FLAG_STOP = 1  # sampled token is EOS or a stop token id
@@ -65,8 +66,7 @@ class RowParams:
 
     def set_row(self, row: int, p: SamplingParams, seed: int, eos_ids: tuple[int, ...]) -> None:
         stops = list(dict.fromkeys((() if p.ignore_eos else eos_ids) + p.stop_token_ids))
-        if len(stops) > MAX_STOP_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS - len(eos_ids)} ids are supported")
+        assert len(stops) <= MAX_STOP_IDS, "checked by the model's EOS ids and SamplingParams.validate"
         stops += [NO_TOKEN] * (MAX_STOP_IDS - len(stops))
         ints = torch.tensor([int(p.top_k), int(seed) & 0x7FFFFFFFFFFFFFFF, *stops], dtype=torch.int64)
         floats = torch.tensor([float(p.temperature), float(p.top_p)], dtype=torch.float32)

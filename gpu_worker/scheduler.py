@@ -5,11 +5,14 @@ are below its cap decodes in every launch (it joins as soon as its first token
 is sampled on the device, before the host has seen it). Prompts prefill in
 chunks bounded by a per-launch token budget, oldest first. Admission is FIFO
 and reserves a request's whole KV (prompt + max_tokens) up front, so a running
-sequence never runs out of pages; a request that does not fit waits. A request
-naming a LoRA adapter also takes a reference to its adapter's slot at
-admission (``lora_slots.py``); while every slot is referenced by running
-requests of other adapters it waits at the head of the queue (FIFO is kept:
-no request overtakes another).
+sequence never runs out of pages; a request that does not fit waits. The
+leading full pages of a prompt that the prefix cache holds are mapped, not
+computed: prefill starts after them (always recomputing at least the last
+prompt token, whose logits sample the first output token). A request naming a
+LoRA adapter also takes a reference to its adapter's slot at admission
+(``lora_slots.py``); while every slot is referenced by running requests of
+other adapters it waits at the head of the queue (FIFO is kept: no request
+overtakes another).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .allocator import Allocator
 from .lora_slots import LoraSlots
+from .prefix_cache import chain
 from .sequence import Sequence
 
 
@@ -60,19 +64,31 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             need = seq.prompt_len + seq.max_tokens
-            if not self.alloc.can_admit(need):
+            hits = self._cached_prefix(seq)
+            if not self.alloc.can_admit(need, hits):
                 break
             if seq.adapter is not None:
                 slot = self.lora.acquire(seq.adapter)
                 if slot is None:  # every slot is referenced: wait for one to be released
                     break
                 seq.lora_slot = slot
-            seq.row, seq.pages = self.alloc.admit(need)
+            seq.row, seq.pages = self.alloc.admit(need, hits)
+            seq.num_prefilled = seq.kv_committed = seq.cached_tokens = len(hits) * self.alloc.page_size
             seq.admitted = True
             self.waiting.popleft()
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached pages for the longest prefix of the prompt's full pages (the last token excluded)."""
+        pool = self.alloc.pages
+        if not pool.caching:
+            return []
+        size = self.alloc.page_size
+        if not seq.page_names:
+            seq.page_names = chain(seq.prompt_ids, size, (seq.prompt_len - 1) // size, seq.page_salt)
+        return pool.lookup(seq.page_names)
 
     def plan(self) -> tuple[Plan, list[Sequence]]:
         """The next launch, and the sequences admitted for it."""

@@ -36,6 +36,13 @@ class Sequence:
     row: int = -1
     lora_slot: int = 0  # its adapter's device slot from admission to release (0: none)
     pages: list[int] = field(default_factory=list)
+    # Prefix cache: names of the full pages whose tokens are known (a chain, prefix_cache.py),
+    # how many of them are registered, the prompt tokens mapped from the cache at admission,
+    # and how many positions have KV written by committed launches.
+    page_names: list[bytes] = field(default_factory=list)
+    pages_registered: int = 0
+    cached_tokens: int = 0
+    kv_committed: int = 0
     num_prefilled: int = 0
     num_dispatched: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -53,6 +60,11 @@ class Sequence:
     t_first_token: float | None = None
     t_done: float | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def page_salt(self) -> bytes:
+        """What besides the tokens decides its KV, for the prefix cache's page names: the adapter."""
+        return b"" if self.adapter is None else b"lora:" + self.adapter.encode()
 
     @property
     def prompt_len(self) -> int:

@@ -30,7 +30,7 @@ from shared.control import ChannelClosed, ControlChannel
 from shared.finish import FinishReason
 from shared.messages import (Cancel, Progress, Ready, Released, RequestFailed, Shutdown, Stats, StatsRequest,
                              Submit, to_sampling_params)
-from shared.shm import Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
+from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
 from .engine import Engine, StepResult
 from .sequence import Sequence
@@ -238,7 +238,8 @@ class Worker:
                 self.ring.commit(p, step, Kind.DECODE, [], [])
         if result.step is not None and result.rows:
             p = self.entries.pop(result.step) if self.direct_copy else self.spare.popleft()
-            flags = np.where(result.live, result.finish.astype(np.uint32), np.uint32(TokenFlag.ZOMBIE))
+            flags = np.where(result.live, result.finish.astype(np.uint32) | (result.cached.astype(np.uint32) << CACHED_SHIFT),
+                             np.uint32(TokenFlag.ZOMBIE))
             seq_ids = np.fromiter((s.seq_id for s in result.seqs), np.uint32, result.rows)
             self.ring.commit(p, result.step, Kind.PREFILL if result.prefill else Kind.DECODE, seq_ids, flags,
                              result.logprobs, None if self.direct_copy else result.tokens)

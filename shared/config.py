@@ -19,6 +19,7 @@ class EngineConfig:
     kv_pages: int | None = None
     kv_memory_fraction: float = 0.5
     prefill_budget: int = 512
+    prefix_cache: bool = True  # map the cached KV pages of a prompt's shared beginning
     dtype: str | None = None  # float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU
     cuda_graphs: bool = True
     debug: bool = False

@@ -14,7 +14,7 @@ from bench import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {"streams", "mode", "ms_per_step", "ms_per_step_spread", "device_idle_fraction", "host_ms_per_step",
-              "zombie_tax", "tokens_per_s"}
+              "zombie_tax", "tokens_per_s", "device_overruns"}
 QUICK = ["--model", "tiny-random", "--tokens", "4", "--prompt-len", "8", "--repeats", "1", "--quiet"]
 
 
@@ -38,11 +38,31 @@ def test_decode_emits_every_field(capsys, device):
         assert r["host_ms_per_step"] > 0 and r["tokens_per_s"] > 0
         assert r["zombie_tax"] == 0  # ignore_eos + length caps never make zombies
         assert r["decode_steps"] == 4
+        assert 0 <= r["device_overruns"] <= r["timed_steps"] == 4
+        if device == "cpu":
+            assert r["device_overruns"] == 0  # only a simulated device has a clock to overrun
     for r in rows:
         if r["mode"] == "pipelined":
             assert r["tokens_match_blocking"] is True
     assert set(result["speedup"]) == {"1", "2"}
     assert all(v > 0 for v in result["speedup"].values())
+
+
+def test_sim_overruns_are_reported(capsys):
+    """sim:0 leaves no device time for the real work: its steps overrun,
+    and the table says the rows measure the CPU."""
+    result = run_json(capsys, "--device", "sim:0", "--streams", "1", "--mode", "blocking")
+    assert result["rows"][0]["device_overruns"] > 0
+    decode.main([*QUICK, "--device", "sim:0", "--streams", "1", "--mode", "blocking"])
+    assert "WARNING:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype, expected", [("auto", None), ("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_dtype_option(capsys, dtype, expected):
+    from gpu_worker.model_runner import default_dtype
+
+    result = run_json(capsys, "--device", "cpu", "--streams", "1", "--mode", "blocking", "--dtype", dtype)
+    assert result["dtype"] == (expected or str(default_dtype(False)).replace("torch.", ""))
 
 
 def test_decode_single_mode_and_table(capsys):

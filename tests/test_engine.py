@@ -315,3 +315,22 @@ def test_warmup_captures_each_bucket_once_and_reports_progress():
         assert seen == [(i + 1, 12) for i in range(12)]
     finally:
         eng.close()
+
+
+def test_the_protocols_64_stop_token_ids_fit_on_the_device():
+    """Regression: the device kept 8 stop ids per row while the protocol allows 64; a request
+    with more failed its launch, and with it every request in the same steps."""
+    from shared.sampling import MAX_STOP_TOKEN_IDS
+
+    eng = make_engine()
+    base = eng.generate([[9] * 6], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_ids
+    stop = base[5]
+    first = base.index(stop)
+    others = [t for t in range(3, 3 + 2 * MAX_STOP_TOKEN_IDS) if t not in base][:MAX_STOP_TOKEN_IDS - 1]
+    many = eng.submit([9] * 6, SamplingParams(max_tokens=10, stop_token_ids=others + [stop], ignore_eos=True))
+    mate = eng.submit([7] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
+    eng.run_until_idle()
+    assert many.error is None and mate.error is None
+    assert many.output_ids == base[:first + 1] and many.finish_reason == FinishReason.STOP
+    assert len(mate.output_ids) == 10 and eng.idle
+    eng.close()

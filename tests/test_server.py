@@ -369,7 +369,9 @@ def test_python_client_stream_and_generate(live):
         assert s.result.finish_reason in ("stop", "length")
         r = c.generate("The capital of France is", max_tokens=16)
         assert (r.text, r.token_ids) == (s.result.text, s.result.token_ids)
-        assert r.usage == {"prompt_tokens": s.result.usage["prompt_tokens"], "completion_tokens": len(r.token_ids)}
+        assert r.usage == {"prompt_tokens": s.result.usage["prompt_tokens"], "completion_tokens": len(r.token_ids),
+                           "cached_tokens": r.usage["cached_tokens"]}
+        assert 0 <= r.usage["cached_tokens"] < r.usage["prompt_tokens"]
 
 
 def test_messages_rendered_with_chat_template(conn, tok):

@@ -72,7 +72,7 @@ from .arena import Arena
 from .errors import (
     AckRingFull, ArenaError, LayoutMismatch, MaskNotReady, RingAborted, RingCorrupt, RingTimeout,
 )
-from .layout import Kind, Layout, Side, TokenFlag
+from .layout import CACHED_SHIFT, Kind, Layout, Side, TokenFlag
 from .masks import MaskReader, MaskWriter, mask_stamp
 from .token_ring import Entry, PendingEntry, TokenRingReader, TokenRingWriter
 from .wake import WakeFds
@@ -85,7 +85,7 @@ from .wake import AbortFn  # noqa: F401
 __all__ = [
     "ArenaError", "LayoutMismatch", "RingCorrupt", "RingTimeout", "RingAborted",
     "AckRingFull", "MaskNotReady",
-    "Side", "Kind", "TokenFlag",
+    "Side", "Kind", "TokenFlag", "CACHED_SHIFT",
     "Layout", "WakeFds", "Arena",
     "Entry", "PendingEntry", "TokenRingWriter", "TokenRingReader",
     "AckEvent", "AckWriter", "AckReader", "MaskWriter", "MaskReader", "mask_stamp",

@@ -34,6 +34,10 @@ class TokenFlag(IntFlag):
     ZOMBIE = 1 << 3      # the frontend already ended this request: ignore the row
 
 
+# On a request's first row, flags >> CACHED_SHIFT = its prompt tokens mapped from the prefix cache.
+CACHED_SHIFT = 8
+
+
 # Header word indices (uint64 words). Line 0-1: static; 2/3: heartbeats;
 # 4: frontend-written control; 5: worker-written control.
 _H_MAGIC, _H_VERSION, _H_TOTAL, _H_GENERATION = 0, 1, 2, 3
