@@ -10,8 +10,9 @@ untimed, then the decode phase to idle; one warm-up pass, then ``--repeats``
 passes interleaved over the cases; the median is reported):
 - ``base``: an engine without adapters (no LoRA layers at all);
 - ``0``: the LoRA engine, no row with an adapter (the forward skips the LoRA math);
-- ``1``, ``4``, ``8``: that many distinct adapters among the rows: every row
-  gathers its own A/B in every wrapped layer (rows without one use slot 0).
+- ``1``, ``4``, ``8``: that many distinct adapters among the rows, with each
+  LoRA kernel of ``gpu_worker.lora.KERNELS`` (``--kernels``): every row
+  applies its own slot's A/B in every wrapped layer.
 """
 from __future__ import annotations
 
@@ -79,14 +80,18 @@ def run(args) -> dict:
     lora = engine(loaded.llama, True)
     prompts = make_prompts(args.streams, args.prompt_len, loaded.llama.config.vocab_size, args.seed)
     params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
-    cases = {"base": (base, None)}
+    cases = {"base": (base, None, None)}
     for n in counts:
-        cases[str(n)] = (lora, [f"a{i % n}" for i in range(args.streams)] if n else None)
+        for kernel in (_csv(args.kernels) if n else ["gather"]):  # no adapter row: no LoRA math either way
+            name = f"{n} {kernel}" if n else "0"
+            cases[name] = (lora, [f"a{i % n}" for i in range(args.streams)] if n else None, kernel)
     ms: dict[str, list[float]] = {c: [] for c in cases}
     for repeat in range(args.repeats + 1):
         order = list(cases) if repeat % 2 == 0 else list(reversed(cases))
         for c in order:
-            eng, adapters = cases[c]
+            eng, adapters, kernel = cases[c]
+            if kernel is not None:
+                eng.runner.lora.kernel = kernel
             p = timed_pass(eng, prompts, params, adapters)
             if repeat:  # the first pass warms up
                 ms[c].append(p.ms_per_step)
@@ -112,14 +117,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", default="0,1,4,8", help="distinct adapter counts, comma-separated")
+    ap.add_argument("--kernels", default="gather,masked", help="LoRA kernels to time (gpu_worker.lora.KERNELS)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     result = run(args)
     print(json.dumps(result))
-    print(f"{'adapters':>8} {'ms/step':>9} {'min-max':>15} {'vs base':>8}", file=sys.stderr)
+    print(f"{'adapters':>10} {'ms/step':>9} {'min-max':>15} {'vs base':>8}", file=sys.stderr)
     for r in result["rows"]:
-        print(f"{r['adapters']:>8} {r['ms_per_step']:9.2f} {r['spread'][0]:7.2f}-{r['spread'][1]:<7.2f} "
+        print(f"{r['adapters']:>10} {r['ms_per_step']:9.2f} {r['spread'][0]:7.2f}-{r['spread'][1]:<7.2f} "
               f"{r['vs_base']:8.2f}", file=sys.stderr)
     return result
 

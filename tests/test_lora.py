@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
-from gpu_worker.lora import LoraPool  # noqa: E402
+from gpu_worker.lora import KERNELS, LoraPool  # noqa: E402
 from gpu_worker.lora_slots import LoraSlots  # noqa: E402
 from gpu_worker.model import Llama  # noqa: E402
 from shared.finish import FinishReason  # noqa: E402
@@ -104,10 +104,11 @@ def check_idle(eng):
 # ------------------------------------------------------------------ equivalence
 
 
-def test_logits_match_peft_in_one_packed_forward(model_path, adapters, reference):
-    """Every prompt under every adapter (and none) in ONE forward: each row gathers its own slot."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_logits_match_peft_in_one_packed_forward(model_path, adapters, reference, kernel):
+    """Every prompt under every adapter (and none) in ONE forward: each row applies its own slot."""
     model = Llama.from_pretrained(model_path, dtype=torch.float32)
-    pool = LoraPool(model, adapters, num_slots=len(adapters))
+    pool = LoraPool(model, adapters, num_slots=len(adapters) + 1, kernel=kernel)  # one slot stays empty
     for slot, name in enumerate(adapters, start=1):
         pool.write(slot, name)
     names = [None, *adapters]
@@ -188,6 +189,25 @@ def test_mixed_batch_equals_solo_runs_pipelined_and_blocking(model_path, adapter
     other = eng.generate([reqs[0][0]], SamplingParams(max_tokens=reqs[0][2], ignore_eos=True), adapter="qv")[0]
     eng.close()
     assert other.output_ids != by_adapter[None]
+
+
+def test_prefix_cache_keys_pages_by_adapter(model_path, adapters):
+    """The same prompt under another adapter never maps the KV another adapter computed; under
+    the same adapter it does, and the tokens stay those of a run without the cache."""
+    two = {k: adapters[k] for k in ("qv", "all")}
+    prompt = list(range(100, 140))  # 40 tokens: four full pages of 8 to share
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    eng = make_engine(model_path, two, prefix_cache=False)
+    want = {a: eng.generate([prompt], params, adapter=a)[0].output_ids for a in (None, "qv", "all")}
+    eng.close()
+    assert len({tuple(v) for v in want.values()}) == 3
+    eng = make_engine(model_path, two)
+    for a in (None, "qv", "all", "qv"):
+        seq = eng.generate([prompt], params, adapter=a)[0]
+        assert seq.output_ids == want[a], a
+        assert seq.cached_tokens == (32 if a == "qv" and seq.seq_id == 3 else 0), (a, seq.cached_tokens)
+    check_idle(eng)
+    eng.close()
 
 
 # ------------------------------------------------------------------ slot refcounts
