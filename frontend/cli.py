@@ -21,6 +21,8 @@ import sys
 import click
 from click.core import ParameterSource
 
+from frontend import serve_options
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
@@ -167,10 +169,12 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
                    '--json-schema).')
+@serve_options.client_key_options
 @log_level_option()
 @click.pass_context
 def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, adapter, stream, as_json, **engine_kw):
+             ignore_eos, grammar, max_objects, regex, json_schema, adapter, stream, as_json, server_key, client_key,
+             **engine_kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -208,7 +212,9 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
     if connect:
         model = engine_kw["model"] if given(ctx, "model") else None
-        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, adapter)
+        curve = serve_options.client_curve(server_key, client_key)
+        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, curve,
+                                  adapter)
     else:
         result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), adapter)
     if live:
@@ -249,7 +255,8 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
                                    "(is `tandem serve` running there?)") from None
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, adapter=None) -> dict:
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve,
+                     adapter=None) -> dict:
     from frontend.client import Client
 
     kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter)
@@ -258,7 +265,7 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
         kw["prompt"] = prompt
     else:
         kw["messages"] = [{"role": "user", "content": prompt}]
-    with Client(endpoint) as client:
+    with Client(endpoint, curve=curve) as client:
         served = _server_info(client, endpoint, timeout).get("model")
         if model is not None and model != served:
             raise click.UsageError(f"the server at {endpoint} serves {served!r}, not {model!r} "
@@ -390,8 +397,10 @@ def check_endpoint_free(endpoint: str) -> None:
                    "a second signal stops at once.")
 @click.option("--exit-on-worker-failure", is_flag=True,
               help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
+@serve_options.network_options
 @log_level_option()
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key, curve_secret_key, curve_clients,
+          insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -399,22 +408,30 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, **engine_kw):
       tandem serve                                  # smollm2-135m on tcp://127.0.0.1:5557
       tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
-      tandem serve --dtype float32 --bind 0.0.0.0:5557
+      tandem serve --dtype float32 --bind 0.0.0.0:5557 --insecure     # a trusted network only
+      TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
       tandem serve --lora pirate=./pirate-lora --lora legal=./legal-lora --max-loras 2
     """
+    net = serve_options.resolve(bind, http, api_key, curve_secret_key, curve_clients, insecure)
     from frontend.server import Server, install_signal_handlers
     from frontend.service import Service
 
     check_endpoint_free(bind)  # before the model load, which can take minutes
+    net.listen()
     cfg = service_config(engine_kw, restart=not exit_on_worker_failure)
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
-    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout)
+    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve)
+    listener = net.start_http(server)
     install_signal_handlers(server)
-    click.echo(f"tandem: serving {cfg.model} on {server.endpoint} "
+    click.echo(f"tandem: serving {cfg.model} on {server.endpoint}{' and ' + listener.url if listener else ''} "
                f"(device {service.info.get('device')}, pipeline {'on' if cfg.pipeline else 'off'}, "
                f"worker pid {service.worker_pid})", err=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if listener is not None:
+            listener.stop()
     click.echo("tandem: stopped", err=True)
 
 
@@ -430,8 +447,9 @@ def _show_worker_progress(msg) -> None:
 @main.command()
 @connect_option("tcp://127.0.0.1:5557", "The server (tcp://HOST:PORT, HOST:PORT or ipc://PATH).")
 @timeout_option(10.0)
+@serve_options.client_key_options
 @log_level_option()
-def info(connect, timeout):
+def info(connect, timeout, server_key, client_key):
     """Ask a running server what it serves.
 
     \b
@@ -440,8 +458,11 @@ def info(connect, timeout):
     """
     from frontend.client import Client
 
-    with Client(connect) as client:
+    with Client(connect, curve=serve_options.client_curve(server_key, client_key)) as client:
         click.echo(json.dumps(_server_info(client, connect, timeout), indent=2))
+
+
+main.add_command(serve_options.keygen_command())
 
 
 class _LazyGroup(click.Group):

@@ -451,9 +451,10 @@ def _info() -> _Query:
 # --------------------------------------------------------------------------- transports: what both share
 
 
-def _dealer_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def _dealer_socket(ctx: zmq.Context, endpoint: str, curve: Any = None) -> zmq.Socket:
     """Both transports' connection to the server (``ctx``: a ``zmq.Context`` or a
-    ``zmq.asyncio.Context``); socket security options belong here.
+    ``zmq.asyncio.Context``); socket security options belong here: ``curve``, a
+    ``frontend.curve.CurveClient``, for a server that requires CURVE.
 
     No high-water marks: a burst of requests or replies is queued, never dropped.
     """
@@ -462,6 +463,8 @@ def _dealer_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if curve is not None:
+            curve.apply(sock)
         sock.connect(endpoint)
     except zmq.ZMQError:
         sock.close(0)
@@ -484,9 +487,10 @@ class _StreamBase:
 class _ClientBase:
     _stream_type: type  # Stream or AsyncStream
 
-    def __init__(self, endpoint: str, timeout: float | None) -> None:
+    def __init__(self, endpoint: str, timeout: float | None, curve: Any = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.curve = curve
         self._demux = _Demux()
         self._closed = False
 
@@ -588,12 +592,12 @@ class Client(_ClientBase):
 
     _stream_type = Stream
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None) -> None:
-        super().__init__(endpoint, timeout)
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve: Any = None) -> None:
+        super().__init__(endpoint, timeout, curve)
         self._ctx = zmq.Context()
         try:
             # Created here, then used only by the I/O thread (thread start is a memory barrier).
-            self._dealer = _dealer_socket(self._ctx, endpoint)
+            self._dealer = _dealer_socket(self._ctx, endpoint, curve)
         except zmq.ZMQError:
             self._ctx.term()
             raise
@@ -818,8 +822,8 @@ class AsyncClient(_ClientBase):
 
     _stream_type = AsyncStream
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None) -> None:
-        super().__init__(endpoint, timeout)
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve: Any = None) -> None:
+        super().__init__(endpoint, timeout, curve)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -830,7 +834,7 @@ class AsyncClient(_ClientBase):
         if self._sock is None:
             ctx = zmq.asyncio.Context()
             try:
-                self._sock = _dealer_socket(ctx, self.endpoint)
+                self._sock = _dealer_socket(ctx, self.endpoint, self.curve)
             except zmq.ZMQError:
                 ctx.term()
                 raise

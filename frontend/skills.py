@@ -1,0 +1,91 @@
+"""Moondream's skills (caption, query, point, detect) as generate requests: one definition.
+
+The HTTP routes (``frontend/http/moondream.py``) and the Python client build
+their requests here, so a skill's prompt, sampling defaults and grammar are
+the same whichever way it is asked for:
+
+- ``query`` / ``caption``: temperature 0.2, top_p 0.9 (Moondream's defaults),
+  free text;
+- ``point`` / ``detect``: greedy, constrained by the ``point`` / ``box``
+  grammar (``frontend/grammars``), so the answer always parses to
+  ``{"points": [...]}`` / ``{"objects": [...]}``.
+
+``settings`` is Moondream's ``{temperature, top_p, max_tokens, max_objects}``;
+what it leaves out takes the skill's default. The result is a dict of the
+ZeroMQ protocol's ``generate`` fields (``messages``, sampling, ``grammar``);
+the server validates it like any other request. The image, when the model
+takes one, travels beside these fields (see ``frontend/http/images.py``).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+SKILLS = ("caption", "query", "point", "detect")
+CAPTION_LENGTHS = {
+    "short": ("Describe this image in one short sentence.", 64),
+    "normal": ("Describe this image.", 256),
+    "long": ("Describe this image in detail.", 512),
+}
+SAMPLED = {"temperature": 0.2, "top_p": 0.9}
+GREEDY = {"temperature": 0.0, "top_p": 1.0}
+MAX_OBJECTS = 50
+SETTINGS = ("temperature", "top_p", "max_tokens", "max_objects")
+
+
+class SkillError(ValueError):
+    """The skill's arguments are wrong (a bad request)."""
+
+
+def caption(length: str = "normal", settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if length not in CAPTION_LENGTHS:
+        raise SkillError(f"length must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")
+    prompt, max_tokens = CAPTION_LENGTHS[length]
+    return _request(prompt, SAMPLED, max_tokens, settings)
+
+
+def query(question: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    _text("question", question)
+    return _request(question, SAMPLED, 512, settings)
+
+
+def point(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    _text("object", obj)
+    return _located(f"Point at every {obj} in the image.", "point", settings)
+
+
+def detect(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    _text("object", obj)
+    return _located(f"Give the bounding box of every {obj} in the image.", "box", settings)
+
+
+def _located(prompt: str, kind: str, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    s = _settings(settings)
+    max_objects = s.pop("max_objects", MAX_OBJECTS)
+    if not isinstance(max_objects, int) or isinstance(max_objects, bool) or not 1 <= max_objects <= MAX_OBJECTS:
+        raise SkillError(f"settings.max_objects must be an integer in [1, {MAX_OBJECTS}]")
+    per_item = 12 if kind == "point" else 24  # tokens per item (frontend/grammars), plus EOS
+    req = _request(prompt, GREEDY, per_item * max_objects + 2, s)
+    req["grammar"] = {"kind": kind, "max_objects": max_objects}
+    return req
+
+
+def _request(prompt: str, sampling: Mapping[str, Any], max_tokens: int,
+             settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    s = _settings(settings)
+    s.pop("max_objects", None)
+    return {"messages": [{"role": "user", "content": prompt}], **sampling, "max_tokens": max_tokens, **s}
+
+
+def _settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Moondream's settings map, unknown keys dropped and nulls meaning 'default'
+    (types are checked by the server's validation, with the field named)."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise SkillError(f"settings must be an object, got {type(settings).__name__}")
+    return {k: settings[k] for k in SETTINGS if settings.get(k) is not None}
+
+
+def _text(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise SkillError(f"{name} must be a non-empty string")
