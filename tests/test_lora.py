@@ -367,10 +367,14 @@ def test_bad_adapter_directories_are_clear_errors_at_start_up(model_path, adapte
 
 def test_server_serves_adapters_and_rejects_unknown_ones(model_path, adapters):
     """Over ZeroMQ: each adapter's tokens equal the engine's; info lists adapters and those in slots;
-    an unknown or mistyped adapter is a bad_request for that request only."""
+    an unknown or mistyped adapter is a bad_request for that request only. Over HTTP (OpenAI):
+    ``model`` names the base model or an adapter."""
     import threading
 
+    import openai
+
     from frontend.client import BadRequest, Client
+    from frontend.http import HttpListener
     from frontend.server import Server
     from frontend.service import Service, ServiceConfig
 
@@ -384,9 +388,23 @@ def test_server_serves_adapters_and_rejects_unknown_ones(model_path, adapters):
     svc = Service(ServiceConfig(model="tiny-random", device="cpu", dtype="float32", max_batch=8, kv_pages=200,
                                 page_size=8, loras=two, max_loras=1))
     server = Server(svc, "tcp://127.0.0.1:*")
+    http = HttpListener(server, "127.0.0.1", 0).start()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
+        # OpenAI routes: an adapter is a model; its answer is the ZeroMQ answer with that adapter.
+        oai = openai.OpenAI(base_url=http.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in oai.models.list().data] == ["tiny-random", "qv", "mlp"]
+        texts = {}
+        for model in ("tiny-random", "qv"):
+            texts[model] = oai.completions.create(model=model, prompt="Once upon", max_tokens=6, temperature=0,
+                                                  extra_body={"ignore_eos": True}).choices[0].text
+        with Client(server.endpoint, timeout=60) as c:
+            for model, adapter in (("tiny-random", None), ("qv", "qv")):
+                assert c.generate("Once upon", max_tokens=6, ignore_eos=True, adapter=adapter).text == texts[model]
+        assert texts["qv"] != texts["tiny-random"]
+        with pytest.raises(openai.NotFoundError):
+            oai.completions.create(model="nope", prompt="Once upon", max_tokens=2)
         with Client(server.endpoint, timeout=60) as c:
             for name, tokens in want.items():
                 r = c.generate(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True, adapter=name)
@@ -400,6 +418,7 @@ def test_server_serves_adapters_and_rejects_unknown_ones(model_path, adapters):
             assert c.generate(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True,
                               adapter="qv").token_ids == want["qv"]  # still serving
     finally:
+        http.stop()
         server.stop()
         thread.join(60)
 
