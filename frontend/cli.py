@@ -22,6 +22,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from frontend import serve_options
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
@@ -84,7 +86,7 @@ def timeout_option(default: float):
 
 # Options that configure the in-process engine (the worker that `generate` and `serve` start).
 ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len", "kv_pages",
-                  "kv_memory_fraction"]
+                  "kv_memory_fraction", "lora", "max_loras"]
 
 
 def engine_options(fn):
@@ -103,6 +105,10 @@ def engine_options(fn):
         click.option("--kv-pages", type=int, default=None, help="KV cache pages (default: sized to memory)."),
         click.option("--kv-memory-fraction", default=0.5, show_default=True,
                      help="Fraction of free GPU memory for the KV cache (CUDA, without --kv-pages)."),
+        click.option("--lora", multiple=True, metavar="NAME=DIR",
+                     help="Serve a LoRA adapter (PEFT directory) under NAME (repeatable)."),
+        click.option("--max-loras", default=4, show_default=True, type=click.IntRange(min=1),
+                     help="Device slots for adapters; more adapters are loaded on demand (LRU)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -113,8 +119,11 @@ def service_config(engine_kw: dict, **extra):
     """The ServiceConfig (engine fields + the frontend's) for the engine options of a command."""
     from frontend.service import ServiceConfig
 
+    from shared.lora_config import parse_lora_option
+
     kw = dict(engine_kw)
     dtype = kw.pop("dtype")
+    kw["loras"] = parse_lora_option(kw.pop("lora"))
     return ServiceConfig(pipeline=not kw.pop("no_pipeline"), prefix_cache=not kw.pop("no_prefix_cache"),
                          dtype=None if dtype == "auto" else dtype,
                          log_level=logging.getLevelName(logging.getLogger().level), **kw, **extra)
@@ -159,14 +168,17 @@ def main() -> None:
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="An image file for a vision-language model (repeatable). Placed before the prompt's text, or "
                    "at each <image> of a --raw prompt.")
+@click.option("--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
                    '--json-schema).')
+@serve_options.client_key_options
 @log_level_option()
 @click.pass_context
 def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, images, stream, as_json, **engine_kw):
+             ignore_eos, grammar, max_objects, regex, json_schema, images, adapter, stream, as_json, server_key,
+             client_key, **engine_kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -179,6 +191,7 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
       tandem generate "Point at the cat" --grammar point --max-objects 3
       tandem generate "Hi" --connect 127.0.0.1:5557
       tandem generate "What is in this picture?" --model ./SmolVLM-256M-Instruct --image cat.jpg
+      tandem generate "Hi" --lora pirate=./pirate-lora --adapter pirate
     """
     if connect:
         misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
@@ -204,9 +217,12 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
     if connect:
         model = engine_kw["model"] if given(ctx, "model") else None
-        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, images)
+        curve = serve_options.client_curve(server_key, client_key)
+        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, curve,
+                                  adapter, images)
     else:
-        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), images)
+        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), adapter,
+                                 images)
     if live:
         click.echo()
     if as_json:
@@ -245,16 +261,17 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
                                    "(is `tandem serve` running there?)") from None
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, images) -> dict:
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve,
+                     adapter=None, images=()) -> dict:
     from frontend.client import Client, TandemError
 
-    kw = dict(sampling, stop=stop or None, grammar=spec, images=list(images) or None)
+    kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter, images=list(images) or None)
     kw["stop_token_ids"] = kw["stop_token_ids"] or None
     if raw:
         kw["prompt"] = prompt
     else:
         kw["messages"] = [{"role": "user", "content": prompt}]
-    with Client(endpoint) as client:
+    with Client(endpoint, curve=curve) as client:
         served = _server_info(client, endpoint, timeout).get("model")
         if model is not None and model != served:
             raise click.UsageError(f"the server at {endpoint} serves {served!r}, not {model!r} "
@@ -269,7 +286,7 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
     return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, config, images=()) -> dict:
+def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None, images=()) -> dict:
     """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
     from frontend.images import image_prompt_ids
     from frontend.server import grammar_compiler
@@ -290,7 +307,7 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config, images=()) 
             else:
                 ended[kind] = payload
 
-        kw = dict(stop=stop, constraint=constraint, on_event=on_event)
+        kw = dict(stop=stop, constraint=constraint, on_event=on_event, adapter=adapter)
         try:
             if images:
                 if raw:
@@ -409,8 +426,10 @@ def check_endpoint_free(endpoint: str) -> None:
                    "(default: room for one request of 8 of the largest images).")
 @click.option("--encoder-cache-mb", default=256.0, show_default=True,
               help="Vision models: device memory for image features kept for reuse.")
+@serve_options.network_options
 @log_level_option()
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, **engine_kw):
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, http, api_key,
+          curve_secret_key, curve_clients, insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -418,23 +437,32 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, e
       tandem serve                                  # smollm2-135m on tcp://127.0.0.1:5557
       tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
-      tandem serve --dtype float32 --bind 0.0.0.0:5557
+      tandem serve --dtype float32 --bind 0.0.0.0:5557 --insecure     # a trusted network only
+      TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
+      tandem serve --lora pirate=./pirate-lora --lora legal=./legal-lora --max-loras 2
       tandem serve --model ./SmolVLM-256M-Instruct    # a vision-language model directory
     """
+    net = serve_options.resolve(bind, http, api_key, curve_secret_key, curve_clients, insecure)
     from frontend.server import Server, install_signal_handlers
     from frontend.service import Service
 
     check_endpoint_free(bind)  # before the model load, which can take minutes
+    net.listen()
     cfg = service_config(engine_kw, restart=not exit_on_worker_failure, image_slots=image_slots,
                          encoder_cache_mb=encoder_cache_mb)
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
-    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout)
+    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve)
+    listener = net.start_http(server)
     install_signal_handlers(server)
-    click.echo(f"tandem: serving {cfg.model} on {server.endpoint} "
+    click.echo(f"tandem: serving {cfg.model} on {server.endpoint}{' and ' + listener.url if listener else ''} "
                f"(device {service.info.get('device')}, pipeline {'on' if cfg.pipeline else 'off'}, "
                f"worker pid {service.worker_pid})", err=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if listener is not None:
+            listener.stop()
     click.echo("tandem: stopped", err=True)
 
 
@@ -450,8 +478,9 @@ def _show_worker_progress(msg) -> None:
 @main.command()
 @connect_option("tcp://127.0.0.1:5557", "The server (tcp://HOST:PORT, HOST:PORT or ipc://PATH).")
 @timeout_option(10.0)
+@serve_options.client_key_options
 @log_level_option()
-def info(connect, timeout):
+def info(connect, timeout, server_key, client_key):
     """Ask a running server what it serves.
 
     \b
@@ -460,8 +489,11 @@ def info(connect, timeout):
     """
     from frontend.client import Client
 
-    with Client(connect) as client:
+    with Client(connect, curve=serve_options.client_curve(server_key, client_key)) as client:
         click.echo(json.dumps(_server_info(client, connect, timeout), indent=2))
+
+
+main.add_command(serve_options.keygen_command())
 
 
 class _LazyGroup(click.Group):

@@ -59,8 +59,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from frontend.protocol import MAX_ID_CHARS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
-from frontend.skills import DEFAULT_FAMILY, skill_output, skill_request
+from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from frontend.skills import skill_output, skill_request
 from shared.sampling import SAMPLING_FIELD_NAMES
 
 __all__ = [
@@ -90,7 +90,8 @@ _LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a l
 
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
-GENERATE_OPTIONS = frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | {"images"}
+GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
+                    | {"images"})
 
 
 # --------------------------------------------------------------------------- errors
@@ -276,9 +277,9 @@ def image_bytes(image: Any) -> bytes:
 
 
 def _skill_msg(skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-    """The generate options of a skill (``frontend.skills``), overridden by the caller's ``options``."""
-    family = options.pop("family", DEFAULT_FAMILY)
-    return {**skill_request(skill, family, **args), **options, "images": [image]}
+    """The generate options of a skill (``frontend.skills``), overridden by the caller's ``options``;
+    the image goes before the prompt's text (the protocol's rule for messages without image parts)."""
+    return {**skill_request(skill, **args), **options, "images": [image]}
 
 
 def _cancel_msg(request_id: str) -> dict[str, Any]:
@@ -473,9 +474,10 @@ def _info() -> _Query:
 # --------------------------------------------------------------------------- transports: what both share
 
 
-def _dealer_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def _dealer_socket(ctx: zmq.Context, endpoint: str, curve: Any = None) -> zmq.Socket:
     """Both transports' connection to the server (``ctx``: a ``zmq.Context`` or a
-    ``zmq.asyncio.Context``); socket security options belong here.
+    ``zmq.asyncio.Context``); socket security options belong here: ``curve``, a
+    ``frontend.curve.CurveClient``, for a server that requires CURVE.
 
     No high-water marks: a burst of requests or replies is queued, never dropped.
     """
@@ -484,6 +486,8 @@ def _dealer_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if curve is not None:
+            curve.apply(sock)
         sock.connect(endpoint)
     except zmq.ZMQError:
         sock.close(0)
@@ -506,9 +510,10 @@ class _StreamBase:
 class _ClientBase:
     _stream_type: type  # Stream or AsyncStream
 
-    def __init__(self, endpoint: str, timeout: float | None) -> None:
+    def __init__(self, endpoint: str, timeout: float | None, curve: Any = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.curve = curve
         self._demux = _Demux()
         self._closed = False
 
@@ -610,12 +615,12 @@ class Client(_ClientBase):
 
     _stream_type = Stream
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None) -> None:
-        super().__init__(endpoint, timeout)
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve: Any = None) -> None:
+        super().__init__(endpoint, timeout, curve)
         self._ctx = zmq.Context()
         try:
             # Created here, then used only by the I/O thread (thread start is a memory barrier).
-            self._dealer = _dealer_socket(self._ctx, endpoint)
+            self._dealer = _dealer_socket(self._ctx, endpoint, curve)
         except zmq.ZMQError:
             self._ctx.term()
             raise
@@ -738,7 +743,7 @@ class Client(_ClientBase):
         return self._query(_info(), timeout)
 
     # -- skills on an image (a path, bytes or a PIL image); prompts and defaults: frontend/skills.py.
-    # Keyword options override the skill's defaults (max_tokens, temperature, ..., family=).
+    # Keyword options override the skill's defaults (max_tokens, temperature, ...).
 
     def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
         """``{"caption": str}``; ``length``: short, normal or long."""
@@ -750,11 +755,11 @@ class Client(_ClientBase):
 
     def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
         """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
-        return self._skill("point", image, kw, object=object, max_objects=max_objects)
+        return self._skill("point", image, kw, obj=object, max_objects=max_objects)
 
     def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
         """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
-        return self._skill("detect", image, kw, object=object, max_objects=max_objects)
+        return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 
     def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
         r = self.generate(**_skill_msg(skill, image, options, **args))
@@ -854,8 +859,8 @@ class AsyncClient(_ClientBase):
 
     _stream_type = AsyncStream
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None) -> None:
-        super().__init__(endpoint, timeout)
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float | None = None, curve: Any = None) -> None:
+        super().__init__(endpoint, timeout, curve)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -866,7 +871,7 @@ class AsyncClient(_ClientBase):
         if self._sock is None:
             ctx = zmq.asyncio.Context()
             try:
-                self._sock = _dealer_socket(ctx, self.endpoint)
+                self._sock = _dealer_socket(ctx, self.endpoint, self.curve)
             except zmq.ZMQError:
                 ctx.term()
                 raise
@@ -936,11 +941,11 @@ class AsyncClient(_ClientBase):
 
     async def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
         """As :meth:`Client.point`."""
-        return await self._skill("point", image, kw, object=object, max_objects=max_objects)
+        return await self._skill("point", image, kw, obj=object, max_objects=max_objects)
 
     async def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
         """As :meth:`Client.detect`."""
-        return await self._skill("detect", image, kw, object=object, max_objects=max_objects)
+        return await self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 
     async def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
         r = await self.generate(**_skill_msg(skill, image, options, **args))

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_STOP",
     "PROMPT_FIELDS",
     "OUTPUT_FIELDS",
+    "MODEL_FIELDS",
     "Limits",
     "DEFAULT_LIMITS",
     "ProtocolError",
@@ -91,7 +92,9 @@ MAX_IMAGE_SIDE = 8192  # width * height must not exceed MAX_IMAGE_SIDE ** 2
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per generate
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
-_GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS})
+MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
+_GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS,
+                              *MODEL_FIELDS})
 _PART_TYPES = ("text", "image")  # the parts of a message's content given as a list
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 
@@ -151,6 +154,7 @@ class GenerateRequest:
     logprobs: bool = False
     grammar: dict[str, Any] | None = None
     images: tuple[bytes, ...] = ()  # encoded image files, placed by <image> / image parts (not yet decoded)
+    adapter: str | None = None  # a LoRA adapter the server was started with; None = the base model
 
     def sampling_params(self) -> SamplingParams:
         return self.sampling
@@ -318,6 +322,18 @@ def _opt_bool(ctx: _Ctx, msg: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _opt_str(ctx: _Ctx, msg: dict, name: str) -> str | None:
+    """An optional non-empty string field: None when absent or nil."""
+    v = msg.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ctx.bad(f"{name} must be a string, got {_tname(v)}")
+    if not v:
+        raise ctx.bad(f"{name} must not be empty")
+    return v
+
+
 def _int_list(ctx: _Ctx, v: object, name: str, limits: Limits) -> list[int]:
     if not isinstance(v, list):
         raise ctx.bad(f"{name} must be an array of integers, got {_tname(v)}")
@@ -423,9 +439,10 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     logprobs = _opt_bool(ctx, msg, "logprobs", False)
     grammar = _parse_grammar(ctx, msg.get("grammar"))
     images = _parse_images(ctx, msg.get("images"), prompt)
+    adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
     sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
     return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream, logprobs=logprobs,
-                           grammar=grammar, images=images)
+                           grammar=grammar, images=images, adapter=adapter)
 
 
 def _parse_cancel(ctx: _Ctx, msg: dict, limits: Limits) -> CancelRequest:

@@ -12,6 +12,10 @@ service commit tokens, and sends chunks, done and errors back.
 - At most one chunk per request per step: the service emits one event per
   committed token, and each ring entry is one step.
 - Every request gets exactly one terminal message, also on shutdown.
+- Besides its ``bind`` endpoint the socket listens on ``inproc_endpoint``, for
+  clients in this process (the HTTP frontend): the same request table,
+  validation and limits for every client.
+- ``metrics`` (``frontend/metrics.py``) counts every request's end.
 - Stopping drains first (``drain_timeout_s``): new requests are refused with
   ``overloaded``, those in flight may finish until the deadline; what is left
   then ends with an error. A second stop request stops at once.
@@ -29,13 +33,20 @@ import zmq
 
 from . import protocol as P
 from .connections import Connections
+from .curve import CurveServer
 from .grammars import GrammarCompiler, GrammarError
+from .metrics import Metrics
 from .service import Request, Service
 from .systemd import Notifier
 from .images import image_prompt_ids
 from .tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
 log = logging.getLogger("tandem.server")
+
+# The worker's figures that ``info`` passes on (besides the contract's fields).
+INFO_STATS = ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total", "waiting", "running", "steps",
+              "zombie_rows", "host_s", "device_idle_fraction", "committed_tokens", "prefill_tokens",
+              "prefix_hit_tokens", "prefix_query_tokens")
 
 
 @dataclass
@@ -44,12 +55,13 @@ class ClientRequest:
     id: str
     stream: bool
     seq: int = 0  # next chunk number
+    t_last: float | None = None  # when its last token was committed (inter-token latency)
 
 
 class Server:
     def __init__(self, service: Service, bind: str = "tcp://127.0.0.1:5557", *, max_queue: int = 1024,
                  limits: P.Limits | None = None, notifier: Notifier | None = None,
-                 drain_timeout_s: float = 0.0) -> None:
+                 drain_timeout_s: float = 0.0, curve: CurveServer | None = None) -> None:
         self.service = service
         self.max_queue = max_queue
         self.drain_timeout_s = drain_timeout_s
@@ -66,8 +78,14 @@ class Server:
         # limit and oversized messages are answered with too_long by the parser instead.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(self.limits.max_image_message_bytes,
                                                      2 * self.limits.max_message_bytes))
+        self.curve = curve
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.inproc_endpoint = f"inproc://tandem-server-{id(self):x}"
+        self.sock.bind(self.inproc_endpoint)
+        self.metrics = Metrics()
         self.connections = Connections(self.sock)
         self.live: dict[tuple[bytes, str], Request] = {}
         self._stop = threading.Event()
@@ -136,6 +154,8 @@ class Server:
         self.live.clear()
         self.connections.close()
         self.sock.close(linger=2000)  # let those terminal messages go out
+        if self.curve is not None:
+            self.curve.close()
 
     # ------------------------------------------------------------------ client messages
     def _read_clients(self) -> None:
@@ -149,6 +169,7 @@ class Server:
             try:
                 self._handle(identity, P.parse_client_message(body, self.limits))
             except P.ProtocolError as e:
+                self.metrics.error(e.code)
                 self._send(identity, e.to_frames())
             except Exception as e:  # noqa: BLE001 - one bad request never takes the server down
                 log.exception("internal error handling a client message")
@@ -160,15 +181,18 @@ class Server:
         elif isinstance(msg, P.InfoRequest):
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
-                     "live_requests": len(self.live), "vision": self.service.image_params is not None}
+                     "live_requests": len(self.live), "unsent": len(self.service.unsent),
+                     "grammar_cache_hits": self.grammars.cache_hits, "adapters": list(self.service.adapters),
+                     "vision": self.service.image_params is not None}
             try:
                 stats = self.service.stats(timeout=2.0)
-                extra |= {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total")}
+                extra |= {k: stats[k] for k in INFO_STATS if k in stats}
                 extra["encoder_cache"] = {k: int(stats[f"encoder_cache_{k}"]) for k in ("hits", "misses", "entries")}
                 extra["prefix_cache"] = {"hit_tokens": stats["prefix_hit_tokens"],
                                          "query_tokens": stats["prefix_query_tokens"]}
+                extra["adapters_loaded"] = stats.get("adapters_loaded", [])  # the adapters in device slots
             except (TimeoutError, KeyError):
-                pass  # a busy or restarting worker: answer without the KV figures
+                pass  # a busy or restarting worker: answer without the engine figures
             self._send(identity, P.encode_info(
                 model=self.service.config.model, max_batch=info.get("max_batch", 0),
                 max_model_len=self.max_model_len, pipeline=bool(info.get("pipeline")),
@@ -207,7 +231,7 @@ class Server:
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
         state = ClientRequest(identity, msg.id, msg.stream)
         kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=self._on_event,
-                  user_data=state)
+                  user_data=state, adapter=msg.adapter)
         try:
             if msg.images:  # decoded off this loop; the prompt is rendered once their tiling is known
                 req = self.service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling_params(),
@@ -237,6 +261,10 @@ class Server:
     def _on_event(self, req: Request, kind: str, payload: dict[str, Any]) -> None:
         state: ClientRequest = req.user_data
         if kind == "chunk":
+            now = time.perf_counter()
+            if state.t_last is not None:
+                self.metrics.token_gap(now - state.t_last)
+            state.t_last = now
             if state.stream:
                 ok = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
                                                                payload["token_ids"]))
@@ -246,10 +274,12 @@ class Server:
             return
         self.live.pop((state.identity, state.id), None)
         if kind == "done":
+            self.metrics.done(payload)
             frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                    payload["usage"], payload["metrics"], payload.get("output"),
                                    payload.get("logprobs"))
         else:
+            self.metrics.error(payload["code"])
             frames = P.encode_error(state.id, payload["code"], payload["message"])
         self._send(state.identity, frames)
 

@@ -47,12 +47,13 @@ import numpy as np
 
 from shared.config import EngineConfig
 from shared.finish import FinishReason
+from shared.lora_config import read_adapters
 from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
                              SubmitImage)
 from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
-from shared.vision_config import ImageProcessorParams
+from shared.vision_config import ImageProcessorParams, read_config
 
 from .detokenizer import IncrementalDetokenizer
 from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image, prepare_images
@@ -96,6 +97,7 @@ class Request:
     logprobs: bool
     on_event: Callable[["Request", str, dict], None] | None
     user_data: Any = None
+    adapter: str | None = None  # a LoRA adapter's name, None = the base model
     detok: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
@@ -122,6 +124,8 @@ class Service:
         self.config = cfg = config or ServiceConfig()
         self.model = ModelInfo.load(cfg.model)  # converts once, with progress, before the worker starts
         self.model_path = self.model.path
+        # LoRA adapters are checked against the model here, so a bad one fails before a worker starts.
+        self.adapters = read_adapters(cfg.loras, read_config(self.model_path))
         self.tokenizer = tokenizer or load_tokenizer(self.model_path)
         self.vocab_size = self.model.vocab_size
         self.generation = 0
@@ -190,24 +194,28 @@ class Service:
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, stop=(), constraint=None,
-               logprobs: bool = False, on_event=None, user_data=None) -> Request:
-        req = self._new_request(prompt_ids, params, stop, constraint, logprobs, on_event, user_data)
+               logprobs: bool = False, on_event=None, user_data=None, adapter: str | None = None) -> Request:
+        req = self._new_request(prompt_ids, params, stop, constraint, logprobs, on_event, user_data, adapter)
         self._ready_to_send(req)
         return req
 
-    def _new_request(self, prompt_ids, params, stop, constraint, logprobs, on_event, user_data) -> Request:
+    def _new_request(self, prompt_ids, params, stop, constraint, logprobs, on_event, user_data,
+                     adapter: str | None) -> Request:
         params = params or SamplingParams()
         params.validate(self.vocab_size)
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
+                             f"{', '.join(self.adapters) or 'none'}")
         seq_id = self._next_seq
         self._next_seq = self._next_seq % 0xFFFFFFFF + 1
         req = Request(seq_id, list(prompt_ids or ()), params, tuple(s for s in stop if s), constraint, logprobs,
-                      on_event, user_data)
+                      on_event, user_data, adapter)
         self.requests[seq_id] = req
         return req
 
     def submit_images(self, images: list[bytes], render: Callable[[list[PreparedImage]], list[int]],
                       params: SamplingParams | None = None, *, stop=(), constraint=None, logprobs: bool = False,
-                      on_event=None, user_data=None) -> Request:
+                      on_event=None, user_data=None, adapter: str | None = None) -> Request:
         """A request with images, decoded and tiled in the image pool; then
         ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
         rendered text) runs on the loop thread (the tokenizer is not shared across threads).
@@ -219,7 +227,7 @@ class Service:
             check_image_count(len(images))
         except ValueError as e:
             raise ValueError(f"images: {e}") from None
-        req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data)
+        req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter)
         req.preparing = True
         req.render = render
         self._image_pool.submit(self._prepare, req, list(images))
@@ -324,7 +332,7 @@ class Service:
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
-                                        mask_row=req.mask_row, images=images))
+                                        mask_row=req.mask_row, adapter=req.adapter, images=images))
 
     def cancel(self, req: Request) -> None:
         """Client cancel or disconnect: terminal ``done`` (cancelled) now, resources freed in the worker."""
@@ -419,7 +427,7 @@ class Service:
             if self.unsent:
                 self._send_unsent()
         elif isinstance(msg, Stats):
-            self._stats = dict(msg.values)
+            self._stats = {**msg.values, "adapters_loaded": list(msg.adapters_loaded)}
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.seq_id, None)

@@ -1,77 +1,108 @@
-"""Moondream-style skills on a vision-language model: caption, query, point, detect.
+"""Moondream's skills (caption, query, point, detect) as generate requests: one definition.
 
-One table per model family says how each skill is asked (prompt text) and
-with which defaults (sampling, grammar); everything that turns a skill into a
-``generate`` and its result into Moondream's shapes is here, so the Python
-client, the CLI and any HTTP route ask the same way. Pure Python, no I/O:
+The HTTP routes (``frontend/http/moondream.py``) and the Python client build
+their requests here, so a skill's prompt, sampling defaults and grammar are
+the same whichever way it is asked for:
 
-    fields = skill_request("point", object="the cat")       # generate fields (messages, grammar, sampling)
-    shape = skill_output("point", result_text, result_output)  # {"points": [{"x", "y"}, ...]}
+- ``query`` / ``caption``: temperature 0.2, top_p 0.9 (Moondream's defaults),
+  free text;
+- ``point`` / ``detect``: greedy, constrained by the ``point`` / ``box``
+  grammar (``frontend/grammars``), so the answer always parses to
+  ``{"points": [...]}`` / ``{"objects": [...]}``.
 
-The image itself travels beside these fields (``images``: one encoded file,
-placed by the ``{"type": "image"}`` part of the user message).
-
-SmolVLM (Idefics3) is not trained for grounding: with the point and box
-grammars its answers are always well-formed coordinates in [0, 1], but they
-are not accurate locations.
+``settings`` is Moondream's ``{temperature, top_p, max_tokens, max_objects}``;
+what it leaves out takes the skill's default. The result is a dict of the
+ZeroMQ protocol's ``generate`` fields (``messages``, sampling, ``grammar``);
+the server validates it like any other request. The image, when the model
+takes one, travels beside these fields (see ``frontend/http/images.py``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 SKILLS = ("caption", "query", "point", "detect")
-CAPTION_LENGTHS = ("short", "normal", "long")
-DEFAULT_FAMILY = "smolvlm"
-
-# Sampling defaults: query and caption sample gently, point and detect are greedy under a grammar.
-_GENTLE = {"temperature": 0.2, "top_p": 0.9}
-_GREEDY = {"temperature": 0.0}
-
-FAMILIES: dict[str, dict[str, Any]] = {
-    "smolvlm": {
-        "caption": {
-            "short": ("Describe this image in one short sentence.", 64),
-            "normal": ("Describe this image.", 256),
-            "long": ("Describe this image in detail.", 512),
-        },
-        "query": ("{question}", 256),
-        "point": ("Point to every {object} in the image.", 256),
-        "detect": ("Give the bounding box of every {object} in the image.", 256),
-    },
+CAPTION_LENGTHS = {
+    "short": ("Describe this image in one short sentence.", 64),
+    "normal": ("Describe this image.", 256),
+    "long": ("Describe this image in detail.", 512),
 }
+SAMPLED = {"temperature": 0.2, "top_p": 0.9}
+GREEDY = {"temperature": 0.0, "top_p": 1.0}
+MAX_OBJECTS = 50
+SETTINGS = ("temperature", "top_p", "max_tokens", "max_objects")
 
 
-def skill_request(skill: str, family: str = DEFAULT_FAMILY, *, length: str = "normal", question: str | None = None,
-                  object: str | None = None, max_objects: int = 16) -> dict[str, Any]:
-    """The ``generate`` fields (minus ``id``, ``images`` and ``stream``) that ask ``skill`` of one image.
+class SkillError(ValueError):
+    """The skill's arguments are wrong (a bad request)."""
 
-    caption: ``length`` in short / normal / long; query: ``question``; point and detect: ``object``.
-    ``ValueError`` for an unknown skill, family or length, or a missing argument.
-    """
-    table = FAMILIES.get(family)
-    if table is None:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+
+def caption(length: str = "normal", settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if length not in CAPTION_LENGTHS:
+        raise SkillError(f"length must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")
+    prompt, max_tokens = CAPTION_LENGTHS[length]
+    return _request(prompt, SAMPLED, max_tokens, settings)
+
+
+def query(question: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    _text("question", question)
+    return _request(question, SAMPLED, 512, settings)
+
+
+def point(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    _text("object", obj)
+    return _located(f"Point at every {obj} in the image.", "point", settings)
+
+
+def detect(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    _text("object", obj)
+    return _located(f"Give the bounding box of every {obj} in the image.", "box", settings)
+
+
+def _located(prompt: str, kind: str, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    s = _settings(settings)
+    max_objects = s.pop("max_objects", MAX_OBJECTS)
+    if not isinstance(max_objects, int) or isinstance(max_objects, bool) or not 1 <= max_objects <= MAX_OBJECTS:
+        raise SkillError(f"settings.max_objects must be an integer in [1, {MAX_OBJECTS}]")
+    per_item = 12 if kind == "point" else 24  # tokens per item (frontend/grammars), plus EOS
+    req = _request(prompt, GREEDY, per_item * max_objects + 2, s)
+    req["grammar"] = {"kind": kind, "max_objects": max_objects}
+    return req
+
+
+def _request(prompt: str, sampling: Mapping[str, Any], max_tokens: int,
+             settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    s = _settings(settings)
+    s.pop("max_objects", None)
+    return {"messages": [{"role": "user", "content": prompt}], **sampling, "max_tokens": max_tokens, **s}
+
+
+def _settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Moondream's settings map, unknown keys dropped and nulls meaning 'default'
+    (types are checked by the server's validation, with the field named)."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise SkillError(f"settings must be an object, got {type(settings).__name__}")
+    return {k: settings[k] for k in SETTINGS if settings.get(k) is not None}
+
+
+def _text(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise SkillError(f"{name} must be a non-empty string")
+
+
+def skill_request(skill: str, *, length: str = "normal", question: str | None = None, obj: str | None = None,
+                  max_objects: int = 16, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The generate fields that ask ``skill`` (the Python client's single entry point)."""
+    s = dict(settings or {})
     if skill == "caption":
-        if length not in CAPTION_LENGTHS:
-            raise ValueError(f"length must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")
-        text, max_tokens = table["caption"][length]
-        fields: dict[str, Any] = dict(_GENTLE)
-    elif skill == "query":
-        if not question:
-            raise ValueError("query needs a question")
-        template, max_tokens = table["query"]
-        text, fields = template.format(question=question), dict(_GENTLE)
-    elif skill in ("point", "detect"):
-        if not object:
-            raise ValueError(f"{skill} needs an object to look for")
-        template, max_tokens = table[skill]
-        kind = "point" if skill == "point" else "box"
-        text = template.format(object=object)
-        fields = dict(_GREEDY, grammar={"kind": kind, "max_objects": int(max_objects)})
-    else:
-        raise ValueError(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}")
-    content = [{"type": "image"}, {"type": "text", "text": text}]
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **fields}
+        return caption(length, s)
+    if skill == "query":
+        return query(question, s)
+    if skill in ("point", "detect"):
+        s.setdefault("max_objects", max_objects)
+        return (point if skill == "point" else detect)(obj, s)
+    raise SkillError(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}")
 
 
 def skill_output(skill: str, text: str, output: Any = None) -> dict[str, Any]:

@@ -34,8 +34,9 @@ the launch that copied them to the device, or the request's release.
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
 - no token of a finalized sequence is delivered (zombie rows are skipped);
-- a sequence's row and KV pages are released exactly once, when it is
-  finalized and no launched step references it; at idle everything is free;
+- a sequence's row, KV pages and LoRA slot reference are released exactly
+  once, when it is finalized and no launched step references it; at idle
+  everything is free;
 - ``max_tokens = k`` costs exactly k sampling rows; an EOS at most one zombie row;
 - a constrained row is sampled with a mask built after its last commit.
 """
@@ -58,6 +59,7 @@ from shared.sampling import SamplingParams
 from .allocator import Allocator
 from .device import Device, DeviceError
 from .encoder_cache import EncoderCache
+from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
 from .prefix_cache import ROOT, chain
@@ -145,7 +147,9 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.alloc = Allocator(self.runner.num_pages, cfg.page_size, cfg.max_batch, cfg.prefix_cache)
-        self.scheduler = Scheduler(self.alloc, cfg.prefill_budget)
+        # LoRA adapters (None without --lora): device slots, referenced by sequences like their KV pages.
+        self.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora) if self.runner.lora else None
+        self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
         self.pipeline = Pipeline(NUM_SLOTS)
         self.pipelined = cfg.pipeline
         self.launches: deque[Launch] = deque()  # launched, not yet committed, in step order
@@ -161,7 +165,7 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, constrained: bool = False,
-               logprobs: bool = False, seq_id: int | None = None,
+               logprobs: bool = False, seq_id: int | None = None, adapter: str | None = None,
                images: list[ImageInput] | None = None) -> Sequence:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field.
 
@@ -182,12 +186,16 @@ class Engine:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
         seq_images, positions = self._check_images(prompt, images or [])
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
+                             f"{', '.join(self.adapters) or 'none'}")
         with self._lock:
             if seq_id is None:
                 seq_id = self._next_id
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, seq_images, positions)
+            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, seq_images, positions,
+                           adapter)
             self._inbox.append((None, seq))
         return seq
 
@@ -247,7 +255,18 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.has_work and self.alloc.idle
+        return not self.has_work and self.alloc.idle and (self.lora_slots is None or self.lora_slots.idle)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters this engine serves."""
+        return list(self.runner.lora.specs) if self.runner.lora else []
+
+    def lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+        return {**self.lora_slots.stats(), "adapters": self.adapters,
+                "adapters_loaded": sorted(self.lora_slots.slot_of)}
 
     def stats(self) -> dict:
         s = self.stats_
@@ -269,6 +288,7 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             **self.encoder_cache.stats(),
+            **self.lora_stats(),
         }
 
     def reset_stats(self) -> None:
@@ -361,6 +381,8 @@ class Engine:
         launch.kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
         for seq in seqs:
             seq.inflight_refs += 1
+        if self.lora_slots is not None:
+            self.lora_slots.launched(s.lora_slot for s in seqs)
         if self.config.debug:
             self._check_exclusive(seqs, inp.decode_pos, plan)
         launch.marks.append(self.device.mark())
@@ -452,12 +474,22 @@ class Engine:
             encode=encode,
             image_index=np.concatenate(image_index) if image_index else None,
             image_segments=image_segments,
+            token_lora=self._token_lora(plan),
         )
         if encode:
             self.stats_.encoder_launches += 1
             self.stats_.encoded_images += len(encode)
             self.stats_.encoded_tiles += sum(image.input.num_tiles for image in launch.encoded)
         return inp, sample_seqs
+
+    def _token_lora(self, plan: Plan) -> np.ndarray | None:
+        """The LoRA slot of each token of a launch (decode rows, then prefill chunks); None if no adapter."""
+        if self.lora_slots is None:
+            return None
+        slots = [s.lora_slot for s in plan.decode] + [c.seq.lora_slot for c in plan.prefill]
+        if not any(slots):
+            return None
+        return np.repeat(np.asarray(slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
 
     # ------------------------------------------------------------------ sampling
     def _sample_unconstrained(self, launch: Launch) -> None:
@@ -524,6 +556,8 @@ class Engine:
         for seq in launch.seqs:
             seq.inflight_refs -= 1
             assert seq.inflight_refs >= 0, "inflight_refs underflow"
+        if self.lora_slots is not None:
+            self.lora_slots.committed(s.lora_slot for s in launch.seqs)
         if error is not None:
             self._device_failed(launch, error)
             return
@@ -558,8 +592,8 @@ class Engine:
         names = seq.page_names
         if len(names) < full:
             tokens = seq.prompt_ids + seq.output_ids
-            names += chain(tokens[len(names) * size:], size, full - len(names), parent=names[-1] if names else ROOT,
-                           page_salts=seq.image_salts(len(names), full, size))
+            names += chain(tokens[len(names) * size:], size, full - len(names), seq.page_salt,
+                           parent=names[-1] if names else ROOT, page_salts=seq.image_salts(len(names), full, size))
         for i in range(seq.pages_registered, full):
             self.alloc.pages.register(seq.pages[i], names[i])
         seq.pages_registered = max(seq.pages_registered, full)
@@ -622,6 +656,8 @@ class Engine:
         self._release_features(seq)
         if seq.admitted:
             self.alloc.release(seq.row, seq.pages)
+            if seq.lora_slot:
+                self.lora_slots.release(seq.lora_slot)
             self.scheduler.remove(seq)
             self.runner.poison_row(seq.row)
         else:  # ended while still queued: it holds nothing but its place in the queue
@@ -654,6 +690,8 @@ class Engine:
             s, _ = self.pipeline.pop_commit()
             for seq in later.seqs:
                 seq.inflight_refs -= 1
+            if self.lora_slots is not None:
+                self.lora_slots.committed(s.lora_slot for s in later.seqs)
             self.pipeline.release(s)
             self._result.dropped_steps.append(s)
         self.device.recover()

@@ -33,6 +33,7 @@ from shared.vision_config import ImageProcessorParams, is_vision_model
 from .device import Device
 from .batch import Batch
 from .kv_cache import PagedKVCache
+from .lora import LoraPool
 from .model import Llama, LlamaConfig
 from .pipeline import NUM_SLOTS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
@@ -64,6 +65,7 @@ class LaunchInputs:
     # in the same order: (FeatureHolder, first row, end row) runs.
     image_index: np.ndarray | None = None
     image_segments: list = ()
+    token_lora: np.ndarray | None = None  # [T] LoRA slot of each token row; None: no adapter in the launch
 
 
 class SlotBuffers:
@@ -117,6 +119,8 @@ class ModelRunner:
         self.image_params = image_params
         self.model = llama.eval()
         self.config = llama.config
+        # LoRA: wraps the targeted linear layers (before any graph is captured).
+        self.lora = LoraPool(self.model, config.loras, config.max_loras) if config.loras else None
         self.max_model_len = min(max_model_len, llama.max_model_len)
         self.page_size = page_size
         self.max_rows = max_rows
@@ -159,6 +163,10 @@ class ModelRunner:
         self.block_tables[row, len(pages):] = 0
         self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids))
 
+    def load_lora(self, slot: int, name: str) -> None:
+        """Write adapter ``name`` into LoRA slot ``slot``, after every step launched before."""
+        self.device.compute.submit(lambda: self.lora.write(slot, name))
+
     def poison_row(self, row: int) -> None:
         if self.debug:
             self.device.compute.submit(lambda: self.pending.__setitem__(row, POISON))
@@ -197,6 +205,9 @@ class ModelRunner:
                       inp.logits_index]
             if inp.image_segments:
                 fields.append(inp.image_index)
+        lora = self._lora_slots(inp, graph)
+        if lora is not None:
+            fields.append(lora)  # last: popped after the upload
         buf = self.slots[slot]
 
         def run() -> None:
@@ -205,8 +216,9 @@ class ModelRunner:
                 if inp.encode:
                     self._encode(inp.encode)
                 dev_fields = self._upload(fields)
+                lora_slots = dev_fields.pop() if lora is not None else None
                 if graph is not None:
-                    buf.logits = graph.replay(Batch(*dev_fields[:6]), dev_fields[6])[:num_decode]
+                    buf.logits = graph.replay(Batch(*dev_fields[:6]), dev_fields[6], lora_slots)[:num_decode]
                 else:
                     batch = Batch(*dev_fields[:6])
                     rows, prefill_ids, logits_index = dev_fields[6:9]
@@ -215,6 +227,8 @@ class ModelRunner:
                     if inp.image_segments:
                         features = torch.cat([h.features[a:b] for h, a, b in inp.image_segments])
                         image = (dev_fields[9], features)
+                    if self.lora is not None:
+                        self.lora.token_slots = lora_slots
                     buf.logits = self.model(ids, batch, self.kv, logits_index, image_features=image)
             self.device.pad_forward(t0)
 
@@ -236,6 +250,16 @@ class ModelRunner:
     def feature_bytes(self, num_tiles: int) -> int:
         """Device bytes of one image's features."""
         return num_tiles * self.vision.tokens_per_tile * self.config.hidden_size * self.dtype.itemsize
+
+    def _lora_slots(self, inp: LaunchInputs, graph: "_DecodeGraph | None") -> np.ndarray | None:
+        """Each token row's LoRA slot; None when the forward skips LoRA (no adapter in an eager launch).
+        A graph with LoRA layers always reads one slot per row (0 for padding and rows without one)."""
+        if graph is None or self.lora is None:
+            return inp.token_lora
+        lora = np.zeros(graph.batch_size, dtype=np.int64)
+        if inp.token_lora is not None:
+            lora[:len(inp.token_lora)] = inp.token_lora
+        return lora
 
     def _decode_metadata(self, rows: np.ndarray, pos: np.ndarray, pages: int) -> list[np.ndarray]:
         """Batch fields (positions .. token_to_padded) for one token per row: Qmax == 1, T == S."""
@@ -369,6 +393,10 @@ class _DecodeGraph:
         self.batch = Batch.build(chunks, runner.page_size, device=dev, num_pages_per_seq=num_pages)
         self.rows = torch.full((batch_size,), runner.max_rows, dtype=torch.int64, device=dev)
         self.logits_index = torch.arange(batch_size, device=dev)
+        # LoRA: the graph reads each row's slot from this static buffer (0: no adapter).
+        self.lora_slots = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        if runner.lora is not None:
+            runner.lora.token_slots = self.lora_slots
         # Capture is rare (warm-up, or a new bucket): quiesce the device, warm up on a
         # side stream (lazy inits), then capture on torch's private capture stream.
         torch.cuda.synchronize(dev)
@@ -381,9 +409,13 @@ class _DecodeGraph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self.logits = runner.model(runner.pending[self.rows], self.batch, runner.kv, self.logits_index)
+        if runner.lora is not None:
+            runner.lora.token_slots = None
 
-    def replay(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    def replay(self, batch: Batch, rows: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         self.batch.copy_from(batch)
         self.rows.copy_(rows)
+        if lora_slots is not None:
+            self.lora_slots.copy_(lora_slots)
         self.graph.replay()
         return self.logits

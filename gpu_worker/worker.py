@@ -182,7 +182,8 @@ class Worker:
                 stats = {k: v for k, v in self.engine.stats().items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 stats["ring_blocked"] = self.ring.blocked
-                self.channel.send(Stats(values=stats))
+                loaded = self.engine.lora_stats().get("adapters_loaded", [])
+                self.channel.send(Stats(values=stats, adapters_loaded=loaded))
             elif isinstance(msg, Shutdown):
                 self.running = False
             else:
@@ -197,7 +198,8 @@ class Worker:
             images = [ImageInput(im.hash, self.images.blocks(im.slots, im.num_tiles), tag=im.slots)
                       for im in msg.images]
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
-                                     logprobs=msg.logprobs, seq_id=msg.seq_id, images=images)
+                                     logprobs=msg.logprobs, seq_id=msg.seq_id, adapter=msg.adapter,
+                                     images=images)
         except ValueError as e:
             self._failed.append(RequestFailed(seq_id=msg.seq_id, code="bad_request", message=str(e)))
             self._released.append(msg.seq_id)

@@ -5,7 +5,7 @@ command line) without importing torch.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -24,6 +24,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     encoder_cache_mb: float = 256.0  # image features kept on the device for reuse (unreferenced ones, LRU)
     debug: bool = False
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> PEFT directory
+    max_loras: int = 4  # device slots for adapters (more adapters are loaded on demand, LRU)
 
     def engine_fields(self) -> dict:
         """Just the EngineConfig fields (also of a subclass such as the frontend's ServiceConfig)."""

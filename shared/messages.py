@@ -80,6 +80,7 @@ class Submit(_Msg, tag="submit"):
     logprobs: bool = False
     mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
     images: list[SubmitImage] = []  # in prompt order
+    adapter: Optional[str] = None  # a LoRA adapter's name (the worker's --lora), None = the base model
 
 
 class ImagesCopied(_Msg, tag="images_copied"):
@@ -101,6 +102,7 @@ class StatsRequest(_Msg, tag="stats_request"):
 
 class Stats(_Msg, tag="stats"):
     values: dict[str, Union[int, float]] = {}
+    adapters_loaded: list[str] = []  # the LoRA adapters in device slots now
 
 
 class Progress(_Msg, tag="progress"):

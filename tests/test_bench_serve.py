@@ -11,17 +11,18 @@ from click.testing import CliRunner
 
 from bench import serve
 
-LEVEL_FIELDS = {"concurrency", "requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_ms", "itl_ms",
+LEVEL_FIELDS = {"transport", "concurrency", "requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_ms", "itl_ms",
                 "e2e_ms"}
 PCT_FIELDS = {"p50", "p90", "p99"}
 QUICK = ["--spawn", "--model", "tiny-random", "--device", "cpu", "--max-batch", "8", "--kv-pages", "200",
          "--requests", "4", "--prompt-len", "4:12", "--max-tokens", "3:6", "--warmup", "1", "--seed", "5"]
 
 
-def check_result(result: dict, levels: list[int], stream: bool) -> None:
+def check_result(result: dict, levels: list[int], stream: bool, transports=("zmq",)) -> None:
     assert result["model"] == "tiny-random" and result["device"] == "cpu"
     assert result["stream"] is stream
-    assert [lv["concurrency"] for lv in result["levels"]] == levels
+    assert [(lv["concurrency"], lv["transport"]) for lv in result["levels"]] == \
+        [(c, t) for c in levels for t in transports]
     for lv in result["levels"]:
         assert LEVEL_FIELDS <= lv.keys(), LEVEL_FIELDS - lv.keys()
         assert lv["requests"] == 4 and lv["errors"] == 0, lv.get("error_samples")
@@ -48,7 +49,16 @@ def test_no_stream_and_table(capsys):
     result = serve.main([*QUICK, "--concurrency", "2", "--no-stream", "--quiet"])
     check_result(result, [2], stream=False)
     out = capsys.readouterr().out
-    assert "| concurrency | requests | errors |" in out and "\n| 2 | 4 | 0 |" in out
+    assert "| transport | concurrency | requests | errors |" in out and "\n| zmq | 2 | 4 | 0 |" in out
+
+
+def test_both_transports_side_by_side():
+    res = CliRunner().invoke(serve.serve_command, [*QUICK, "--concurrency", "2", "--transport", "both", "--json"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    result = json.loads(res.stdout)
+    check_result(result, [2], stream=True, transports=("zmq", "http"))
+    zmq_level, http_level = result["levels"]
+    assert zmq_level["output_tokens"] == http_level["output_tokens"]  # the same answers' lengths over both
 
 
 def test_option_errors():

@@ -1,0 +1,12 @@
+"""HTTP for ``tandem serve``: OpenAI- and Moondream-compatible routes, ``/health``, ``/metrics``.
+
+One more client of the server's request path (``bridge.py``): every HTTP
+request is a protocol ``generate`` over the server's in-process endpoint, so
+there is one request table and one validation. Modules: ``app.py`` (routes,
+API key), ``openai.py``, ``moondream.py``, ``common.py`` (body, model,
+images, disconnects, SSE), ``errors.py`` (statuses), ``listener.py``
+(uvicorn on its own thread). Contract: docs/HTTP.md.
+"""
+from .listener import HttpListener
+
+__all__ = ["HttpListener"]

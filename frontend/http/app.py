@@ -1,0 +1,114 @@
+"""The Starlette application: routes, API-key authentication, errors in OpenAI's shape.
+
+Routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
+(``openai.py``); ``/v1/caption``, ``/v1/query``, ``/v1/point``, ``/v1/detect``
+(``moondream.py``); ``GET /health`` (200 once the worker is ready, 503 while it
+starts or restarts, or the server drains) and ``GET /metrics`` (Prometheus).
+
+With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``
+or ``X-Moondream-Auth: KEY``; anything else is a 401 before the request is
+read (no work is done for it).
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..metrics import CONTENT_TYPE, Metrics
+from . import moondream, openai
+from .common import ClientGone, Context
+from .errors import HttpError
+
+log = logging.getLogger("tandem.http")
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def build_app(ctx: Context, metrics: Metrics, health: Callable[[], str], api_key: str | None = None):
+    """``health()`` names the server's state: ``ready``, or why it is not (``starting`` ...)."""
+
+    def post(fn):
+        async def endpoint(request: Request):
+            try:
+                return await fn(ctx, request)
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it; the request was cancelled
+        return endpoint
+
+    async def models(request: Request):
+        return openai.models(ctx)
+
+    async def health_route(request: Request):
+        state = health()
+        return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
+
+    async def metrics_route(request: Request):
+        try:
+            info = await ctx.bridge.info()
+        except TimeoutError:
+            info = None  # the server loop is busy: counters and histograms only
+        return Response(metrics.render(info), media_type=CONTENT_TYPE)
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", post(openai.chat_completions), methods=["POST"]),
+        Route("/v1/completions", post(openai.completions), methods=["POST"]),
+        Route("/v1/caption", post(moondream.caption), methods=["POST"]),
+        Route("/v1/query", post(moondream.query), methods=["POST"]),
+        Route("/v1/point", post(moondream.point), methods=["POST"]),
+        Route("/v1/detect", post(moondream.detect), methods=["POST"]),
+        Route("/health", health_route, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ]
+    handlers = {HttpError: _http_error, HTTPException: _starlette_error, Exception: _internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    return ApiKeyAuth(app, api_key) if api_key else app
+
+
+class ApiKeyAuth:
+    """ASGI middleware: the API key or a 401 (pure ASGI, so streamed answers pass untouched)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._allowed(scope):
+            err = HttpError(401, "a valid API key is required (Authorization: Bearer KEY or X-Moondream-Auth: KEY)",
+                            "invalid_api_key")
+            return await err.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:].strip()
+            elif name == b"x-moondream-auth":
+                given = value.strip()
+            else:
+                continue
+            if hmac.compare_digest(given, self._key):
+                return True
+        return False
+
+
+async def _http_error(request: Request, exc: HttpError):
+    return exc.response()
+
+
+async def _starlette_error(request: Request, exc: HTTPException):
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+    message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+    return HttpError(exc.status_code, message, code).response()
+
+
+async def _internal_error(request: Request, exc: Exception):
+    log.exception("internal error on %s %s", request.method, request.url.path)
+    return HttpError(500, f"internal error: {type(exc).__name__}", "internal", "server_error").response()

@@ -1,0 +1,171 @@
+"""The HTTP frontend's way into the server: one ZeroMQ client on the HTTP event loop.
+
+The HTTP frontend is one more client of the server's request path: it speaks
+the ZeroMQ protocol (``TANDEM1`` + msgpack) over the server's
+``inproc_endpoint``, so validation, limits, error codes, cancellation and the
+request table are the server's own. One ``zmq.asyncio`` DEALER per loop
+carries every HTTP request; a reader task routes each reply by request id to
+that request's queue, and a writer task sends (so a cancel can be queued from
+anywhere, even from a ``finally`` of a cancelled task, without awaiting).
+
+Fields are passed through as the HTTP layer mapped them: the server checks
+types and ranges and answers ``bad_request`` naming the field.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, AsyncIterator
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+VERSION = b"TANDEM1"
+TERMINAL = ("done", "error")
+
+
+class Bridge:
+    def __init__(self, endpoint: str, context: zmq.Context | None = None) -> None:
+        # inproc endpoints live in one context: shadow the server's
+        self._ctx = zmq.asyncio.Context(shadow=context or zmq.Context.instance())
+        self._endpoint = endpoint
+        self._ids = itertools.count(1)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._infos: list[asyncio.Future] = []  # info answers come back in request order
+        self._outbox: asyncio.Queue | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._sock: zmq.asyncio.Socket | None = None
+
+    async def start(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVHWM, 0)  # unbounded: the server must never fail a send to us
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoint)
+        self._sock = sock
+        self._outbox = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        for q in self._queues.values():
+            q.put_nowait(_gone())
+        for f in self._infos:
+            if not f.done():
+                f.set_exception(ConnectionError("the server connection is closed"))
+
+    # ------------------------------------------------------------------ requests
+    def generate(self, fields: dict[str, Any]) -> "Call":
+        rid = f"h{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        self._send({"type": "generate", "id": rid, **fields})
+        return Call(self, rid, q)
+
+    async def info(self, timeout: float = 5.0) -> dict[str, Any]:
+        fut = asyncio.get_running_loop().create_future()
+        self._infos.append(fut)
+        self._send({"type": "info"})
+        return await asyncio.wait_for(fut, timeout)
+
+    def cancel(self, rid: str) -> None:
+        """Ask the server to end a request (its terminal ``done`` still arrives)."""
+        self._send({"type": "cancel", "id": rid})
+
+    def _send(self, msg: dict) -> None:
+        self._outbox.put_nowait([VERSION, msgpack.packb(msg, use_bin_type=True)])
+
+    # ------------------------------------------------------------------ tasks
+    async def _write(self) -> None:
+        while True:
+            frames = await self._outbox.get()
+            await self._sock.send_multipart(frames)
+
+    async def _read(self) -> None:
+        # After each awaited receive, what else is queued is taken without awaiting (a plain
+        # socket over the same one): zmq.asyncio's per-receive future machinery was most of the
+        # HTTP frontend's cost per streamed token.
+        now = zmq.Socket.shadow(self._sock.underlying)
+        while True:
+            self._route(await self._sock.recv_multipart())
+            for _ in range(4096):  # bounded: the loop's other tasks must run too
+                try:
+                    frames = now.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(frames)
+
+    def _route(self, frames: list[bytes]) -> None:
+        msg = msgpack.unpackb(frames[1], raw=False)
+        t = msg.get("type")
+        if t == "info":
+            while self._infos:
+                fut = self._infos.pop(0)
+                if not fut.done():  # (one whose caller timed out is skipped)
+                    fut.set_result(msg)
+                    break
+            return
+        q = self._queues.get(msg.get("id"))
+        if q is None:
+            return  # a late reply to a request already finished here
+        if t in TERMINAL:
+            self._queues.pop(msg["id"], None)
+        q.put_nowait(msg)
+
+
+class Call:
+    """One generate in flight: its messages in order, exactly one terminal last.
+
+    Leaving ``events()`` (or ``result()``) before the terminal message cancels
+    the request in the server: an HTTP client that went away costs no more steps.
+    """
+
+    def __init__(self, bridge: Bridge, rid: str, queue: asyncio.Queue) -> None:
+        self._bridge, self.id, self._queue = bridge, rid, queue
+        self.ended = False
+
+    async def batches(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """The messages in arrival batches: each batch is what had arrived when the previous one
+        was taken (at least one message), so a slow reader writes fewer, larger pieces."""
+        q = self._queue
+        try:
+            while True:
+                batch = [await q.get()]
+                while batch[-1]["type"] not in TERMINAL and not q.empty():
+                    batch.append(q.get_nowait())
+                self.ended = batch[-1]["type"] in TERMINAL
+                yield batch
+                if self.ended:
+                    return
+        finally:
+            self.abandon()
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for batch in self.batches():
+                for msg in batch:
+                    yield msg
+        finally:
+            self.abandon()
+
+    async def result(self) -> dict[str, Any]:
+        """The terminal message (chunks skipped)."""
+        async for msg in self.events():
+            if msg["type"] in TERMINAL:
+                return msg
+        raise AssertionError("unreachable: events() ends with a terminal message")
+
+    def abandon(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._bridge._queues.pop(self.id, None)
+            self._bridge.cancel(self.id)
+
+
+def _gone() -> dict[str, Any]:
+    return {"type": "error", "id": None, "code": "internal", "message": "the server connection is closed"}

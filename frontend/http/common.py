@@ -1,0 +1,153 @@
+"""What every HTTP route shares: the JSON body, the model name, images, running a
+request to its end while watching the client, and server-sent events."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from .bridge import Bridge, Call
+from .errors import HttpError, bad_request
+
+MAX_BODY_BYTES = 32 << 20  # images travel as data: URLs; the server's own limits apply after this
+
+
+@dataclass
+class Context:
+    """What the routes need from the server (shared by every request on the HTTP loop)."""
+
+    bridge: Bridge
+    model: str  # the served model's name, as /v1/models lists it
+    tokenizer: Any = None  # for logprobs' token strings (decoding only)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters served (--lora): OpenAI routes take them as models
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its request was cancelled."""
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object (400 if it is not one, 413 over ``limit`` bytes)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HttpError(413, f"the request body is {declared} bytes, the limit is {limit}", "too_long")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"the request body is over the limit of {limit} bytes", "too_long")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def check_model(ctx: Context, body: dict[str, Any], adapters: bool = False) -> str:
+    """The ``model`` the request names (absent: the served one); 404 for any other. With
+    ``adapters``, the name of a served LoRA adapter is a model too (see :func:`adapter_field`)."""
+    model = body.get("model")
+    if model is None:
+        return ctx.model
+    if not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {_json_type(model)}")
+    if model != ctx.model and not (adapters and model in ctx.adapters):
+        served = ", ".join(repr(m) for m in (ctx.model, *(ctx.adapters if adapters else ())))
+        raise HttpError(404, f"the model {model!r} does not exist; this server serves {served}",
+                        "model_not_found")
+    return model
+
+
+def adapter_field(ctx: Context, model: str) -> dict[str, str]:
+    """The protocol's ``adapter`` field for a checked model name (none for the base model)."""
+    return {"adapter": model} if model in ctx.adapters else {}
+
+
+def image_input(ctx: Context, url: Any) -> None:
+    """An image in a request (an ``image_url``: a ``data:`` URL). The one place images enter:
+    the served text models have no vision encoder, so every image is a 400 naming the model."""
+    raise bad_request(f"this model ({ctx.model}) does not take images; send text only", "images_not_supported")
+
+
+def field(body: dict[str, Any], name: str, types: type | tuple, what: str) -> Any:
+    """An optional JSON field of the HTTP shape (None when absent or null), else 400 naming it."""
+    v = body.get(name)
+    if v is not None and (not isinstance(v, types) or isinstance(v, bool) and bool not in _tuple(types)):
+        raise bad_request(f"{name} must be {what}, got {_json_type(v)}")
+    return v
+
+
+async def unless_gone(request: Request, awaitable) -> Any:
+    """Await a step of a request while watching the client: if it disconnects first, the
+    step is cancelled (which leaves ``Call.events()``: the request is cancelled in the
+    server) and ``ClientGone`` raised."""
+    result = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not result.done():
+            result.cancel()
+    if result.done() and not result.cancelled():
+        return result.result()
+    raise ClientGone()
+
+
+async def run_to_end(request: Request, call: Call) -> dict[str, Any]:
+    """The request's terminal message, as a result (``done``) or an ``HttpError``."""
+    return terminal_or_raise(await unless_gone(request, call.result()))
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def terminal_or_raise(msg: dict[str, Any]) -> dict[str, Any]:
+    if msg["type"] == "error":
+        raise HttpError.from_protocol(msg)
+    return msg
+
+
+async def first_event(request: Request, events: AsyncIterator[Any]) -> Any:
+    """The first message (or batch, from ``Call.batches()``) of a streamed request, before the
+    response starts: an error then is an HTTP error status, not a 200 stream that fails."""
+    first = await unless_gone(request, events.__anext__())
+    terminal_or_raise(first[-1] if isinstance(first, list) else first)
+    return first
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _tuple(t) -> tuple:
+    return t if isinstance(t, tuple) else (t,)
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"

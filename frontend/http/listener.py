@@ -1,0 +1,105 @@
+"""Run the HTTP app beside a ``Server``: uvicorn on its own thread and asyncio loop.
+
+The listening socket is bound first (``listen_socket``; ``tandem serve`` does it
+before the model loads, so a taken port fails at once, with the address in the
+message); the thread's loop runs the app and one ``Bridge`` into the server's
+``inproc_endpoint``.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import uvicorn
+
+from .app import build_app
+from .bridge import Bridge
+from .common import Context
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on HOST:PORT (OSError naming the address if it is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+    # Nagle's algorithm holds each response's body behind its headers for a delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen for HTTP on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class HttpListener:
+    def __init__(self, server, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: a socket from ``listen_socket(host, port)`` bound earlier (else bound here)."""
+        self._server = server
+        self._api_key = api_key
+        self._sock = sock if sock is not None else listen_socket(host, port)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}"
+        self._uvicorn: uvicorn.Server | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tandem-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "HttpListener":
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError("the HTTP listener did not start")
+        if self._error is not None:
+            raise RuntimeError(f"the HTTP listener failed to start: {self._error}")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        self._thread.join(timeout)
+
+    def _health(self) -> str:
+        server = self._server
+        if server.draining:
+            return "draining"
+        if server.service.worker is None:
+            return "stopped"
+        if not server.service.worker_ready:
+            return "starting" if server.service.generation == 1 else "restarting"
+        return "ready"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+        finally:
+            self._started.set()
+
+    async def _serve(self) -> None:
+        bridge = Bridge(self._server.inproc_endpoint, self._server.ctx)
+        await bridge.start()
+        service = self._server.service
+        ctx = Context(bridge=bridge, model=service.config.model, tokenizer=service.tokenizer,
+                      adapters=tuple(service.adapters))
+        app = build_app(ctx, self._server.metrics, self._health, self._api_key)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5, ws="none")
+        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn.config.setup_event_loop = lambda: None
+        started = asyncio.create_task(self._signal_started())
+        try:
+            await self._uvicorn.serve(sockets=[self._sock])
+        finally:
+            started.cancel()
+            await bridge.close()
+
+    async def _signal_started(self) -> None:
+        while not self._uvicorn.started:
+            await asyncio.sleep(0.01)
+        self._started.set()

@@ -1,0 +1,111 @@
+"""Moondream-compatible routes: ``POST /v1/caption``, ``/v1/query``, ``/v1/point``, ``/v1/detect``.
+
+The request and answer shapes are those the ``moondream`` Python client
+(``moondream.vl(endpoint="http://HOST:PORT/v1")``) sends and parses. Prompts,
+sampling defaults and grammars come from ``frontend/skills.py``. Streaming
+caption/query answers are server-sent events ``data: {"chunk": TEXT}``, then
+``data: {"completed": true, "finish_reason", "usage"}``.
+
+Caption, point and detect need an image; ``query`` works without one. A model
+without a vision encoder answers every image with a 400
+(``common.image_input``).
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .. import skills
+from .bridge import Call
+from .common import (Context, check_model, field, first_event, image_input, read_json, run_to_end, sse,
+                     sse_response, terminal_or_raise)
+from .errors import HttpError, bad_request
+
+
+async def caption(ctx: Context, request: Request):
+    body = await _body(ctx, request)
+    _image(ctx, body, required=True)
+    length = field(body, "length", str, "one of normal, short, long") or "normal"
+    return await _text_answer(ctx, request, body, _skill(skills.caption, length, body.get("settings")), "caption")
+
+
+async def query(ctx: Context, request: Request):
+    body = await _body(ctx, request)
+    if body.get("reasoning"):
+        raise bad_request("reasoning is not supported by this model")
+    _image(ctx, body, required=False)
+    fields = _skill(skills.query, body.get("question"), body.get("settings"))
+    return await _text_answer(ctx, request, body, fields, "answer")
+
+
+async def point(ctx: Context, request: Request):
+    return await _located(ctx, request, skills.point, "points")
+
+
+async def detect(ctx: Context, request: Request):
+    return await _located(ctx, request, skills.detect, "objects")
+
+
+# --------------------------------------------------------------------------- shared
+
+
+async def _body(ctx: Context, request: Request) -> dict[str, Any]:
+    body = await read_json(request, ctx.max_body_bytes)
+    check_model(ctx, body)
+    return body
+
+
+def _image(ctx: Context, body: dict[str, Any], required: bool) -> None:
+    url = body.get("image_url")
+    if url is None:
+        if required:
+            raise bad_request("image_url is required (a data: URL of the image)")
+        return
+    image_input(ctx, url)
+
+
+def _skill(fn, *args) -> dict[str, Any]:
+    try:
+        return fn(*args)
+    except skills.SkillError as e:
+        raise bad_request(str(e)) from None
+
+
+async def _located(ctx: Context, request: Request, fn, key: str):
+    body = await _body(ctx, request)
+    _image(ctx, body, required=True)
+    fields = _skill(fn, body.get("object"), body.get("settings"))
+    done = await run_to_end(request, ctx.bridge.generate({**fields, "stream": False}))
+    if "output" not in done:
+        raise HttpError(500, f"the answer did not complete (finish_reason {done['finish_reason']})", "internal",
+                        "server_error")
+    return JSONResponse({key: done["output"][key], "request_id": done["id"]})
+
+
+async def _text_answer(ctx: Context, request: Request, body: dict, fields: dict, key: str):
+    stream = bool(field(body, "stream", bool, "a boolean"))
+    call = ctx.bridge.generate({**fields, "stream": stream})
+    if not stream:
+        done = await run_to_end(request, call)
+        return JSONResponse({key: done["text"], "finish_reason": done["finish_reason"], "usage": done["usage"],
+                             "request_id": done["id"]})
+    events = call.events()
+    first = await first_event(request, events)
+    return sse_response(_stream(call, events, first))
+
+
+async def _stream(call: Call, events: AsyncIterator[dict], first: dict) -> AsyncIterator[bytes]:
+    msg = first
+    try:
+        while msg["type"] == "chunk":
+            if msg["text"]:
+                yield sse({"chunk": msg["text"]})
+            msg = await events.__anext__()
+        done = terminal_or_raise(msg)
+        yield sse({"completed": True, "finish_reason": done["finish_reason"], "usage": done["usage"]})
+    except HttpError as e:
+        yield sse({**e.body(), "completed": True})
+    finally:
+        call.abandon()
