@@ -93,16 +93,21 @@ def _text(name: str, value: Any) -> None:
 
 def skill_request(skill: str, *, length: str = "normal", question: str | None = None, obj: str | None = None,
                   max_objects: int = 16, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The generate fields that ask ``skill`` (the Python client's single entry point)."""
+    """The generate fields that ask ``skill`` of one image (the Python client's entry point):
+    the user message is the image part, then the skill's text."""
     s = dict(settings or {})
     if skill == "caption":
-        return caption(length, s)
-    if skill == "query":
-        return query(question, s)
-    if skill in ("point", "detect"):
+        req = caption(length, s)
+    elif skill == "query":
+        req = query(question, s)
+    elif skill in ("point", "detect"):
         s.setdefault("max_objects", max_objects)
-        return (point if skill == "point" else detect)(obj, s)
-    raise SkillError(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}")
+        req = (point if skill == "point" else detect)(obj, s)
+    else:
+        raise SkillError(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}")
+    text = req["messages"][0]["content"]
+    req["messages"] = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    return req
 
 
 def skill_output(skill: str, text: str, output: Any = None) -> dict[str, Any]:
