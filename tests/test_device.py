@@ -323,13 +323,13 @@ def test_engine_counts_the_steps_that_overran(monkeypatch):
     eng, clock = engine_on_fake_clock(monkeypatch, pipelined=False)
     model, calls = eng.runner.model, []
 
-    def forward(*args):
+    def forward(*args, **kw):
         calls.append(len(calls))
         if calls[-1] in (2, 4):
             while eng.device.compute._queue.empty():  # the host has enqueued the mark after it
                 time.sleep(1e-4)
             clock.advance_to(clock.now() + 3 * STEP)
-        return model(*args)
+        return model(*args, **kw)
 
     eng.runner.model = forward
     try:
