@@ -63,6 +63,14 @@ def check_model(ctx: Context, body: dict[str, Any]) -> str:
     return model
 
 
+async def server_info(ctx: Context) -> dict[str, Any] | None:
+    """The server's ``info`` answer; None while the server loop is too busy to answer."""
+    try:
+        return await ctx.bridge.info()
+    except TimeoutError:
+        return None
+
+
 def image_input(ctx: Context, url: Any) -> None:
     """An image in a request (an ``image_url``: a ``data:`` URL). The one place images enter:
     the served text models have no vision encoder, so every image is a 400 naming the model."""
