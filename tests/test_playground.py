@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 
@@ -26,7 +25,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from test_cli import CLI, ROOT, free_port
+from test_cli import CLI, ROOT, free_port, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -75,12 +74,7 @@ def tandem_serve(tmp_path, *args: str):
             time.sleep(0.2)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
         log.close()
 
 
