@@ -257,8 +257,9 @@ def test_an_api_key_server_refuses_the_page_until_the_key_is_entered(browser, ke
     key = browser.find_element(By.ID, "api-key")
     key.send_keys("wrong")
     key.submit()
-    wait_for(browser, lambda d: "API key" in d.find_element(By.ID, "status").text and
-             "accepted" not in d.find_element(By.ID, "status").text, what="the wrong key to be refused")
+    wait_for(browser, lambda d: "refused this API key" in d.find_element(By.ID, "status").text,
+             what="the wrong key to be refused")
+    assert browser.find_element(By.ID, "model").text != "tiny-random"
 
     key.clear()
     key.send_keys(KEY)

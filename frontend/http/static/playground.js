@@ -94,7 +94,9 @@ async function* sseEvents(res) {
 
 function askForKey() {
   state.needKey = true;
-  showStatus("This server needs an API key: enter it above.", true);
+  showStatus(sessionStorage.getItem(KEY_STORE)
+    ? "The server refused this API key: check it and enter it again."
+    : "This server needs an API key: enter it above.", true);
 }
 
 function keyAccepted() {
