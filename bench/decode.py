@@ -210,9 +210,10 @@ class Pass:
         return 1e3 * self.wall_s / max(self.decode_steps, 1)
 
 
-def timed_pass(engine, prompts, params) -> Pass:
-    """Prefill untimed, then time the decode phase to idle (the engine's counters cover only it)."""
-    seqs = [engine.submit(p, params) for p in prompts]
+def timed_pass(engine, prompts, params, adapters=None) -> Pass:
+    """Prefill untimed, then time the decode phase to idle (the engine's counters cover only it).
+    ``adapters``: a LoRA adapter name (or None) per prompt."""
+    seqs = [engine.submit(p, params, adapter=a) for p, a in zip(prompts, adapters or [None] * len(prompts))]
     while engine.has_work and not all(s.output_ids or s.finalized for s in seqs):
         engine.step()
     engine.reset_stats()

@@ -85,7 +85,7 @@ def timeout_option(default: float):
 
 # Options that configure the in-process engine (the worker that `generate` and `serve` start).
 ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len", "kv_pages",
-                  "kv_memory_fraction"]
+                  "kv_memory_fraction", "lora", "max_loras"]
 
 
 def engine_options(fn):
@@ -104,6 +104,10 @@ def engine_options(fn):
         click.option("--kv-pages", type=int, default=None, help="KV cache pages (default: sized to memory)."),
         click.option("--kv-memory-fraction", default=0.5, show_default=True,
                      help="Fraction of free GPU memory for the KV cache (CUDA, without --kv-pages)."),
+        click.option("--lora", multiple=True, metavar="NAME=DIR",
+                     help="Serve a LoRA adapter (PEFT directory) under NAME (repeatable)."),
+        click.option("--max-loras", default=4, show_default=True, type=click.IntRange(min=1),
+                     help="Device slots for adapters; more adapters are loaded on demand (LRU)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -114,8 +118,11 @@ def service_config(engine_kw: dict, **extra):
     """The ServiceConfig (engine fields + the frontend's) for the engine options of a command."""
     from frontend.service import ServiceConfig
 
+    from shared.lora_config import parse_lora_option
+
     kw = dict(engine_kw)
     dtype = kw.pop("dtype")
+    kw["loras"] = parse_lora_option(kw.pop("lora"))
     return ServiceConfig(pipeline=not kw.pop("no_pipeline"), prefix_cache=not kw.pop("no_prefix_cache"),
                          dtype=None if dtype == "auto" else dtype,
                          log_level=logging.getLevelName(logging.getLogger().level), **kw, **extra)
@@ -157,6 +164,7 @@ def main() -> None:
 @click.option("--regex", default=None, help="Constrain the answer to a regular expression.")
 @click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
               help="Constrain the answer to a JSON schema (file).")
+@click.option("--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
@@ -165,7 +173,7 @@ def main() -> None:
 @log_level_option()
 @click.pass_context
 def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, stream, as_json, server_key, client_key,
+             ignore_eos, grammar, max_objects, regex, json_schema, adapter, stream, as_json, server_key, client_key,
              **engine_kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
@@ -178,6 +186,7 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
       echo "Once upon a time" | tandem generate --raw --max-tokens 40
       tandem generate "Point at the cat" --grammar point --max-objects 3
       tandem generate "Hi" --connect 127.0.0.1:5557
+      tandem generate "Hi" --lora pirate=./pirate-lora --adapter pirate
     """
     if connect:
         misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
@@ -204,9 +213,10 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
     if connect:
         model = engine_kw["model"] if given(ctx, "model") else None
         curve = serve_options.client_curve(server_key, client_key)
-        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, curve)
+        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, curve,
+                                  adapter)
     else:
-        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw))
+        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), adapter)
     if live:
         click.echo()
     if as_json:
@@ -245,10 +255,11 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
                                    "(is `tandem serve` running there?)") from None
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve) -> dict:
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve,
+                     adapter=None) -> dict:
     from frontend.client import Client
 
-    kw = dict(sampling, stop=stop or None, grammar=spec)
+    kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter)
     kw["stop_token_ids"] = kw["stop_token_ids"] or None
     if raw:
         kw["prompt"] = prompt
@@ -266,7 +277,7 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
     return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, config) -> dict:
+def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None) -> dict:
     """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
     from frontend.server import grammar_compiler
     from frontend.service import Service
@@ -286,7 +297,8 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config) -> dict:
             else:
                 ended[kind] = payload
 
-        service.submit(ids, SamplingParams(**sampling), stop=stop, constraint=constraint, on_event=on_event)
+        service.submit(ids, SamplingParams(**sampling), stop=stop, constraint=constraint, on_event=on_event,
+                       adapter=adapter)
         while not ended:
             service.poll(0.1)
     finally:
@@ -398,6 +410,7 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key,
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
       tandem serve --dtype float32 --bind 0.0.0.0:5557 --insecure     # a trusted network only
       TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
+      tandem serve --lora pirate=./pirate-lora --lora legal=./legal-lora --max-loras 2
     """
     net = serve_options.resolve(bind, http, api_key, curve_secret_key, curve_clients, insecure)
     from frontend.server import Server, install_signal_handlers

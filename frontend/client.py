@@ -57,7 +57,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from frontend.protocol import MAX_ID_CHARS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
 from shared.sampling import SAMPLING_FIELD_NAMES
 
 __all__ = [
@@ -87,7 +87,7 @@ _LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a l
 
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
-GENERATE_OPTIONS = frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"})
+GENERATE_OPTIONS = frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
 
 
 # --------------------------------------------------------------------------- errors

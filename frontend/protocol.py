@@ -48,6 +48,7 @@ __all__ = [
     "MAX_STOP",
     "PROMPT_FIELDS",
     "OUTPUT_FIELDS",
+    "MODEL_FIELDS",
     "Limits",
     "DEFAULT_LIMITS",
     "ProtocolError",
@@ -88,7 +89,8 @@ MAX_STOP = 16
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per generate
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
-_GENERATE_FIELDS = frozenset({"type", "id", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS})
+MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
+_GENERATE_FIELDS = frozenset({"type", "id", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS, *MODEL_FIELDS})
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 
 
@@ -145,6 +147,7 @@ class GenerateRequest:
     stream: bool = True
     logprobs: bool = False
     grammar: dict[str, Any] | None = None
+    adapter: str | None = None  # a LoRA adapter the server was started with; None = the base model
 
     def sampling_params(self) -> SamplingParams:
         return self.sampling
@@ -312,6 +315,18 @@ def _opt_bool(ctx: _Ctx, msg: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _opt_str(ctx: _Ctx, msg: dict, name: str) -> str | None:
+    """An optional non-empty string field: None when absent or nil."""
+    v = msg.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ctx.bad(f"{name} must be a string, got {_tname(v)}")
+    if not v:
+        raise ctx.bad(f"{name} must not be empty")
+    return v
+
+
 def _int_list(ctx: _Ctx, v: object, name: str, limits: Limits) -> list[int]:
     if not isinstance(v, list):
         raise ctx.bad(f"{name} must be an array of integers, got {_tname(v)}")
@@ -412,9 +427,10 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     stream = _opt_bool(ctx, msg, "stream", True)
     logprobs = _opt_bool(ctx, msg, "logprobs", False)
     grammar = _parse_grammar(ctx, msg.get("grammar"))
+    adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
     sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
     return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream, logprobs=logprobs,
-                           grammar=grammar)
+                           grammar=grammar, adapter=adapter)
 
 
 def _parse_cancel(ctx: _Ctx, msg: dict, limits: Limits) -> CancelRequest:

@@ -180,12 +180,13 @@ class Server:
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
-                     "grammar_cache_hits": self.grammars.cache_hits}
+                     "grammar_cache_hits": self.grammars.cache_hits, "adapters": list(self.service.adapters)}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}
                 extra["prefix_cache"] = {"hit_tokens": stats["prefix_hit_tokens"],
                                          "query_tokens": stats["prefix_query_tokens"]}
+                extra["adapters_loaded"] = stats.get("adapters_loaded", [])  # the adapters in device slots
             except (TimeoutError, KeyError):
                 pass  # a busy or restarting worker: answer without the engine figures
             self._send(identity, P.encode_info(
@@ -224,7 +225,8 @@ class Server:
         state = ClientRequest(identity, msg.id, msg.stream)
         try:
             req = self.service.submit(ids, msg.sampling_params(), stop=msg.stop, constraint=constraint,
-                                      logprobs=msg.logprobs, on_event=self._on_event, user_data=state)
+                                      logprobs=msg.logprobs, on_event=self._on_event, user_data=state,
+                                      adapter=msg.adapter)
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
         if not req.ended:

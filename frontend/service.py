@@ -37,10 +37,12 @@ import numpy as np
 
 from shared.config import EngineConfig
 from shared.finish import FinishReason
+from shared.lora_config import read_adapters
 from shared.messages import Cancel, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
 from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
+from shared.vision_config import read_config
 
 from .detokenizer import IncrementalDetokenizer
 from .worker_handle import WorkerFailed, WorkerHandle
@@ -80,6 +82,7 @@ class Request:
     logprobs: bool
     on_event: Callable[["Request", str, dict], None] | None
     user_data: Any = None
+    adapter: str | None = None  # a LoRA adapter's name, None = the base model
     detok: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
@@ -102,6 +105,8 @@ class Service:
         self.config = cfg = config or ServiceConfig()
         self.model = ModelInfo.load(cfg.model)  # converts once, with progress, before the worker starts
         self.model_path = self.model.path
+        # LoRA adapters are checked against the model here, so a bad one fails before a worker starts.
+        self.adapters = read_adapters(cfg.loras, read_config(self.model_path))
         self.tokenizer = tokenizer or load_tokenizer(self.model_path)
         self.vocab_size = self.model.vocab_size
         self.generation = 0
@@ -153,13 +158,16 @@ class Service:
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, stop=(), constraint=None,
-               logprobs: bool = False, on_event=None, user_data=None) -> Request:
+               logprobs: bool = False, on_event=None, user_data=None, adapter: str | None = None) -> Request:
         params = params or SamplingParams()
         params.validate(self.vocab_size)
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
+                             f"{', '.join(self.adapters) or 'none'}")
         seq_id = self._next_seq
         self._next_seq = self._next_seq % 0xFFFFFFFF + 1
         req = Request(seq_id, list(prompt_ids), params, tuple(s for s in stop if s), constraint, logprobs, on_event,
-                      user_data)
+                      user_data, adapter)
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
         self.requests[seq_id] = req
         if self.worker.ready and (constraint is None or self.free_mask_rows):
@@ -188,7 +196,7 @@ class Service:
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
-                                        mask_row=req.mask_row))
+                                        mask_row=req.mask_row, adapter=req.adapter))
 
     def cancel(self, req: Request) -> None:
         """Client cancel or disconnect: terminal ``done`` (cancelled) now, resources freed in the worker."""
@@ -278,7 +286,7 @@ class Service:
                 message = msg.message if code == msg.code else f"{msg.code}: {msg.message}"
                 self._end(req, error=(code, message))
         elif isinstance(msg, Stats):
-            self._stats = dict(msg.values)
+            self._stats = {**msg.values, "adapters_loaded": list(msg.adapters_loaded)}
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.seq_id, None)

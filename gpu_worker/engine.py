@@ -24,8 +24,9 @@ publishes and plans.
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
 - no token of a finalized sequence is delivered (zombie rows are skipped);
-- a sequence's row and KV pages are released exactly once, when it is
-  finalized and no launched step references it; at idle everything is free;
+- a sequence's row, KV pages and LoRA slot reference are released exactly
+  once, when it is finalized and no launched step references it; at idle
+  everything is free;
 - ``max_tokens = k`` costs exactly k sampling rows; an EOS at most one zombie row;
 - a constrained row is sampled with a mask built after its last commit.
 """
@@ -47,6 +48,7 @@ from shared.sampling import SamplingParams
 
 from .allocator import Allocator
 from .device import Device, DeviceError
+from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
 from .prefix_cache import ROOT, page_hash
@@ -126,7 +128,9 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.alloc = Allocator(self.runner.num_pages, cfg.page_size, cfg.max_batch, cfg.prefix_cache)
-        self.scheduler = Scheduler(self.alloc, cfg.prefill_budget)
+        # LoRA adapters (None without --lora): device slots, referenced by sequences like their KV pages.
+        self.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora) if self.runner.lora else None
+        self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
         self.pipeline = Pipeline(NUM_SLOTS)
         self.pipelined = cfg.pipeline
         self.launches: deque[Launch] = deque()  # launched, not yet committed, in step order
@@ -138,7 +142,7 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, constrained: bool = False,
-               logprobs: bool = False, seq_id: int | None = None) -> Sequence:
+               logprobs: bool = False, seq_id: int | None = None, adapter: str | None = None) -> Sequence:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
@@ -154,12 +158,15 @@ class Engine:
         if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
+                             f"{', '.join(self.adapters) or 'none'}")
         with self._lock:
             if seq_id is None:
                 seq_id = self._next_id
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs)
+            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, adapter)
             self._inbox.append((None, seq))
         return seq
 
@@ -195,7 +202,18 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.has_work and self.alloc.idle
+        return not self.has_work and self.alloc.idle and (self.lora_slots is None or self.lora_slots.idle)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters this engine serves."""
+        return list(self.runner.lora.specs) if self.runner.lora else []
+
+    def lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+        return {**self.lora_slots.stats(), "adapters": self.adapters,
+                "adapters_loaded": sorted(self.lora_slots.slot_of)}
 
     def stats(self) -> dict:
         s = self.stats_
@@ -216,6 +234,7 @@ class Engine:
             "rows_total": self.alloc.rows.capacity,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
+            **self.lora_stats(),
         }
 
     def reset_stats(self) -> None:
@@ -301,6 +320,8 @@ class Engine:
         kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
         for seq in seqs:
             seq.inflight_refs += 1
+        if self.lora_slots is not None:
+            self.lora_slots.launched(s.lora_slot for s in seqs)
         if self.config.debug:
             self._check_exclusive(seqs, inp.decode_pos, plan)
         launch = Launch(step, slot, bool(plan.prefill), seqs, kv_ends, sample_seqs, inp)
@@ -345,8 +366,18 @@ class Engine:
             any_random=any(p.temperature > 0 for p in params),
             any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
+            token_lora=self._token_lora(plan),
         )
         return inp, sample_seqs
+
+    def _token_lora(self, plan: Plan) -> np.ndarray | None:
+        """The LoRA slot of each token of a launch (decode rows, then prefill chunks); None if no adapter."""
+        if self.lora_slots is None:
+            return None
+        slots = [s.lora_slot for s in plan.decode] + [c.seq.lora_slot for c in plan.prefill]
+        if not any(slots):
+            return None
+        return np.repeat(np.asarray(slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
 
     # ------------------------------------------------------------------ sampling
     def _sample_unconstrained(self, launch: Launch) -> None:
@@ -410,6 +441,8 @@ class Engine:
         for seq in launch.seqs:
             seq.inflight_refs -= 1
             assert seq.inflight_refs >= 0, "inflight_refs underflow"
+        if self.lora_slots is not None:
+            self.lora_slots.committed(s.lora_slot for s in launch.seqs)
         if error is not None:
             self._device_failed(launch, error)
             return
@@ -440,7 +473,7 @@ class Engine:
             tokens = seq.prompt_ids + seq.output_ids
             parent = names[-1] if names else ROOT
             for i in range(len(names), full):
-                parent = page_hash(parent, tokens[i * size:(i + 1) * size])
+                parent = page_hash(parent, tokens[i * size:(i + 1) * size], seq.page_salt)
                 names.append(parent)
         for i in range(seq.pages_registered, full):
             self.alloc.pages.register(seq.pages[i], names[i])
@@ -501,6 +534,8 @@ class Engine:
         seq.released = True
         if seq.admitted:
             self.alloc.release(seq.row, seq.pages)
+            if seq.lora_slot:
+                self.lora_slots.release(seq.lora_slot)
             self.scheduler.remove(seq)
             self.runner.poison_row(seq.row)
         else:  # ended while still queued: it holds nothing but its place in the queue
@@ -533,6 +568,8 @@ class Engine:
             s, _ = self.pipeline.pop_commit()
             for seq in later.seqs:
                 seq.inflight_refs -= 1
+            if self.lora_slots is not None:
+                self.lora_slots.committed(s.lora_slot for s in later.seqs)
             self.pipeline.release(s)
             self._result.dropped_steps.append(s)
         self.device.recover()

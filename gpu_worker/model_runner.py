@@ -26,6 +26,7 @@ from shared.models import resolve_model
 from .device import Device
 from .batch import Batch
 from .kv_cache import PagedKVCache
+from .lora import LoraPool
 from .model import Llama, LlamaConfig
 from .pipeline import NUM_SLOTS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
@@ -50,6 +51,7 @@ class LaunchInputs:
     any_random: bool
     any_filter: bool
     want_logprobs: bool
+    token_lora: np.ndarray | None = None  # [T] LoRA slot of each token row; None: no adapter in the launch
 
 
 class SlotBuffers:
@@ -96,6 +98,8 @@ class ModelRunner:
             llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
         self.model = llama.eval()
         self.config = llama.config
+        # LoRA: wraps the targeted linear layers (before any graph is captured).
+        self.lora = LoraPool(self.model, config.loras, config.max_loras) if config.loras else None
         self.max_model_len = min(max_model_len, llama.max_model_len)
         self.page_size = page_size
         self.max_rows = max_rows
@@ -138,6 +142,10 @@ class ModelRunner:
         self.block_tables[row, len(pages):] = 0
         self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids))
 
+    def load_lora(self, slot: int, name: str) -> None:
+        """Write adapter ``name`` into LoRA slot ``slot``, after every step launched before."""
+        self.device.compute.submit(lambda: self.lora.write(slot, name))
+
     def poison_row(self, row: int) -> None:
         if self.debug:
             self.device.compute.submit(lambda: self.pending.__setitem__(row, POISON))
@@ -174,22 +182,38 @@ class ModelRunner:
             fields = [b.positions.numpy(), b.slot_mapping.numpy(), b.block_tables.numpy(), b.query_index.numpy(),
                       b.query_pos.numpy(), b.token_to_padded.numpy(), inp.decode_rows, inp.prefill_ids,
                       inp.logits_index]
+        lora = self._lora_slots(inp, graph)
+        if lora is not None:
+            fields.append(lora)
         buf = self.slots[slot]
 
         def run() -> None:
             t0 = time.perf_counter()
             dev_fields = self._upload(fields)
+            lora_slots = dev_fields.pop() if lora is not None else None
             with torch.inference_mode():
                 if graph is not None:
-                    buf.logits = graph.replay(Batch(*dev_fields[:6]), dev_fields[6])[:num_decode]
+                    buf.logits = graph.replay(Batch(*dev_fields[:6]), dev_fields[6], lora_slots)[:num_decode]
                 else:
                     batch = Batch(*dev_fields[:6])
                     rows, prefill_ids, logits_index = dev_fields[6:]
                     ids = torch.cat([self.gather_pending(rows), prefill_ids])
+                    if self.lora is not None:
+                        self.lora.token_slots = lora_slots
                     buf.logits = self.model(ids, batch, self.kv, logits_index)
             self.device.pad_forward(t0)
 
         self.device.compute.submit(run)
+
+    def _lora_slots(self, inp: LaunchInputs, graph: "_DecodeGraph | None") -> np.ndarray | None:
+        """Each token row's LoRA slot; None when the forward skips LoRA (no adapter in an eager launch).
+        A graph with LoRA layers always reads one slot per row (0 for padding and rows without one)."""
+        if graph is None or self.lora is None:
+            return inp.token_lora
+        lora = np.zeros(graph.batch_size, dtype=np.int64)
+        if inp.token_lora is not None:
+            lora[:len(inp.token_lora)] = inp.token_lora
+        return lora
 
     def _decode_metadata(self, rows: np.ndarray, pos: np.ndarray, pages: int) -> list[np.ndarray]:
         """Batch fields (positions .. token_to_padded) for one token per row: Qmax == 1, T == S."""
@@ -323,6 +347,10 @@ class _DecodeGraph:
         self.batch = Batch.build(chunks, runner.page_size, device=dev, num_pages_per_seq=num_pages)
         self.rows = torch.full((batch_size,), runner.max_rows, dtype=torch.int64, device=dev)
         self.logits_index = torch.arange(batch_size, device=dev)
+        # LoRA: the graph reads each row's slot from this static buffer (0: no adapter).
+        self.lora_slots = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        if runner.lora is not None:
+            runner.lora.token_slots = self.lora_slots
         # Capture is rare (warm-up, or a new bucket): quiesce the device, warm up on a
         # side stream (lazy inits), then capture on torch's private capture stream.
         torch.cuda.synchronize(dev)
@@ -335,9 +363,13 @@ class _DecodeGraph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self.logits = runner.model(runner.pending[self.rows], self.batch, runner.kv, self.logits_index)
+        if runner.lora is not None:
+            runner.lora.token_slots = None
 
-    def replay(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    def replay(self, batch: Batch, rows: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         self.batch.copy_from(batch)
         self.rows.copy_(rows)
+        if lora_slots is not None:
+            self.lora_slots.copy_(lora_slots)
         self.graph.replay()
         return self.logits

@@ -8,7 +8,11 @@ and reserves a request's whole KV (prompt + max_tokens) up front, so a running
 sequence never runs out of pages; a request that does not fit waits. The
 leading full pages of a prompt that the prefix cache holds are mapped, not
 computed: prefill starts after them (always recomputing at least the last
-prompt token, whose logits sample the first output token).
+prompt token, whose logits sample the first output token). A request naming a
+LoRA adapter also takes a reference to its adapter's slot at admission
+(``lora_slots.py``); while every slot is referenced by running requests of
+other adapters it waits at the head of the queue (FIFO is kept: no request
+overtakes another).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .allocator import Allocator
+from .lora_slots import LoraSlots
 from .prefix_cache import chain
 from .sequence import Sequence
 
@@ -41,8 +46,9 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, alloc: Allocator, prefill_budget: int) -> None:
+    def __init__(self, alloc: Allocator, prefill_budget: int, lora: LoraSlots | None = None) -> None:
         self.alloc = alloc
+        self.lora = lora
         self.prefill_budget = prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, not yet released, in admission order
@@ -61,6 +67,11 @@ class Scheduler:
             hits = self._cached_prefix(seq)
             if not self.alloc.can_admit(need, hits):
                 break
+            if seq.adapter is not None:
+                slot = self.lora.acquire(seq.adapter)
+                if slot is None:  # every slot is referenced: wait for one to be released
+                    break
+                seq.lora_slot = slot
             seq.row, seq.pages = self.alloc.admit(need, hits)
             seq.num_prefilled = seq.kv_committed = seq.cached_tokens = len(hits) * self.alloc.page_size
             seq.admitted = True
@@ -76,7 +87,7 @@ class Scheduler:
             return []
         size = self.alloc.page_size
         if not seq.page_names:
-            seq.page_names = chain(seq.prompt_ids, size, (seq.prompt_len - 1) // size)
+            seq.page_names = chain(seq.prompt_ids, size, (seq.prompt_len - 1) // size, seq.page_salt)
         return pool.lookup(seq.page_names)
 
     def plan(self) -> tuple[Plan, list[Sequence]]:

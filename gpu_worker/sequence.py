@@ -31,8 +31,10 @@ class Sequence:
     seed: int
     constrained: bool = False
     logprobs: bool = False
+    adapter: str | None = None  # a LoRA adapter's name, None for the base model
 
     row: int = -1
+    lora_slot: int = 0  # its adapter's device slot from admission to release (0: none)
     pages: list[int] = field(default_factory=list)
     # Prefix cache: names of the full pages whose tokens are known (a chain, prefix_cache.py),
     # how many of them are registered, the prompt tokens mapped from the cache at admission,
@@ -58,6 +60,11 @@ class Sequence:
     t_first_token: float | None = None
     t_done: float | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def page_salt(self) -> bytes:
+        """What besides the tokens decides its KV, for the prefix cache's page names: the adapter."""
+        return b"" if self.adapter is None else b"lora:" + self.adapter.encode()
 
     @property
     def prompt_len(self) -> int:

@@ -166,7 +166,8 @@ class Worker:
                 stats = {k: v for k, v in self.engine.stats().items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 stats["ring_blocked"] = self.ring.blocked
-                self.channel.send(Stats(values=stats))
+                loaded = self.engine.lora_stats().get("adapters_loaded", [])
+                self.channel.send(Stats(values=stats, adapters_loaded=loaded))
             elif isinstance(msg, Shutdown):
                 self.running = False
             else:
@@ -179,7 +180,7 @@ class Worker:
             if msg.constrained and not 0 <= msg.mask_row < self.arena.layout.max_batch_rows:
                 raise ValueError(f"mask_row {msg.mask_row} is out of range")
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
-                                     logprobs=msg.logprobs, seq_id=msg.seq_id)
+                                     logprobs=msg.logprobs, seq_id=msg.seq_id, adapter=msg.adapter)
         except ValueError as e:
             self._failed.append(RequestFailed(seq_id=msg.seq_id, code="bad_request", message=str(e)))
             self._released.append(msg.seq_id)

@@ -5,7 +5,7 @@ command line) without importing torch.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -23,6 +23,8 @@ class EngineConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU
     cuda_graphs: bool = True
     debug: bool = False
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> PEFT directory
+    max_loras: int = 4  # device slots for adapters (more adapters are loaded on demand, LRU)
 
     def engine_fields(self) -> dict:
         """Just the EngineConfig fields (also of a subclass such as the frontend's ServiceConfig)."""

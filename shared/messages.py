@@ -72,6 +72,7 @@ class Submit(_Msg, tag="submit"):
     constrained: bool = False  # the frontend will write mask rows for it
     logprobs: bool = False
     mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
+    adapter: Optional[str] = None  # a LoRA adapter's name (the worker's --lora), None = the base model
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -88,6 +89,7 @@ class StatsRequest(_Msg, tag="stats_request"):
 
 class Stats(_Msg, tag="stats"):
     values: dict[str, Union[int, float]] = {}
+    adapters_loaded: list[str] = []  # the LoRA adapters in device slots now
 
 
 class Progress(_Msg, tag="progress"):

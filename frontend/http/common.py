@@ -23,6 +23,7 @@ class Context:
     bridge: Bridge
     model: str  # the served model's name, as /v1/models lists it
     tokenizer: Any = None  # for logprobs' token strings (decoding only)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters served (--lora): OpenAI routes take them as models
     max_body_bytes: int = MAX_BODY_BYTES
 
 
@@ -50,17 +51,24 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def check_model(ctx: Context, body: dict[str, Any]) -> str:
-    """The ``model`` the request names (absent: the served one); 404 for any other."""
+def check_model(ctx: Context, body: dict[str, Any], adapters: bool = False) -> str:
+    """The ``model`` the request names (absent: the served one); 404 for any other. With
+    ``adapters``, the name of a served LoRA adapter is a model too (see :func:`adapter_field`)."""
     model = body.get("model")
     if model is None:
         return ctx.model
     if not isinstance(model, str):
         raise bad_request(f"model must be a string, got {_json_type(model)}")
-    if model != ctx.model:
-        raise HttpError(404, f"the model {model!r} does not exist; this server serves {ctx.model!r}",
+    if model != ctx.model and not (adapters and model in ctx.adapters):
+        served = ", ".join(repr(m) for m in (ctx.model, *(ctx.adapters if adapters else ())))
+        raise HttpError(404, f"the model {model!r} does not exist; this server serves {served}",
                         "model_not_found")
     return model
+
+
+def adapter_field(ctx: Context, model: str) -> dict[str, str]:
+    """The protocol's ``adapter`` field for a checked model name (none for the base model)."""
+    return {"adapter": model} if model in ctx.adapters else {}
 
 
 async def server_info(ctx: Context) -> dict[str, Any] | None:

@@ -84,7 +84,9 @@ class HttpListener:
     async def _serve(self) -> None:
         bridge = Bridge(self._server.inproc_endpoint, self._server.ctx)
         await bridge.start()
-        ctx = Context(bridge=bridge, model=self._server.service.config.model, tokenizer=self._server.service.tokenizer)
+        service = self._server.service
+        ctx = Context(bridge=bridge, model=service.config.model, tokenizer=service.tokenizer,
+                      adapters=tuple(service.adapters))
         app = build_app(ctx, self._server.metrics, self._health, self._api_key)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, ws="none")

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .bridge import Call
-from .common import (Context, check_model, field, first_event, image_input, read_json, run_to_end, sse,
+from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end, sse,
                      sse_response, terminal_or_raise)
 from .errors import HttpError, bad_request
 
@@ -35,27 +35,30 @@ ROLE_ALIASES = {"developer": "system"}
 
 
 def models(ctx: Context) -> JSONResponse:
+    adapters = [{"id": a, "object": "model", "created": CREATED, "owned_by": "tandem", "parent": ctx.model}
+                for a in ctx.adapters]  # LoRA adapters, as vLLM lists them
     return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model, "object": "model", "created": CREATED, "owned_by": "tandem"}]})
+        {"id": ctx.model, "object": "model", "created": CREATED, "owned_by": "tandem"}, *adapters]})
 
 
 async def chat_completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
-    model = check_model(ctx, body)
-    fields = {"messages": _messages(ctx, body.get("messages")), **_sampling(body, chat=True)}
+    model = check_model(ctx, body, adapters=True)
+    fields = {"messages": _messages(ctx, body.get("messages")), **_sampling(body, chat=True),
+              **adapter_field(ctx, model)}
     return await _respond(ctx, request, body, model, fields, _ChatShape())
 
 
 async def completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
-    model = check_model(ctx, body)
+    model = check_model(ctx, body, adapters=True)
     if body.get("echo"):
         raise bad_request("echo is not supported")
     if body.get("suffix"):
         raise bad_request("suffix is not supported")
     if field(body, "best_of", int, "an integer") not in (None, 1):
         raise bad_request("best_of must be 1")
-    fields = {**_prompt(body.get("prompt")), **_sampling(body, chat=False)}
+    fields = {**_prompt(body.get("prompt")), **_sampling(body, chat=False), **adapter_field(ctx, model)}
     return await _respond(ctx, request, body, model, fields, _CompletionShape())
 
 
