@@ -118,6 +118,12 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 class Work:
     prompt_ids: list[int]
     max_tokens: int
+    images: list[bytes] = field(default_factory=list)  # with images the prompt is text: IMAGE_PROMPT
+
+    def prompt_fields(self) -> dict:
+        if self.images:
+            return {"prompt": "<image>" * len(self.images) + IMAGE_PROMPT, "images": self.images}
+        return {"prompt_token_ids": self.prompt_ids}
 
     @property
     def text(self) -> str:
@@ -144,12 +150,40 @@ class Sample:
 PROMPT_IDS = (100, 16000)
 
 
-def make_work(n: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int], seed: int) -> list[Work]:
+IMAGE_PROMPT = "Describe this image."
+
+
+@dataclass(frozen=True)
+class ImageLoad:
+    per_request: int = 0  # images per request (0: text prompts of --prompt-len tokens)
+    size: tuple[int, int] = (512, 384)
+    distinct: int = 0  # distinct images cycled through (0: every image is new: encoder-cache misses)
+
+
+def noise_png(size: tuple[int, int], seed: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def make_work(n: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int], seed: int,
+              images: ImageLoad = ImageLoad()) -> list[Work]:
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    pool = [noise_png(images.size, seed * 1000 + i) for i in range(images.distinct)]
+    for i in range(n):
         length = rng.randint(*prompt_len)
-        out.append(Work([rng.randrange(*PROMPT_IDS) for _ in range(length)], rng.randint(*max_tokens)))
+        work = Work([rng.randrange(*PROMPT_IDS) for _ in range(length)], rng.randint(*max_tokens))
+        for k in range(images.per_request):
+            j = i * images.per_request + k
+            work.images.append(pool[j % len(pool)] if pool else noise_png(images.size, rng.randrange(1 << 30)))
+        out.append(work)
     return out
 
 
@@ -159,15 +193,15 @@ async def _one(client, work: Work, stream: bool, ignore_eos: bool, timeout: floa
     t0 = time.perf_counter()
     try:
         if not stream:
-            r = await client.generate(prompt_token_ids=work.prompt_ids, max_tokens=work.max_tokens,
-                                      ignore_eos=ignore_eos, timeout=timeout)
+            r = await client.generate(**work.prompt_fields(), max_tokens=work.max_tokens, ignore_eos=ignore_eos,
+                                      timeout=timeout)
             e2e = (time.perf_counter() - t0) * 1e3
             n = len(r.token_ids)
             ttft = r.metrics.get("ttft_ms")
             total = r.metrics.get("total_ms")
             itl = [(total - ttft) / (n - 1)] * (n - 1) if n > 1 and ttft is not None and total is not None else []
             return Sample(True, ttft, e2e, itl, n)
-        s = client.stream(prompt_token_ids=work.prompt_ids, max_tokens=work.max_tokens, ignore_eos=ignore_eos,
+        s = client.stream(**work.prompt_fields(), max_tokens=work.max_tokens, ignore_eos=ignore_eos,
                           timeout=timeout)
         first = last = None
         itl: list[float] = []
@@ -319,7 +353,8 @@ def _fmt(p: dict) -> str:
 def table(result: dict) -> str:
     lines = [
         f"model {result['model']} on {result['device']} via {result['endpoint']}; stream={result['stream']}, "
-        f"prompt_len={result['prompt_len']}, max_tokens={result['max_tokens']}, ignore_eos={result['ignore_eos']}",
+        f"prompt_len={result['prompt_len']}, max_tokens={result['max_tokens']}, ignore_eos={result['ignore_eos']}, "
+        f"images={result['images']}",
         "",
         "| transport | concurrency | requests | errors | req/s | output tok/s | TTFT ms p50/p90/p99 "
         "| ITL ms p50/p90/p99 | E2E ms p50/p90/p99 |",
@@ -336,7 +371,7 @@ def table(result: dict) -> str:
 def run(connect: str | None, spawn: bool, model: str | None, device: str | None, concurrency: list[int],
         requests: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int], stream: bool, ignore_eos: bool,
         warmup: int, seed: int, timeout: float, max_batch: int, kv_pages: int | None, quiet: bool,
-        transport: str = "zmq", http_url: str | None = None) -> dict:
+        transport: str = "zmq", http_url: str | None = None, images: ImageLoad = ImageLoad()) -> dict:
     from frontend.client import Client
 
     spawned = None
@@ -373,12 +408,13 @@ def run(connect: str | None, spawn: bool, model: str | None, device: str | None,
                                    show_eta=True) as bar:
                 for http in transports:
                     if warmup:
-                        asyncio.run(run_level(endpoint, 1, make_work(warmup, prompt_len, max_tokens, seed + 1),
+                        asyncio.run(run_level(endpoint, 1, make_work(warmup, prompt_len, max_tokens, seed + 1,
+                                                                     images),
                                               stream, ignore_eos, timeout, lambda: bar.update(1), http))
                 for conc in concurrency:
                     for http in transports:  # side by side: each level over each transport in turn
                         bar.label = f"bench serve c={conc} {'zmq' if http is None else 'http'}"
-                        work = make_work(requests, prompt_len, max_tokens, seed)
+                        work = make_work(requests, prompt_len, max_tokens, seed, images)
                         levels.append(asyncio.run(run_level(endpoint, conc, work, stream, ignore_eos, timeout,
                                                             lambda: bar.update(1), http)))
         finally:
@@ -399,6 +435,8 @@ def run(connect: str | None, spawn: bool, model: str | None, device: str | None,
         "prompt_len": _range_text(prompt_len),
         "max_tokens": _range_text(max_tokens),
         "ignore_eos": ignore_eos,
+        "images": {"per_request": images.per_request, "size": "x".join(map(str, images.size)),
+                   "distinct": images.distinct},
         "requests_per_level": requests,
         "warmup": warmup,
         "seed": seed,
@@ -435,10 +473,16 @@ def _range_text(r: tuple[int, int]) -> str:
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(0), help="Untimed requests first.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds per request.")
+@click.option("--images", "n_images", default=0, show_default=True, type=click.IntRange(0, 8),
+              help="Images per request (a vision model; the prompt is then '<image>...Describe this image.').")
+@click.option("--image-size", default="512x384", show_default=True, help="WxH of the random images.")
+@click.option("--distinct-images", default=0, show_default=True, type=click.IntRange(0),
+              help="Cycle through this many distinct images (encoder-cache hits); 0: every image new (misses).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def serve_command(connect, spawn, model, device, max_batch, kv_pages, transport, http_url, concurrency, n_requests,
-                  prompt_len, max_tokens, stream, ignore_eos, warmup, seed, timeout, as_json, quiet):
+                  prompt_len, max_tokens, stream, ignore_eos, warmup, seed, timeout, n_images, image_size,
+                  distinct_images, as_json, quiet):
     """Load a Tandem server over ZeroMQ and/or HTTP: throughput and TTFT / inter-token / end-to-end latency.
 
     \b
@@ -447,14 +491,22 @@ def serve_command(connect, spawn, model, device, max_batch, kv_pages, transport,
       tandem bench serve --spawn --concurrency 1,4 --requests 8 --max-tokens 8:32 --json
       tandem bench serve --connect ipc:///run/tandem/api.sock --no-stream --prompt-len 128:512
       tandem bench serve --spawn --transport both --concurrency 1,8,32
+      tandem bench serve --spawn --model random-smolvlm-256m --images 1 --distinct-images 1 --concurrency 1
     """
     if connect and spawn:
         raise click.UsageError("use either --connect or --spawn")
     if not spawn and (model or device):
         raise click.UsageError("--model/--device choose what --spawn starts; a running server reports its own")
+    try:
+        width, height = (int(x) for x in image_size.lower().split("x"))
+    except ValueError:
+        raise click.BadParameter("expected WxH, e.g. 512x384", param_hint="--image-size") from None
+    if n_images and transport != "zmq":
+        raise click.BadParameter("images are sent over the ZeroMQ transport only", param_hint="--images")
+    images = ImageLoad(n_images, (width, height), distinct_images)
     result = run(connect, spawn, model, device, parse_levels(concurrency), n_requests,
                  parse_range(prompt_len, "--prompt-len"), parse_range(max_tokens, "--max-tokens"), stream,
-                 ignore_eos, warmup, seed, timeout, max_batch, kv_pages, quiet, transport, http_url)
+                 ignore_eos, warmup, seed, timeout, max_batch, kv_pages, quiet, transport, http_url, images)
     click.echo(json.dumps(result) if as_json else table(result))
     return result
 

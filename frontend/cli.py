@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -164,6 +165,9 @@ def main() -> None:
 @click.option("--regex", default=None, help="Constrain the answer to a regular expression.")
 @click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
               help="Constrain the answer to a JSON schema (file).")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image file for a vision-language model (repeatable). Placed before the prompt's text, or "
+                   "at each <image> of a --raw prompt.")
 @click.option("--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True,
@@ -173,8 +177,8 @@ def main() -> None:
 @log_level_option()
 @click.pass_context
 def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, adapter, stream, as_json, server_key, client_key,
-             **engine_kw):
+             ignore_eos, grammar, max_objects, regex, json_schema, images, adapter, stream, as_json, server_key,
+             client_key, **engine_kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -186,6 +190,7 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
       echo "Once upon a time" | tandem generate --raw --max-tokens 40
       tandem generate "Point at the cat" --grammar point --max-objects 3
       tandem generate "Hi" --connect 127.0.0.1:5557
+      tandem generate "What is in this picture?" --model ./SmolVLM-256M-Instruct --image cat.jpg
       tandem generate "Hi" --lora pirate=./pirate-lora --adapter pirate
     """
     if connect:
@@ -214,9 +219,10 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
         model = engine_kw["model"] if given(ctx, "model") else None
         curve = serve_options.client_curve(server_key, client_key)
         result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, curve,
-                                  adapter)
+                                  adapter, images)
     else:
-        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), adapter)
+        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), adapter,
+                                 images)
     if live:
         click.echo()
     if as_json:
@@ -256,10 +262,10 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
 
 
 def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve,
-                     adapter=None) -> dict:
-    from frontend.client import Client
+                     adapter=None, images=()) -> dict:
+    from frontend.client import Client, TandemError
 
-    kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter)
+    kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter, images=list(images) or None)
     kw["stop_token_ids"] = kw["stop_token_ids"] or None
     if raw:
         kw["prompt"] = prompt
@@ -270,24 +276,28 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
         if model is not None and model != served:
             raise click.UsageError(f"the server at {endpoint} serves {served!r}, not {model!r} "
                                    "(--model picks a local worker's model)")
-        stream = client.stream(**kw)
-        for chunk in stream:
-            echo(chunk.text)
+        try:
+            stream = client.stream(**kw)
+            for chunk in stream:
+                echo(chunk.text)
+        except TandemError as e:
+            raise click.ClickException(f"{e.code}: {e}") from None
         r = stream.result
     return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None) -> dict:
+def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None, images=()) -> dict:
     """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
+    from frontend.images import image_prompt_ids
     from frontend.server import grammar_compiler
     from frontend.service import Service
-    from frontend.tokenization import chat_prompt_ids, text_prompt_ids
+    from frontend.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
     from shared.sampling import SamplingParams
 
     service = Service(config, on_progress=_show_worker_progress if sys.stderr.isatty() else None)
     try:
         tok = service.tokenizer
-        ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
+        messages = [{"role": "user", "content": prompt}]
         constraint = grammar_compiler(service).compile(spec).matcher() if spec is not None else None
         ended: dict = {}
 
@@ -297,8 +307,22 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=Non
             else:
                 ended[kind] = payload
 
-        service.submit(ids, SamplingParams(**sampling), stop=stop, constraint=constraint, on_event=on_event,
-                       adapter=adapter)
+        kw = dict(stop=stop, constraint=constraint, on_event=on_event, adapter=adapter)
+        try:
+            if images:
+                if raw:
+                    def render(prepared):
+                        return image_prompt_ids(tok, prompt, prepared, service.image_params)
+                else:
+                    def render(prepared):
+                        return image_chat_prompt_ids(tok, messages, prepared, service.image_params)
+                data = [Path(p).read_bytes() for p in images]
+                service.submit_images(data, render, SamplingParams(**sampling), **kw)
+            else:
+                ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, messages)
+                service.submit(ids, SamplingParams(**sampling), **kw)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
         while not ended:
             service.poll(0.1)
     finally:
@@ -397,10 +421,15 @@ def check_endpoint_free(endpoint: str) -> None:
                    "a second signal stops at once.")
 @click.option("--exit-on-worker-failure", is_flag=True,
               help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
+@click.option("--image-slots", type=int, default=None,
+              help="Vision models: shared-memory slots (one tile each) for images on their way to the worker "
+                   "(default: room for one request of 8 of the largest images).")
+@click.option("--encoder-cache-mb", default=256.0, show_default=True,
+              help="Vision models: device memory for image features kept for reuse.")
 @serve_options.network_options
 @log_level_option()
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key, curve_secret_key, curve_clients,
-          insecure, **engine_kw):
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, http, api_key,
+          curve_secret_key, curve_clients, insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -411,6 +440,7 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key,
       tandem serve --dtype float32 --bind 0.0.0.0:5557 --insecure     # a trusted network only
       TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
       tandem serve --lora pirate=./pirate-lora --lora legal=./legal-lora --max-loras 2
+      tandem serve --model ./SmolVLM-256M-Instruct    # a vision-language model directory
     """
     net = serve_options.resolve(bind, http, api_key, curve_secret_key, curve_clients, insecure)
     from frontend.server import Server, install_signal_handlers
@@ -418,7 +448,8 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, http, api_key,
 
     check_endpoint_free(bind)  # before the model load, which can take minutes
     net.listen()
-    cfg = service_config(engine_kw, restart=not exit_on_worker_failure)
+    cfg = service_config(engine_kw, restart=not exit_on_worker_failure, image_slots=image_slots,
+                         encoder_cache_mb=encoder_cache_mb)
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
     server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve)

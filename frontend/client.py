@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import os
 import queue
 import threading
 import time
@@ -58,6 +60,7 @@ import zmq
 import zmq.asyncio
 
 from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from frontend.skills import skill_output, skill_request
 from shared.sampling import SAMPLING_FIELD_NAMES
 
 __all__ = [
@@ -87,7 +90,8 @@ _LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a l
 
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
-GENERATE_OPTIONS = frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
+GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
+                    | {"images"})
 
 
 # --------------------------------------------------------------------------- errors
@@ -249,18 +253,37 @@ def _generate_msg(
         msg["prompt_token_ids"] = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
     msg["stream"] = stream
     for k, v in options.items():
-        if v is not None:
+        if k == "images" and v is not None:
+            msg[k] = [image_bytes(im) for im in v]
+        elif v is not None:
             msg[k] = list(v) if isinstance(v, tuple) else v
     return msg
 
 
+def image_bytes(image: Any) -> bytes:
+    """An image as the encoded file the protocol carries: bytes as they are, a path
+    read from disk, a PIL image saved as PNG (PIL is not imported: any object with
+    ``save(file, format=)``)."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        with open(image, "rb") as f:
+            return f.read()
+    if hasattr(image, "save"):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    raise TypeError(f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
+
+
+def _skill_msg(skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
+    """The generate options of a skill (``frontend.skills``), overridden by the caller's ``options``;
+    the image goes before the prompt's text (the protocol's rule for messages without image parts)."""
+    return {**skill_request(skill, **args), **options, "images": [image]}
+
+
 def _cancel_msg(request_id: str) -> dict[str, Any]:
     return {"type": "cancel", "id": request_id}
-
-
-def _shape_grammar(kind: str, max_objects: int) -> dict[str, Any]:
-    """The grammar of :meth:`Client.point` (``"point"``) and :meth:`Client.detect` (``"box"``)."""
-    return {"kind": kind, "max_objects": max_objects}
 
 
 def _encode(msg: dict) -> list[bytes]:
@@ -689,7 +712,8 @@ class Client(_ClientBase):
         or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
         ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
         max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, logprobs, grammar.  Options left as None are not sent (the
+        ignore_eos, logprobs, grammar, images (paths, bytes or PIL images, placed by
+        ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
         server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
         top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
         server ``error``.
@@ -718,15 +742,28 @@ class Client(_ClientBase):
         """The server's ``info``: protocol, model, max_batch, max_model_len, pipeline, device."""
         return self._query(_info(), timeout)
 
-    def point(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
-        """Generate with ``grammar={"kind": "point", "max_objects": n}``; returns
-        ``result.output``: ``{"points": [{"x": .., "y": ..}, ...]}`` (coordinates in [0, 1])."""
-        return self.generate(prompt, grammar=_shape_grammar("point", max_objects), **kw).output
+    # -- skills on an image (a path, bytes or a PIL image); prompts and defaults: frontend/skills.py.
+    # Keyword options override the skill's defaults (max_tokens, temperature, ...).
 
-    def detect(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
-        """Generate with ``grammar={"kind": "box", "max_objects": n}``; returns ``result.output``:
-        ``{"objects": [{"x_min": .., "y_min": .., "x_max": .., "y_max": ..}, ...]}``."""
-        return self.generate(prompt, grammar=_shape_grammar("box", max_objects), **kw).output
+    def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
+        """``{"caption": str}``; ``length``: short, normal or long."""
+        return self._skill("caption", image, kw, length=length)
+
+    def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
+        """``{"answer": str}``."""
+        return self._skill("query", image, kw, question=question)
+
+    def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+        """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
+        return self._skill("point", image, kw, obj=object, max_objects=max_objects)
+
+    def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+        """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
+        return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
+
+    def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
+        r = self.generate(**_skill_msg(skill, image, options, **args))
+        return skill_output(skill, r.text, r.output)
 
     def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""
@@ -894,13 +931,25 @@ class AsyncClient(_ClientBase):
         """As :meth:`Client.info`."""
         return await self._query(_info(), timeout)
 
-    async def point(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
-        """As :meth:`Client.point`."""
-        return (await self.generate(prompt, grammar=_shape_grammar("point", max_objects), **kw)).output
+    async def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
+        """As :meth:`Client.caption`."""
+        return await self._skill("caption", image, kw, length=length)
 
-    async def detect(self, prompt: str, max_objects: int = 16, **kw: Any) -> Any:
+    async def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
+        """As :meth:`Client.query`."""
+        return await self._skill("query", image, kw, question=question)
+
+    async def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+        """As :meth:`Client.point`."""
+        return await self._skill("point", image, kw, obj=object, max_objects=max_objects)
+
+    async def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
         """As :meth:`Client.detect`."""
-        return (await self.generate(prompt, grammar=_shape_grammar("box", max_objects), **kw)).output
+        return await self._skill("detect", image, kw, obj=object, max_objects=max_objects)
+
+    async def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
+        r = await self.generate(**_skill_msg(skill, image, options, **args))
+        return skill_output(skill, r.text, r.output)
 
     async def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""

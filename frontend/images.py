@@ -32,9 +32,8 @@ from PIL import Image
 
 from shared.vision_config import ImageProcessorParams
 
-MAX_IMAGE_BYTES = 20 * 1024 * 1024
-MAX_IMAGE_SIDE = 8192  # width * height must not exceed MAX_IMAGE_SIDE ** 2
-MAX_IMAGES = 8  # per request
+from .protocol import MAX_IMAGE_BYTES, MAX_IMAGE_SIDE, MAX_IMAGES  # noqa: F401 - the contract's limits
+
 MAX_RESIZED_SIDE = 4096  # transformers' Idefics3 MAX_IMAGE_SIZE
 
 IMAGE_TOKEN = "<image>"
@@ -176,8 +175,16 @@ def prepare_images(images: list[bytes], params: ImageProcessorParams) -> list[Pr
         try:
             out.append(prepare_image(data, params))
         except ValueError as e:
-            raise ValueError(f"image {i}: {e}") from None
+            raise ValueError(f"images[{i}]: {e}") from None
     return out
+
+
+def max_tiles_per_image(params: ImageProcessorParams) -> int:
+    """The most tiles one image can become (its grid plus the global view)."""
+    if not params.do_image_splitting:
+        return 1
+    side = -(-min(params.longest_edge, MAX_RESIZED_SIDE) // params.tile_size)
+    return side * side + (1 if side > 1 else 0)
 
 
 def normalize_tiles(tiles: np.ndarray, params: ImageProcessorParams) -> np.ndarray:

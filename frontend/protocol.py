@@ -86,11 +86,16 @@ ROLES = ("system", "user", "assistant", "tool")
 # Fixed by the contract (not configurable).
 MAX_ID_CHARS = 128
 MAX_STOP = 16
+MAX_IMAGES = 8  # per request
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one encoded image file
+MAX_IMAGE_SIDE = 8192  # width * height must not exceed MAX_IMAGE_SIDE ** 2
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per generate
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
 MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
-_GENERATE_FIELDS = frozenset({"type", "id", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS, *MODEL_FIELDS})
+_GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS,
+                              *MODEL_FIELDS})
+_PART_TYPES = ("text", "image")  # the parts of a message's content given as a list
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 
 
@@ -99,6 +104,7 @@ class Limits:
     """Server-configurable limits (the id length and stop count are fixed by the contract)."""
 
     max_message_bytes: int = 1 << 20  # both frames together
+    max_image_message_bytes: int = 64 << 20  # a generate carrying images
     max_prompt_chars: int = 1 << 18  # prompt, or the sum of all messages' content
     max_prompt_tokens: int = 1 << 17  # prompt_token_ids length
     vocab_size: int | None = None  # when set, token ids must be < vocab_size
@@ -147,6 +153,7 @@ class GenerateRequest:
     stream: bool = True
     logprobs: bool = False
     grammar: dict[str, Any] | None = None
+    images: tuple[bytes, ...] = ()  # encoded image files, placed by <image> / image parts (not yet decoded)
     adapter: str | None = None  # a LoRA adapter the server was started with; None = the base model
 
     def sampling_params(self) -> SamplingParams:
@@ -351,8 +358,13 @@ def parse_client_message(frames: Sequence[bytes], limits: Limits | None = None) 
     """
     limits = limits or DEFAULT_LIMITS
     ctx = _Ctx()
-    msg = _decode_payload(ctx, _payload_frame(ctx, frames, limits))
-    return _PARSERS[_message_type(ctx, msg)](ctx, msg, limits)
+    payload = _payload_frame(ctx, frames, limits)
+    msg = _decode_payload(ctx, payload)
+    kind = _message_type(ctx, msg)
+    size = len(VERSION_FRAME) + len(payload)
+    if size > limits.max_message_bytes and not (kind == "generate" and msg.get("images")):
+        raise ctx.too_long(f"message is {size} bytes, the limit is {limits.max_message_bytes}")
+    return _PARSERS[kind](ctx, msg, limits)
 
 
 def _payload_frame(ctx: _Ctx, frames: Sequence[bytes], limits: Limits) -> bytes:
@@ -376,10 +388,9 @@ def _payload_frame(ctx: _Ctx, frames: Sequence[bytes], limits: Limits) -> bytes:
             peeked_id(),
         )
     size = sum(len(f) for f in frames)
-    if size > limits.max_message_bytes:
-        raise ProtocolError(
-            "too_long", f"message is {size} bytes, the limit is {limits.max_message_bytes}", peeked_id()
-        )
+    cap = max(limits.max_message_bytes, limits.max_image_message_bytes)  # the tighter limit once decoded
+    if size > cap:
+        raise ProtocolError("too_long", f"message is {size} bytes, the limit is {cap}", peeked_id())
     if len(frames) < 2:
         raise ctx.bad("missing payload frame: a message is the version frame then one msgpack map")
     if len(frames) > 2:
@@ -427,10 +438,11 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     stream = _opt_bool(ctx, msg, "stream", True)
     logprobs = _opt_bool(ctx, msg, "logprobs", False)
     grammar = _parse_grammar(ctx, msg.get("grammar"))
+    images = _parse_images(ctx, msg.get("images"), prompt)
     adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
     sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
     return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream, logprobs=logprobs,
-                           grammar=grammar, adapter=adapter)
+                           grammar=grammar, images=images, adapter=adapter)
 
 
 def _parse_cancel(ctx: _Ctx, msg: dict, limits: Limits) -> CancelRequest:
@@ -495,7 +507,7 @@ def _parse_messages(ctx: _Ctx, v: object, limits: Limits) -> list[dict[str, str]
     if not v:
         raise ctx.bad("messages must not be empty")
     out = [_parse_chat_message(ctx, m, f"messages[{i}]") for i, m in enumerate(v)]
-    total = sum(len(m["content"]) for m in out)
+    total = sum(len(_content_text(m["content"])) for m in out)
     if total > limits.max_prompt_chars:
         raise ctx.too_long(
             f"messages hold {total} characters of content, the limit is {limits.max_prompt_chars}"
@@ -517,9 +529,67 @@ def _parse_chat_message(ctx: _Ctx, m: object, where: str) -> dict[str, str]:
         raise ctx.bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}")
     if content is None:
         raise ctx.bad(f"{where}.content is required")
+    if isinstance(content, list):
+        return {"role": role, "content": _parse_parts(ctx, content, f"{where}.content")}
     if not isinstance(content, str):
-        raise ctx.bad(f"{where}.content must be a string, got {_tname(content)}")
+        raise ctx.bad(f"{where}.content must be a string or an array of parts, got {_tname(content)}")
     return {"role": role, "content": content}
+
+
+def _parse_parts(ctx: _Ctx, parts: list, where: str) -> list[dict[str, str]]:
+    """``[{"type": "text", "text": str} | {"type": "image"}]``: text and the places of images."""
+    out = []
+    for i, part in enumerate(parts):
+        at = f"{where}[{i}]"
+        if not isinstance(part, dict):
+            raise ctx.bad(f"{at} must be a map, got {_tname(part)}")
+        _check_keys(ctx, part, at)
+        kind = part.get("type")
+        if kind not in _PART_TYPES:
+            raise ctx.bad(f"{at}.type must be one of {', '.join(_PART_TYPES)}, got {_short(kind)}")
+        if kind == "text":
+            _check_unknown(ctx, part, frozenset({"type", "text"}), at)
+            if not isinstance(part.get("text"), str):
+                raise ctx.bad(f"{at}.text must be a string, got {_tname(part.get('text'))}")
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            _check_unknown(ctx, part, frozenset({"type"}), at)
+            out.append({"type": "image"})
+    return out
+
+
+def _content_text(content: str | list[dict[str, str]]) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def _parse_images(ctx: _Ctx, v: object, prompt: dict[str, Any]) -> tuple[bytes, ...]:
+    """Only the envelope (count, types, sizes); decoding and placement are checked by the server."""
+    messages = prompt.get("messages")
+    image_parts = sum(1 for m in messages or () if isinstance(m["content"], list)
+                      for p in m["content"] if p["type"] == "image")
+    if v is None:
+        if image_parts:
+            raise ctx.bad(f"messages hold {image_parts} image parts but no images were sent")
+        return ()
+    if not isinstance(v, list):
+        raise ctx.bad(f"images must be an array of bin (encoded image files), got {_tname(v)}")
+    if "prompt_token_ids" in prompt:
+        raise ctx.bad("images cannot be combined with prompt_token_ids: send prompt or messages")
+    if len(v) > MAX_IMAGES:
+        raise ctx.bad(f"images: too many images: {len(v)} (at most {MAX_IMAGES} per request)")
+    for i, data in enumerate(v):
+        if not isinstance(data, (bytes, bytearray)):
+            raise ctx.bad(f"images[{i}] must be bin (an encoded image file), got {_tname(data)}")
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ctx.bad(f"images[{i}]: image is {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES} "
+                          "(20 MiB)")
+    if "prompt" in prompt:
+        marks = prompt["prompt"].count("<image>")
+        if marks != len(v):
+            raise ctx.bad(f"images: the prompt has {marks} <image> placeholders but {len(v)} images were sent")
+    elif image_parts and image_parts != len(v):
+        raise ctx.bad(f"images: messages hold {image_parts} image parts but {len(v)} images were sent")
+    return tuple(bytes(d) for d in v)
 
 
 _WIRE_TYPE_OK = {int: _is_int, float: _is_num, bool: _is_bool}

@@ -38,7 +38,8 @@ from .grammars import GrammarCompiler, GrammarError
 from .metrics import Metrics
 from .service import Request, Service
 from .systemd import Notifier
-from .tokenization import chat_prompt_ids, text_prompt_ids
+from .images import image_prompt_ids
+from .tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
 log = logging.getLogger("tandem.server")
 
@@ -75,7 +76,8 @@ class Server:
         # ZeroMQ drops the connection of a peer that exceeds MAXMSGSIZE (its other requests
         # would lose their terminal messages), so the hard cap sits far above the protocol
         # limit and oversized messages are answered with too_long by the parser instead.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, 4 * self.limits.max_message_bytes))
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(self.limits.max_image_message_bytes,
+                                                     2 * self.limits.max_message_bytes))
         self.curve = curve
         if curve is not None:
             curve.apply(self.sock)
@@ -180,10 +182,12 @@ class Server:
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
-                     "grammar_cache_hits": self.grammars.cache_hits, "adapters": list(self.service.adapters)}
+                     "grammar_cache_hits": self.grammars.cache_hits, "adapters": list(self.service.adapters),
+                     "vision": self.service.image_params is not None}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}
+                extra["encoder_cache"] = {k: int(stats[f"encoder_cache_{k}"]) for k in ("hits", "misses", "entries")}
                 extra["prefix_cache"] = {"hit_tokens": stats["prefix_hit_tokens"],
                                          "query_tokens": stats["prefix_query_tokens"]}
                 extra["adapters_loaded"] = stats.get("adapters_loaded", [])  # the adapters in device slots
@@ -210,23 +214,30 @@ class Server:
                                   msg.id)
         if len(self.live) >= self.max_queue:
             raise P.ProtocolError("overloaded", f"{len(self.live)} requests in flight; retry later", msg.id)
+        if msg.images and self.service.image_params is None:
+            raise P.ProtocolError("bad_request", "images: this model takes no images (it has no vision encoder)",
+                                  msg.id)
         try:
-            ids = self._prompt_ids(msg)
+            ids = self._prompt_ids(msg) if not msg.images else None
             constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
         except GrammarError as e:
             raise P.ProtocolError("bad_request", f"grammar: {e}", msg.id) from None
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
-        if not ids:
+        if ids is not None and not ids:
             raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
-        if len(ids) >= self.max_model_len:
+        if ids is not None and len(ids) >= self.max_model_len:
             raise P.ProtocolError("too_long", f"the prompt has {len(ids)} tokens; the context holds "
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
         state = ClientRequest(identity, msg.id, msg.stream)
+        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=self._on_event,
+                  user_data=state, adapter=msg.adapter)
         try:
-            req = self.service.submit(ids, msg.sampling_params(), stop=msg.stop, constraint=constraint,
-                                      logprobs=msg.logprobs, on_event=self._on_event, user_data=state,
-                                      adapter=msg.adapter)
+            if msg.images:  # decoded off this loop; the prompt is rendered once their tiling is known
+                req = self.service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling_params(),
+                                                 **kw)
+            else:
+                req = self.service.submit(ids, msg.sampling_params(), **kw)
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
         if not req.ended:
@@ -239,6 +250,12 @@ class Server:
         if msg.messages is not None:
             return chat_prompt_ids(tok, msg.messages)
         return text_prompt_ids(tok, msg.prompt)
+
+    def _image_renderer(self, msg: P.GenerateRequest):
+        tok, params = self.service.tokenizer, self.service.image_params
+        if msg.messages is not None:
+            return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params)
+        return lambda images: image_prompt_ids(tok, msg.prompt, images, params)
 
     # ------------------------------------------------------------------ service events
     def _on_event(self, req: Request, kind: str, payload: dict[str, Any]) -> None:

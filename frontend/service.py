@@ -22,14 +22,24 @@ Invariants:
   running and new requests wait in ``unsent`` (a failed restart raises
   ``WorkerFailed``: a worker that cannot start is not retried in a loop).
 
-Single-threaded: call ``poll()`` from one thread (the server loop).
+Images (``submit_images``): decoding, resizing, tiling and tokenizing run in
+a small thread pool, so a large image never holds up the tokens of other
+streams; the finished request waits in ``unsent`` until enough image slots of
+the arena are free (a slot is reused only after the worker's ``ImagesCopied``),
+then its Submit names the slots. A cancel at any of these phases ends it at once.
+
+Single-threaded: call ``poll()`` from one thread (the server loop); only the
+image pool's threads run beside it, and they hand results back through
+``_prepared`` plus an eventfd that is among ``fds()``.
 """
 from __future__ import annotations
 
 import logging
+import os
 import select
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,13 +48,15 @@ import numpy as np
 from shared.config import EngineConfig
 from shared.finish import FinishReason
 from shared.lora_config import read_adapters
-from shared.messages import Cancel, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
+from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
+                             SubmitImage)
 from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
-from shared.vision_config import read_config
+from shared.vision_config import ImageProcessorParams, read_config
 
 from .detokenizer import IncrementalDetokenizer
+from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image, prepare_images
 from .worker_handle import WorkerFailed, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
@@ -67,6 +79,9 @@ class ServiceConfig(EngineConfig):
     ready_timeout_s: float = 900.0
     ring_entries: int = 64
     log_level: str = "WARNING"
+    image_slots: int | None = None  # arena image slots; None: room for one request of the largest images
+    image_slot_tiles: int = 1  # tiles per image slot
+    image_threads: int = 2  # threads that decode, tile and tokenize images
 
 
 @dataclass(eq=False)
@@ -87,6 +102,10 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     mask_row: int = -1  # its row in the shared mask region while it holds one
+    images: list[PreparedImage] | None = None  # tiles waiting to go into image slots (dropped once sent)
+    image_tokens: int = 0  # prompt positions filled by image features
+    preparing: bool = False  # its images are still being decoded in the thread pool
+    render: Callable | None = None  # prepared images -> prompt ids (submit_images)
     submitted: bool = False  # sent to the worker (else waiting for a mask row)
     ended: bool = False
     finish_reason: FinishReason = FinishReason.NONE
@@ -116,6 +135,11 @@ class Service:
         self.free_mask_rows = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
+        self.image_params = ImageProcessorParams.from_model_dir(self.model_path) if self.model.vision else None
+        self._image_pool = (ThreadPoolExecutor(cfg.image_threads, thread_name_prefix="tandem-images")
+                            if self.image_params else None)
+        self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
+        self._prepared_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.worker: WorkerHandle | None = None
         self.on_progress = on_progress
         self._start_worker()
@@ -126,7 +150,19 @@ class Service:
     def _start_worker(self) -> None:
         """Spawn a worker generation; ``poll`` notices when it is ready."""
         self.generation += 1
-        self.worker = WorkerHandle(self.config, self.model, self.generation, on_progress=self._progress)
+        self.worker = WorkerHandle(self.config, self.model, self.generation, on_progress=self._progress,
+                                   image_region=self._image_region())
+
+    def _image_region(self) -> tuple[int, int, int]:
+        """(slots, tiles per slot, tile side) of the arena's image region; no slots for a text model."""
+        if not self.model.vision:
+            return 0, 1, 0
+        params = ImageProcessorParams.from_model_dir(self.model_path)
+        per_slot = max(1, self.config.image_slot_tiles)
+        slots = self.config.image_slots
+        if slots is None:
+            slots = MAX_IMAGES * -(-max_tiles_per_image(params) // per_slot)
+        return slots, per_slot, params.tile_size
 
     def _progress(self, msg) -> None:
         log.info("worker generation %d: %s%s", self.generation, msg.stage,
@@ -159,6 +195,12 @@ class Service:
     # ------------------------------------------------------------------ requests
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, stop=(), constraint=None,
                logprobs: bool = False, on_event=None, user_data=None, adapter: str | None = None) -> Request:
+        req = self._new_request(prompt_ids, params, stop, constraint, logprobs, on_event, user_data, adapter)
+        self._ready_to_send(req)
+        return req
+
+    def _new_request(self, prompt_ids, params, stop, constraint, logprobs, on_event, user_data,
+                     adapter: str | None) -> Request:
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         if adapter is not None and adapter not in self.adapters:
@@ -166,37 +208,131 @@ class Service:
                              f"{', '.join(self.adapters) or 'none'}")
         seq_id = self._next_seq
         self._next_seq = self._next_seq % 0xFFFFFFFF + 1
-        req = Request(seq_id, list(prompt_ids), params, tuple(s for s in stop if s), constraint, logprobs, on_event,
-                      user_data, adapter)
-        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
+        req = Request(seq_id, list(prompt_ids or ()), params, tuple(s for s in stop if s), constraint, logprobs,
+                      on_event, user_data, adapter)
         self.requests[seq_id] = req
-        if self.worker.ready and (constraint is None or self.free_mask_rows):
+        return req
+
+    def submit_images(self, images: list[bytes], render: Callable[[list[PreparedImage]], list[int]],
+                      params: SamplingParams | None = None, *, stop=(), constraint=None, logprobs: bool = False,
+                      on_event=None, user_data=None, adapter: str | None = None) -> Request:
+        """A request with images, decoded and tiled in the image pool; then
+        ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
+        rendered text) runs on the loop thread (the tokenizer is not shared across threads).
+        Bad images (or a ``ValueError`` from ``render``) end the request with
+        ``bad_request`` naming the field; ``ValueError`` at once for what needs no decoding."""
+        if self.image_params is None:
+            raise ValueError("images: this model takes no images (it has no vision encoder)")
+        try:
+            check_image_count(len(images))
+        except ValueError as e:
+            raise ValueError(f"images: {e}") from None
+        req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter)
+        req.preparing = True
+        req.render = render
+        self._image_pool.submit(self._prepare, req, list(images))
+        return req
+
+    def _prepare(self, req: Request, images: list[bytes]) -> None:
+        """Pool thread: decode, tile and hash; hand the result to the loop."""
+        try:
+            result = prepare_images(images, self.image_params)
+        except Exception as e:  # noqa: BLE001 - reported to the request, never lost in the pool
+            result = e
+        self._prepared.append((req, result))
+        os.eventfd_write(self._prepared_fd, 1)
+
+    def _take_prepared(self) -> None:
+        """Loop thread: requests whose images the pool finished go on to the worker."""
+        try:
+            os.eventfd_read(self._prepared_fd)
+        except BlockingIOError:
+            pass
+        while self._prepared:
+            req, result = self._prepared.popleft()
+            req.preparing = False
+            if req.ended:  # cancelled (or failed) while its images were being prepared
+                self._forget(req)
+                continue
+            error = None
+            if isinstance(result, ValueError):
+                error = ("bad_request", str(result))
+            elif isinstance(result, Exception):
+                log.error("preparing the images of request %d failed: %r", req.seq_id, result)
+                error = ("internal", f"{type(result).__name__}: {result}")
+            else:
+                req.images = result
+                try:
+                    req.prompt_ids = [int(t) for t in req.render(result)]
+                    error = self._check_image_request(req)
+                except ValueError as e:
+                    error = ("bad_request", str(e))
+            if error is not None:
+                self._end(req, error=error)
+                self._forget(req)
+                continue
+            req.image_tokens = sum(im.num_tiles for im in req.images) * self.image_params.image_seq_len
+            self._start_detokenizer(req)
+            self._ready_to_send(req)
+
+    def _check_image_request(self, req: Request) -> tuple[str, str] | None:
+        max_len = int(self.worker.info.get("max_model_len", self.config.max_model_len) if self.worker.info
+                      else self.config.max_model_len)
+        if len(req.prompt_ids) >= max_len:
+            return ("too_long", f"the prompt has {len(req.prompt_ids)} tokens with its images; the context holds "
+                                f"{max_len} (prompt + at least one generated token)")
+        need = self.worker.images.slots_needed([im.num_tiles for im in req.images])
+        if need > self.worker.images.capacity:
+            return ("bad_request", f"images: {sum(im.num_tiles for im in req.images)} tiles need {need} image "
+                                   f"slots; the server has {self.worker.images.capacity} (--image-slots)")
+        return None
+
+    def _start_detokenizer(self, req: Request) -> None:
+        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
+
+    def _ready_to_send(self, req: Request) -> None:
+        if req.preparing:
+            return
+        if req.detok is None:
+            self._start_detokenizer(req)
+        if self._can_send(req):
             self._send_submit(req)
         else:
             self.unsent.append(req)
-        return req
+
+    def _can_send(self, req: Request) -> bool:
+        """The worker is ready, and a mask row / enough image slots are free if the request needs them."""
+        if not self.worker.ready or (req.constraint is not None and not self.free_mask_rows):
+            return False
+        return not req.images or (self.worker.images.num_free
+                                  >= self.worker.images.slots_needed([im.num_tiles for im in req.images]))
 
     def _send_unsent(self) -> None:
-        """Send what waited: everything once the worker is ready, constrained requests while mask rows last."""
+        """Send what waited: everything once the worker is ready, requests needing a mask row
+        or image slots while those last (the others are not held up behind them)."""
         if not self.worker.ready:
             return
         waiting = self.unsent
         self.unsent = deque()
         for req in waiting:  # (a cancel removes its request from unsent)
-            if req.constraint is not None and not self.free_mask_rows:
-                self.unsent.append(req)
-            else:
+            if self._can_send(req):
                 self._send_submit(req)
+            else:
+                self.unsent.append(req)
 
     def _send_submit(self, req: Request) -> None:
         if req.constraint is not None:
             req.mask_row = self.free_mask_rows.pop()
             self._write_mask(req)  # the initial mask exists before the first token can be sampled
+        images = []
+        for im in req.images or ():  # pixels go through shared memory; the message names the slots
+            images.append(SubmitImage(hash=im.hash, num_tiles=im.num_tiles, slots=self.worker.images.write(im.tiles)))
+        req.images = None
         req.submitted = True
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
-                                        mask_row=req.mask_row, adapter=req.adapter))
+                                        mask_row=req.mask_row, adapter=req.adapter, images=images))
 
     def cancel(self, req: Request) -> None:
         """Client cancel or disconnect: terminal ``done`` (cancelled) now, resources freed in the worker."""
@@ -220,7 +356,7 @@ class Service:
     # ------------------------------------------------------------------ the loop
     def fds(self) -> list[int]:
         """File descriptors that become readable when poll() has work (for external pollers)."""
-        return [self.worker.tokens.fileno(), self.worker.channel.fileno()]
+        return [self.worker.tokens.fileno(), self.worker.channel.fileno(), self._prepared_fd]
 
     def poll(self, timeout: float = 0.0) -> int:
         """Process what the worker sent; wait up to ``timeout`` if there was nothing. Returns entries processed."""
@@ -240,6 +376,7 @@ class Service:
         if why is not None:
             self._worker_died(why)
             return 0
+        self._take_prepared()
         try:
             self.worker.channel.flush()  # submits the socket could not take at once
         except ConnectionError:
@@ -285,6 +422,10 @@ class Service:
                 code = msg.code if msg.code in PROTOCOL_CODES else "internal"
                 message = msg.message if code == msg.code else f"{msg.code}: {msg.message}"
                 self._end(req, error=(code, message))
+        elif isinstance(msg, ImagesCopied):
+            self.worker.images.release(msg.slots)
+            if self.unsent:
+                self._send_unsent()
         elif isinstance(msg, Stats):
             self._stats = {**msg.values, "adapters_loaded": list(msg.adapters_loaded)}
 
@@ -353,7 +494,8 @@ class Service:
         req.finish_reason = reason
         payload = {"finish_reason": reason.wire, "text": req.text, "token_ids": list(req.token_ids),
                    "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids),
-                             "cached_tokens": req.cached_tokens},
+                             "cached_tokens": req.cached_tokens,
+                             **({"image_tokens": req.image_tokens} if self.image_params else {})},
                    "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
         if req.constraint is not None and reason == FinishReason.STOP:
             try:
@@ -389,11 +531,16 @@ class Service:
         return self._stats
 
     def close(self) -> None:
+        if self._image_pool is not None:
+            self._image_pool.shutdown(wait=False, cancel_futures=True)
         if self.worker is not None:
             for req in list(self.requests.values()):
                 self._end(req, error=("internal", "the server is shutting down"))
             self.worker.shutdown()
             self.worker = None
+        if self._prepared_fd >= 0:
+            os.close(self._prepared_fd)
+            self._prepared_fd = -1
 
 
 def _ms(t0: float, t1: float | None) -> float | None:

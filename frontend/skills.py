@@ -89,3 +89,37 @@ def _settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
 def _text(name: str, value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise SkillError(f"{name} must be a non-empty string")
+
+
+def skill_request(skill: str, *, length: str = "normal", question: str | None = None, obj: str | None = None,
+                  max_objects: int = 16, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The generate fields that ask ``skill`` of one image (the Python client's entry point):
+    the user message is the image part, then the skill's text."""
+    s = dict(settings or {})
+    if skill == "caption":
+        req = caption(length, s)
+    elif skill == "query":
+        req = query(question, s)
+    elif skill in ("point", "detect"):
+        s.setdefault("max_objects", max_objects)
+        req = (point if skill == "point" else detect)(obj, s)
+    else:
+        raise SkillError(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}")
+    text = req["messages"][0]["content"]
+    req["messages"] = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    return req
+
+
+def skill_output(skill: str, text: str, output: Any = None) -> dict[str, Any]:
+    """A finished generate as Moondream returns the skill: ``{"caption"}``, ``{"answer"}``,
+    ``{"points": [{"x", "y"}]}`` or ``{"objects": [{"x_min", "y_min", "x_max", "y_max"}]}``."""
+    if skill == "caption":
+        return {"caption": text.strip()}
+    if skill == "query":
+        return {"answer": text.strip()}
+    if skill in ("point", "detect"):
+        key = "points" if skill == "point" else "objects"
+        if not isinstance(output, dict) or key not in output:
+            raise ValueError(f"{skill}: the answer is not a complete {key} list (did generation stop early?)")
+        return {key: output[key]}
+    raise ValueError(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}")

@@ -32,9 +32,11 @@ class WorkerFailed(RuntimeError):
 
 
 class WorkerHandle:
-    def __init__(self, config: "ServiceConfig", model: ModelInfo, generation: int, on_progress=None) -> None:
+    def __init__(self, config: "ServiceConfig", model: ModelInfo, generation: int, on_progress=None,
+                 image_region: tuple[int, int, int] = (0, 1, 0)) -> None:
         """Spawn generation ``generation`` of the worker for ``config`` (its engine fields
-        travel to the worker as JSON, with the resolved model directory)."""
+        travel to the worker as JSON, with the resolved model directory). ``image_region``:
+        (slots, tiles per slot, tile side) of the arena's image slots."""
         engine_config = dict(config.engine_fields(), model=str(model.path))
         self.generation = generation
         self.stale_s = config.worker_stale_s
@@ -43,7 +45,9 @@ class WorkerHandle:
         self.on_progress = on_progress  # called with each Progress the worker sends while starting
         max_batch = config.max_batch
         self.arena = Arena.create(Layout(vocab_size=model.vocab_size, ring_entries=config.ring_entries,
-                                         max_rows=max_batch, max_batch_rows=max_batch), generation=generation)
+                                         max_rows=max_batch, max_batch_rows=max_batch, image_slots=image_region[0],
+                                         slot_tiles=image_region[1], tile_size=image_region[2]),
+                                  generation=generation)
         self._beating = self.arena.start_heartbeat(Side.FRONTEND)
         self.channel, child_end = ControlChannel.pair()
         self.stderr = tempfile.TemporaryFile()  # unlinked at once: kept only for failure reports
@@ -57,6 +61,7 @@ class WorkerHandle:
         self.tokens = self.arena.token_reader()
         self.acks = self.arena.ack_writer()
         self.masks = self.arena.mask_writer()
+        self.images = self.arena.image_writer()  # a new arena per generation: every slot starts free
         self.info: dict = {}
         self.ready = False
 

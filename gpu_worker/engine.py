@@ -21,6 +21,16 @@ samples and commits one step (a constrained step is committed by the next
 tick, once its masks have come), so the device idles while the host commits,
 publishes and plans.
 
+Images (DESIGN.md §6a): a request may carry images (``submit(images=...)``).
+At admission each takes a reference to its encoder-cache entry (a hit, or a
+new entry on a miss); the first prefill launch whose chunk reaches an image not
+yet encoded encodes it on the compute stream, before that launch's text forward
+(one vision forward for all of the launch's images). A chunk may split an
+image span; the reference keeps the features until the request's last prefill
+chunk has been committed. Host tiles are handed back (``StepResult.tiles_done``)
+once the engine will never read them: a cache hit at admission, the commit of
+the launch that copied them to the device, or the request's release.
+
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
 - no token of a finalized sequence is delivered (zombie rows are skipped);
@@ -48,13 +58,15 @@ from shared.sampling import SamplingParams
 
 from .allocator import Allocator
 from .device import Device, DeviceError
+from .encoder_cache import EncoderCache
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
-from .prefix_cache import ROOT, page_hash
+from .prefix_cache import ROOT, chain
 from .sampler import FLAG_STOP
 from .scheduler import Plan, Scheduler
-from .sequence import Sequence
+from .sequence import ImageInput, SeqImage, Sequence
+from .vision import image_rows_in_chunk
 
 log = logging.getLogger("tandem.engine")
 
@@ -77,6 +89,8 @@ class Launch:
     constrained: np.ndarray | None = None  # sampling rows still waiting for their masks
     copy_done: object = None  # the device->host copy's event: what the commit waits on
     dropped: bool = False  # discarded after a device failure
+    encoded: list[SeqImage] = field(default_factory=list)  # images encoded (from their host tiles) by this launch
+    prefill_ended: list[Sequence] = field(default_factory=list)  # sequences whose last prefill chunk is in it
 
 
 @dataclass
@@ -95,6 +109,7 @@ class StepResult:
     dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
     mask_requests: list[Sequence] = field(default_factory=list)  # the next step() must bring their masks
     mask_step: int | None = None  # the step those masks are for
+    tiles_done: list[ImageInput] = field(default_factory=list)  # host tiles never read again (free their memory)
 
     @property
     def rows(self) -> int:
@@ -116,15 +131,19 @@ class EngineStats:
     failed: int = 0
     prefix_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
+    encoder_launches: int = 0  # vision forwards (one per launch that encodes images)
+    encoded_images: int = 0
+    encoded_tiles: int = 0
+    image_tokens: int = 0  # prompt positions filled by image features
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, llama=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, llama=None, vision=None, image_params=None) -> None:
         self.config = cfg = config or EngineConfig()
         if cfg.max_batch < 1 or cfg.page_size < 1 or cfg.prefill_budget < 1:
             raise ValueError("max_batch, page_size and prefill_budget must be >= 1")
         self.device = Device(cfg.device)
-        self.runner = ModelRunner(cfg, self.device, llama)
+        self.runner = ModelRunner(cfg, self.device, llama, vision, image_params)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.alloc = Allocator(self.runner.num_pages, cfg.page_size, cfg.max_batch, cfg.prefix_cache)
@@ -136,14 +155,22 @@ class Engine:
         self.launches: deque[Launch] = deque()  # launched, not yet committed, in step order
         self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
         self.stats_ = EngineStats()
+        self.encoder_cache = EncoderCache(int(cfg.encoder_cache_mb * (1 << 20)))
+        # monotonic time the host began waiting for a launch (None: not waiting). A long
+        # prefill (an image on a CPU) is a wait, not a hang: the worker reads this to keep beating.
+        self.device_wait_since: float | None = None
         self._inbox: list[tuple[FinishReason | None, Sequence]] = []  # (None = submit | reason to end)
         self._lock = threading.Lock()
         self._next_id = 0
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, constrained: bool = False,
-               logprobs: bool = False, seq_id: int | None = None, adapter: str | None = None) -> Sequence:
-        """Queue a request (thread-safe). Invalid input raises ValueError naming the field."""
+               logprobs: bool = False, seq_id: int | None = None, adapter: str | None = None,
+               images: list[ImageInput] | None = None) -> Sequence:
+        """Queue a request (thread-safe). Invalid input raises ValueError naming the field.
+
+        ``images``: one per image of the prompt, in prompt order; its ``<image>``
+        tokens (``num_tiles * tokens_per_tile`` each) take their features."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_ids]
@@ -158,6 +185,7 @@ class Engine:
         if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
+        seq_images, positions = self._check_images(prompt, images or [])
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
                              f"{', '.join(self.adapters) or 'none'}")
@@ -166,9 +194,34 @@ class Engine:
                 seq_id = self._next_id
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, adapter)
+            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, seq_images, positions,
+                           adapter)
             self._inbox.append((None, seq))
         return seq
+
+    def _check_images(self, prompt: list[int], images: list[ImageInput]) -> tuple[list[SeqImage], np.ndarray | None]:
+        vision, ip = self.runner.vision, self.runner.image_params
+        if vision is None:
+            if images:
+                raise ValueError("images: this model takes no images")
+            return [], None
+        positions = np.flatnonzero(np.asarray(prompt) == ip.image_token_id)
+        side = ip.tile_size
+        seq_images, row = [], 0
+        for i, image in enumerate(images):
+            for block in image.tiles:
+                if block.dtype != np.uint8 or block.ndim != 4 or block.shape[1:] != (3, side, side):
+                    raise ValueError(f"images[{i}]: tiles must be uint8 [n, 3, {side}, {side}], "
+                                     f"got {block.dtype} {list(block.shape)}")
+            if image.num_tiles < 1:
+                raise ValueError(f"images[{i}]: no tiles")
+            rows = image.num_tiles * vision.tokens_per_tile
+            seq_images.append(SeqImage(image, row, rows))
+            row += rows
+        if row != len(positions):
+            raise ValueError(f"images: the prompt has {len(positions)} image tokens but the images have {row} "
+                             "feature rows")
+        return seq_images, (positions if images else None)
 
     def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request early (thread-safe): cancellation, or a stop the frontend saw."""
@@ -234,6 +287,7 @@ class Engine:
             "rows_total": self.alloc.rows.capacity,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
+            **self.encoder_cache.stats(),
             **self.lora_stats(),
         }
 
@@ -302,6 +356,7 @@ class Engine:
         for reason, seq in items:
             if reason is None:
                 self.scheduler.add(seq)
+                self.stats_.image_tokens += seq.image_tokens
             elif seq.finalize(reason):
                 self._maybe_release(seq)
 
@@ -312,26 +367,72 @@ class Engine:
             self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
+            for image in seq.images:
+                if int(seq.image_positions[image.row_end - 1]) < seq.cached_tokens:
+                    self._tiles_done(image)  # wholly in the prefix-cache hit: its KV is there already
+                else:
+                    self._acquire_features(image)
         if not plan:
             return None
         step, slot = self.pipeline.launch()
-        inp, sample_seqs = self._inputs(plan)
-        seqs = plan.decode + [c.seq for c in plan.prefill]
-        kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
+        launch = Launch(step, slot, bool(plan.prefill), [], [], [], None)
+        launch.inputs, launch.sample_seqs = inp, sample_seqs = self._inputs(plan, launch)
+        launch.seqs = seqs = plan.decode + [c.seq for c in plan.prefill]
+        launch.kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
         for seq in seqs:
             seq.inflight_refs += 1
         if self.lora_slots is not None:
             self.lora_slots.launched(s.lora_slot for s in seqs)
         if self.config.debug:
             self._check_exclusive(seqs, inp.decode_pos, plan)
-        launch = Launch(step, slot, bool(plan.prefill), seqs, kv_ends, sample_seqs, inp)
         launch.marks.append(self.device.mark())
-        self.runner.enqueue_forward(slot, inp)
+        self.runner.enqueue_forward(slot, launch.inputs)
         launch.marks.append(self.device.mark())
         self.launches.append(launch)
         return launch
 
-    def _inputs(self, plan: Plan) -> tuple[LaunchInputs, list[Sequence]]:
+    def _acquire_features(self, image: SeqImage) -> None:
+        """Admission: a reference to the image's cache entry; a hit on features
+        already computed (or enqueued) never reads this request's tiles."""
+        image.entry, _hit = self.encoder_cache.acquire(image.input.hash,
+                                                       self.runner.feature_bytes(image.input.num_tiles))
+        if image.entry.enqueued:
+            self._tiles_done(image)
+
+    def _tiles_done(self, image: SeqImage) -> None:
+        if image.holds_tiles:
+            image.holds_tiles = False
+            self._result.tiles_done.append(image.input)
+
+    def _release_features(self, seq: Sequence) -> None:
+        for image in seq.images:
+            if image.entry is not None:
+                self.encoder_cache.release(image.entry)
+                image.entry = None
+
+    def _image_inputs(self, seq: Sequence, start: int, length: int, offset: int, launch: Launch, encode: list,
+                      index: list, segments: list) -> None:
+        """A prefill chunk's image rows: encode what is not yet encoded, say where each row's features are."""
+        offsets, rows = image_rows_in_chunk(seq.image_positions, start, length)
+        if not len(rows):
+            return
+        lo, hi = int(rows[0]), int(rows[-1]) + 1  # a chunk's image rows are contiguous
+        index.append(offsets + offset)
+        for image in seq.images:
+            if image.row_end <= lo or image.row_start >= hi:
+                continue
+            entry = image.entry
+            if not entry.enqueued:
+                assert image.holds_tiles, "an image to encode without its tiles"
+                entry.enqueued = image.encoding = True
+                encode.append((image.input.tiles, entry.holder))
+                launch.encoded.append(image)
+            elif not image.encoding:
+                self._tiles_done(image)  # another request's tiles were encoded
+            segments.append((entry.holder, max(lo, image.row_start) - image.row_start,
+                             min(hi, image.row_end) - image.row_start))
+
+    def _inputs(self, plan: Plan, launch: Launch) -> tuple[LaunchInputs, list[Sequence]]:
         """Host metadata of a launch, and the counters it advances."""
         decode = plan.decode
         sample_seqs = list(decode)
@@ -341,15 +442,19 @@ class Engine:
         sample_pos = list(decode_pos + 1)  # the position of the token each row samples
         logits_index = list(range(len(decode)))
         prefill_ids, chunks = [], []
+        encode, image_index, image_segments = [], [], []
         offset = len(decode)
         for c in plan.prefill:
             seq = c.seq
             chunks.append((c.start, c.length, seq.pages))
             prefill_ids.extend(seq.prompt_ids[c.start:c.start + c.length])
+            if seq.images:
+                self._image_inputs(seq, c.start, c.length, offset, launch, encode, image_index, image_segments)
             offset += c.length
             seq.num_prefilled += c.length
             self.stats_.prefill_tokens += c.length
             if c.final:
+                launch.prefill_ended.append(seq)
                 logits_index.append(offset - 1)
                 sample_seqs.append(seq)
                 sample_pos.append(seq.prompt_len)
@@ -366,8 +471,15 @@ class Engine:
             any_random=any(p.temperature > 0 for p in params),
             any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
+            encode=encode,
+            image_index=np.concatenate(image_index) if image_index else None,
+            image_segments=image_segments,
             token_lora=self._token_lora(plan),
         )
+        if encode:
+            self.stats_.encoder_launches += 1
+            self.stats_.encoded_images += len(encode)
+            self.stats_.encoded_tiles += sum(image.input.num_tiles for image in launch.encoded)
         return inp, sample_seqs
 
     def _token_lora(self, plan: Plan) -> np.ndarray | None:
@@ -432,11 +544,14 @@ class Engine:
         launch = self.launches.popleft()
         assert launch.step == step and launch.copy_done is not None, (launch.step, step)
         t = time.perf_counter()
+        self.device_wait_since = time.monotonic()
         try:
             launch.copy_done.synchronize()
             error = None
         except DeviceError as e:
             error = e
+        finally:
+            self.device_wait_since = None
         self.stats_.wait_s += time.perf_counter() - t
         for seq in launch.seqs:
             seq.inflight_refs -= 1
@@ -448,6 +563,12 @@ class Engine:
             return
         self.device.account(launch.marks, launch.copy_done)
         self._count(launch)
+        for image in launch.encoded:  # the host-to-device copies of their tiles are done
+            if image.entry is not None:
+                image.entry.ready = True
+            self._tiles_done(image)
+        for seq in launch.prefill_ended:  # no later launch reads their features
+            self._release_features(seq)
         n = len(launch.sample_seqs)
         tokens, flags, logprobs = self.runner.read_step(slot, n)
         live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
@@ -471,10 +592,8 @@ class Engine:
         names = seq.page_names
         if len(names) < full:
             tokens = seq.prompt_ids + seq.output_ids
-            parent = names[-1] if names else ROOT
-            for i in range(len(names), full):
-                parent = page_hash(parent, tokens[i * size:(i + 1) * size], seq.page_salt)
-                names.append(parent)
+            names += chain(tokens[len(names) * size:], size, full - len(names), seq.page_salt,
+                           parent=names[-1] if names else ROOT, page_salts=seq.image_salts(len(names), full, size))
         for i in range(seq.pages_registered, full):
             self.alloc.pages.register(seq.pages[i], names[i])
         seq.pages_registered = max(seq.pages_registered, full)
@@ -532,6 +651,9 @@ class Engine:
         if seq.released or not seq.finalized or seq.inflight_refs:
             return
         seq.released = True
+        for image in seq.images:
+            self._tiles_done(image)
+        self._release_features(seq)
         if seq.admitted:
             self.alloc.release(seq.row, seq.pages)
             if seq.lora_slot:
@@ -573,6 +695,13 @@ class Engine:
             self.pipeline.release(s)
             self._result.dropped_steps.append(s)
         self.device.recover()
+        # Features whose encode never completed are garbage: forget them, and fail every
+        # request that would read them (a request admitted later hit on them).
+        broken = {e for e in self.encoder_cache.entries.values() if e.enqueued and not e.ready}
+        for entry in broken:
+            self.encoder_cache.invalidate(entry)
+        if broken:
+            victims += [s for s in self.scheduler.running if any(i.entry in broken for i in s.images)]
         for seq in victims:
             self._fail(seq, "internal", f"device error: {error}")
         for seq in victims:

@@ -7,6 +7,12 @@ page-locked host buffers the sampled ids are copied into, and on CUDA the
 decode graphs captured for that slot (one per batch-size bucket and page-count
 bucket).
 
+Image prefill: a launch may first encode images (``LaunchInputs.encode``): the
+tiles go host -> device, are normalised and run through the vision encoder on
+the compute stream, and the features land in their encoder-cache holders;
+then the text forward replaces the embeddings of the launch's ``<image>``
+tokens (``image_index``) by rows of those holders (``image_segments``).
+
 Nothing here decides *what* to run; ``engine.py`` does. Functions named
 ``enqueue_*`` return immediately: the work runs on the compute stream (an
 executor thread on the CPU), in submission order.
@@ -22,6 +28,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.models import resolve_model
+from shared.vision_config import ImageProcessorParams, is_vision_model
 
 from .device import Device
 from .batch import Batch
@@ -30,6 +37,7 @@ from .lora import LoraPool
 from .model import Llama, LlamaConfig
 from .pipeline import NUM_SLOTS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
+from .vision import VisionEncoder, normalize_tiles
 
 log = logging.getLogger("tandem.worker")
 
@@ -51,6 +59,12 @@ class LaunchInputs:
     any_random: bool
     any_filter: bool
     want_logprobs: bool
+    # Images encoded by this launch, before its text forward: (host tile blocks, FeatureHolder).
+    encode: list = ()
+    # The launch's <image> tokens: packed token index [K], and where their features are,
+    # in the same order: (FeatureHolder, first row, end row) runs.
+    image_index: np.ndarray | None = None
+    image_segments: list = ()
     token_lora: np.ndarray | None = None  # [T] LoRA slot of each token row; None: no adapter in the launch
 
 
@@ -86,8 +100,10 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: Device, llama: Llama | None = None) -> None:
-        """``llama``: an already-built model (tests); else ``config.model`` is loaded."""
+    def __init__(self, config: EngineConfig, device: Device, llama: Llama | None = None,
+                 vision: VisionEncoder | None = None, image_params: ImageProcessorParams | None = None) -> None:
+        """``llama`` (and ``vision``, ``image_params``): an already-built model (tests); else
+        ``config.model`` is loaded, with its vision encoder if it is a vision-language model."""
         self.device = device
         dev = device.torch_device
         self.dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device.is_cuda)
@@ -96,6 +112,11 @@ class ModelRunner:
             path = resolve_model(config.model)
             max_model_len = min(max_model_len, LlamaConfig.from_pretrained(path).max_position_embeddings)
             llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
+            if is_vision_model(path):
+                vision = VisionEncoder.from_pretrained(path, dtype=self.dtype, device=dev)
+                image_params = ImageProcessorParams.from_model_dir(path)
+        self.vision = vision  # None: a text-only model
+        self.image_params = image_params
         self.model = llama.eval()
         self.config = llama.config
         # LoRA: wraps the targeted linear layers (before any graph is captured).
@@ -182,28 +203,53 @@ class ModelRunner:
             fields = [b.positions.numpy(), b.slot_mapping.numpy(), b.block_tables.numpy(), b.query_index.numpy(),
                       b.query_pos.numpy(), b.token_to_padded.numpy(), inp.decode_rows, inp.prefill_ids,
                       inp.logits_index]
+            if inp.image_segments:
+                fields.append(inp.image_index)
         lora = self._lora_slots(inp, graph)
         if lora is not None:
-            fields.append(lora)
+            fields.append(lora)  # last: popped after the upload
         buf = self.slots[slot]
 
         def run() -> None:
             t0 = time.perf_counter()
-            dev_fields = self._upload(fields)
-            lora_slots = dev_fields.pop() if lora is not None else None
             with torch.inference_mode():
+                if inp.encode:
+                    self._encode(inp.encode)
+                dev_fields = self._upload(fields)
+                lora_slots = dev_fields.pop() if lora is not None else None
                 if graph is not None:
                     buf.logits = graph.replay(Batch(*dev_fields[:6]), dev_fields[6], lora_slots)[:num_decode]
                 else:
                     batch = Batch(*dev_fields[:6])
-                    rows, prefill_ids, logits_index = dev_fields[6:]
+                    rows, prefill_ids, logits_index = dev_fields[6:9]
                     ids = torch.cat([self.gather_pending(rows), prefill_ids])
+                    image = None
+                    if inp.image_segments:
+                        features = torch.cat([h.features[a:b] for h, a, b in inp.image_segments])
+                        image = (dev_fields[9], features)
                     if self.lora is not None:
                         self.lora.token_slots = lora_slots
-                    buf.logits = self.model(ids, batch, self.kv, logits_index)
+                    buf.logits = self.model(ids, batch, self.kv, logits_index, image_features=image)
             self.device.pad_forward(t0)
 
         self.device.compute.submit(run)
+
+    def _encode(self, images: list) -> None:
+        """Compute-stream work: encode every image of a launch in one vision forward."""
+        dev = self.device.torch_device
+        blocks = [torch.from_numpy(t).to(dev, non_blocking=True) for tiles, _ in images for t in tiles]
+        tiles = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        features = self.vision.encode_images(normalize_tiles(tiles, self.image_params, self.dtype))
+        rows_per_tile, start = self.vision.tokens_per_tile, 0
+        for tiles, holder in images:
+            end = start + sum(len(t) for t in tiles) * rows_per_tile
+            # Own storage per image, so evicting one frees its memory.
+            holder.features = features if len(images) == 1 else features[start:end].clone()
+            start = end
+
+    def feature_bytes(self, num_tiles: int) -> int:
+        """Device bytes of one image's features."""
+        return num_tiles * self.vision.tokens_per_tile * self.config.hidden_size * self.dtype.itemsize
 
     def _lora_slots(self, inp: LaunchInputs, graph: "_DecodeGraph | None") -> np.ndarray | None:
         """Each token row's LoRA slot; None when the forward skips LoRA (no adapter in an eager launch).

@@ -37,11 +37,14 @@ def page_hash(parent: bytes, tokens, salt: bytes = b"") -> bytes:
     return h.digest()
 
 
-def chain(tokens, page_size: int, num_pages: int, salt: bytes = b"", parent: bytes = ROOT) -> list[bytes]:
-    """Names of the first ``num_pages`` full pages of ``tokens``."""
+def chain(tokens, page_size: int, num_pages: int, salt: bytes = b"", parent: bytes = ROOT,
+          page_salts: list[bytes] | None = None) -> list[bytes]:
+    """Names of the first ``num_pages`` full pages of ``tokens``; ``page_salts[i]`` is
+    added to page i's salt (the hashes of the images that begin in it)."""
     out = []
     for i in range(num_pages):
-        parent = page_hash(parent, tokens[i * page_size:(i + 1) * page_size], salt)
+        extra = page_salts[i] if page_salts else b""
+        parent = page_hash(parent, tokens[i * page_size:(i + 1) * page_size], salt + extra)
         out.append(parent)
     return out
 

@@ -87,7 +87,8 @@ class Scheduler:
             return []
         size = self.alloc.page_size
         if not seq.page_names:
-            seq.page_names = chain(seq.prompt_ids, size, (seq.prompt_len - 1) // size, seq.page_salt)
+            n = (seq.prompt_len - 1) // size
+            seq.page_names = chain(seq.prompt_ids, size, n, seq.page_salt, page_salts=seq.image_salts(0, n, size))
         return pool.lookup(seq.page_names)
 
     def plan(self) -> tuple[Plan, list[Sequence]]:

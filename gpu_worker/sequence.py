@@ -7,6 +7,12 @@ Counters, and why there are three:
   past ``max_tokens``: length caps make no zombie.
 - ``len(output_ids)``: tokens committed.
 
+Images: a request's ``<image>`` prompt positions take rows of its images'
+features (``images``, in prompt order; ``image_positions``). Each image holds
+its host tiles (``tiles``) until the engine no longer needs them, and a
+reference to its encoder-cache entry (``entry``) until its prefill has been
+committed; both are dropped exactly once (``engine.py``).
+
 Zombies: ``finalized`` is set the moment the end is known (EOS, stop, cancel);
 ``inflight_refs`` counts launched-but-uncommitted steps that include the
 sequence. Commit skips finalized sequences, and the batch row and KV pages are
@@ -18,8 +24,42 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shared.finish import FinishReason
 from shared.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class ImageInput:
+    """One image of a request, as the engine receives it."""
+    hash: str  # the encoder-cache key (bytes + preprocessing parameters)
+    tiles: list[np.ndarray] | np.ndarray  # uint8 [n, 3, S, S], or a list of such blocks (shared-memory slots)
+    tag: object = None  # the caller's handle, given back in StepResult.tiles_done (the worker: its slot ids)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiles, np.ndarray):
+            self.tiles = [self.tiles]
+        self.tiles = list(self.tiles)
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(len(t) for t in self.tiles)
+
+
+@dataclass(eq=False)
+class SeqImage:
+    """An image inside a sequence: its feature rows and what it holds."""
+    input: ImageInput
+    row_start: int  # first of its rows among the sequence's feature rows
+    num_rows: int
+    holds_tiles: bool = True  # the engine may still read input.tiles
+    encoding: bool = False  # its tiles were enqueued for encoding (held until that launch commits)
+    entry: object = None  # its EncoderCache entry, from admission until the prefill is committed
+
+    @property
+    def row_end(self) -> int:
+        return self.row_start + self.num_rows
 
 
 @dataclass(eq=False)
@@ -31,6 +71,8 @@ class Sequence:
     seed: int
     constrained: bool = False
     logprobs: bool = False
+    images: list[SeqImage] = field(default_factory=list)
+    image_positions: np.ndarray | None = None  # sorted prompt positions of the <image> tokens
     adapter: str | None = None  # a LoRA adapter's name, None for the base model
 
     row: int = -1
@@ -69,6 +111,21 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def image_salts(self, first: int, end: int, page_size: int) -> list[bytes]:
+        """For full pages first..end-1: the hashes of the images whose first ``<image>`` token
+        is in that page. Prefix-cache names need them (every placeholder has the same token id);
+        a later page inherits them through its parent's name."""
+        salts = [b""] * max(0, end - first)
+        for image in self.images:
+            page = int(self.image_positions[image.row_start]) // page_size
+            if first <= page < end:
+                salts[page - first] += image.input.hash.encode()
+        return salts
+
+    @property
+    def image_tokens(self) -> int:
+        return 0 if self.image_positions is None else len(self.image_positions)
 
     @property
     def prefill_done(self) -> bool:

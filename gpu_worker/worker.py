@@ -20,6 +20,7 @@ import logging
 import os
 import select
 import sys
+import threading
 import time
 from collections import deque
 
@@ -28,16 +29,19 @@ import numpy as np
 from shared.config import EngineConfig
 from shared.control import ChannelClosed, ControlChannel
 from shared.finish import FinishReason
-from shared.messages import (Cancel, Progress, Ready, Released, RequestFailed, Shutdown, Stats, StatsRequest,
-                             Submit, to_sampling_params)
+from shared.messages import (Cancel, ImagesCopied, Progress, Ready, Released, RequestFailed, Shutdown, Stats,
+                             StatsRequest, Submit, to_sampling_params)
 from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
 from .engine import Engine, StepResult
-from .sequence import Sequence
+from .sequence import ImageInput, Sequence
 
 log = logging.getLogger("tandem.worker")
 
 FRONTEND_STALE_S = 5.0  # the frontend beats every 100 ms; this long without one means it is gone
+# While the host waits for one launch (a long prefill: images on a CPU), a thread keeps the
+# heartbeat fresh for up to this long; a launch that takes longer is a hung device.
+DEVICE_WAIT_LIMIT_S = 300.0
 IDLE_WAIT_S = 0.05
 INPUT_WAIT_S = 0.002  # one wait for masks or ring space, between two reads of the control channel
 
@@ -69,6 +73,7 @@ class Worker:
         self.ring = arena.token_writer()
         self.acks = arena.ack_reader()
         self.masks = arena.mask_reader()
+        self.images = arena.image_reader()
         self.seqs: dict[int, Sequence] = {}  # seq_id -> Sequence, until released
         self.mask_rows: dict[int, int] = {}  # seq_id -> its row in the mask region
         self.ended: set[int] = set()  # ended by the frontend (an ack or a cancel), not yet released
@@ -78,6 +83,7 @@ class Worker:
         self.mask_step: int | None = None
         self._failed: list[RequestFailed] = []
         self._released: list[int] = []
+        self._copied: list[int] = []  # image slots the frontend may reuse
         self.running = True
 
     # ------------------------------------------------------------------ liveness
@@ -92,13 +98,23 @@ class Worker:
         self.channel.flush()
 
     # ------------------------------------------------------------------ main loop
+    def _beat_while_device_works(self) -> None:
+        """Daemon thread: beat while the main loop waits for a launch still within its limit."""
+        while self.running:
+            since = self.engine.device_wait_since
+            if since is not None and time.monotonic() - since < DEVICE_WAIT_LIMIT_S:
+                self._beat()
+            time.sleep(0.1)
+
     def run(self) -> None:
+        threading.Thread(target=self._beat_while_device_works, name="worker-wait-heartbeat", daemon=True).start()
         self.engine.runner.warmup(progress=lambda done, total: self._progress("capturing CUDA graphs", done, total))
         self._beat()
         info = {"model": self.engine.config.model, "device": self.engine.device.spec,
                 "max_batch": self.engine.config.max_batch, "max_model_len": self.engine.max_model_len,
                 "pipeline": self.engine.pipelined, "vocab_size": self.engine.vocab_size,
-                "kv_pages": self.engine.alloc.pages.capacity, "pid": os.getpid()}
+                "kv_pages": self.engine.alloc.pages.capacity, "pid": os.getpid(),
+                "vision": self.engine.runner.vision is not None}
         self.channel.send(Ready(generation=self.generation, info=info))
         while self.running:
             words, missing = self._gather_inputs()
@@ -179,11 +195,16 @@ class Worker:
                 raise ValueError(f"seq_id {msg.seq_id} is already live")
             if msg.constrained and not 0 <= msg.mask_row < self.arena.layout.max_batch_rows:
                 raise ValueError(f"mask_row {msg.mask_row} is out of range")
+            images = [ImageInput(im.hash, self.images.blocks(im.slots, im.num_tiles), tag=im.slots)
+                      for im in msg.images]
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
-                                     logprobs=msg.logprobs, seq_id=msg.seq_id, adapter=msg.adapter)
+                                     logprobs=msg.logprobs, seq_id=msg.seq_id, adapter=msg.adapter,
+                                     images=images)
         except ValueError as e:
             self._failed.append(RequestFailed(seq_id=msg.seq_id, code="bad_request", message=str(e)))
             self._released.append(msg.seq_id)
+            for im in msg.images:
+                self._copied += im.slots
             return
         self.seqs[msg.seq_id] = seq
         if msg.constrained:
@@ -244,6 +265,8 @@ class Worker:
             self.ring.commit(p, result.step, Kind.PREFILL if result.prefill else Kind.DECODE, seq_ids, flags,
                              result.logprobs, None if self.direct_copy else result.tokens)
         self.mask_requests, self.mask_step = result.mask_requests, result.mask_step
+        for image in result.tiles_done:
+            self._copied += image.tag
         for seq in result.released:
             self.seqs.pop(seq.seq_id, None)
             self.mask_rows.pop(seq.seq_id, None)
@@ -258,6 +281,9 @@ class Worker:
         for msg in self._failed:
             self.channel.send(msg)
         self._failed.clear()
+        if self._copied:
+            self.channel.send(ImagesCopied(slots=self._copied))
+            self._copied = []
         if self._released:
             self.channel.send(Released(seq_ids=self._released))
             self._released = []

@@ -23,7 +23,7 @@ from shared.sampling import SAMPLING_FIELDS, SamplingField, SamplingParams
 
 __all__ = [
     "MessageError", "Sampling", "Submit", "Cancel", "Shutdown", "StatsRequest", "Stats",
-    "Progress", "Ready", "Released", "RequestFailed", "Message", "encode", "decode", "to_sampling_params",
+    "Progress", "Ready", "Released", "RequestFailed", "SubmitImage", "ImagesCopied", "Message", "encode", "decode", "to_sampling_params",
     "MAX_MESSAGE_BYTES",
 ]
 
@@ -65,6 +65,13 @@ Sampling = msgspec.defstruct(
 )
 
 
+class SubmitImage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One image of a Submit: its tiles are in these image slots of the arena (never in the message)."""
+    hash: str  # the encoder-cache key
+    num_tiles: Annotated[int, msgspec.Meta(ge=1)]
+    slots: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
 class Submit(_Msg, tag="submit"):
     seq_id: SeqId
     prompt_ids: list[TokenId]
@@ -72,7 +79,13 @@ class Submit(_Msg, tag="submit"):
     constrained: bool = False  # the frontend will write mask rows for it
     logprobs: bool = False
     mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
+    images: list[SubmitImage] = []  # in prompt order
     adapter: Optional[str] = None  # a LoRA adapter's name (the worker's --lora), None = the base model
+
+
+class ImagesCopied(_Msg, tag="images_copied"):
+    """Worker -> frontend: these image slots are read (copied to the device, or not needed): reuse them."""
+    slots: list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -114,8 +127,10 @@ class RequestFailed(_Msg, tag="request_failed"):
     message: str = ""
 
 
-Message = Union[Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed]
-_MESSAGE_TYPES = (Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed)
+Message = Union[Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed,
+                ImagesCopied]
+_MESSAGE_TYPES = (Submit, Cancel, Shutdown, StatsRequest, Stats, Progress, Ready, Released, RequestFailed,
+                  ImagesCopied)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

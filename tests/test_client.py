@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import subprocess
 import sys
 import threading
@@ -309,8 +310,8 @@ def test_ping_info_point_detect(client):
     info = client.info()
     assert info == {"protocol": 1, "model": "fake-model", "max_batch": 8, "max_model_len": 2048,
                     "pipeline": True, "device": "cpu"}
-    assert client.point("the cat", max_objects=3, max_tokens=2) == {"points": [{"x": 0.25, "y": 0.75}]}
-    assert client.detect("the cat", max_tokens=2)["objects"][0]["x_max"] == 0.3
+    assert client.point(b"img", "the cat", max_objects=3, max_tokens=2) == {"points": [{"x": 0.25, "y": 0.75}]}
+    assert client.detect(b"img", "the cat", max_tokens=2)["objects"][0]["x_max"] == 0.3
 
 
 def test_every_sampling_field_reaches_the_server(client, server):
@@ -323,7 +324,7 @@ def test_every_sampling_field_reaches_the_server(client, server):
     options = {n: getattr(params, n) for n in SAMPLING_FIELD_NAMES}
     client.generate("x", request_id="all-sampling", **options)
     assert server.requests["all-sampling"].sampling_params() == params
-    assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "grammar", "adapter"}
+    assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "grammar", "adapter", "images"}
 
 
 def test_every_error_code_has_its_exception_class():
@@ -386,7 +387,7 @@ def test_docs_python_examples_run(server, capsys):
 
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "PROTOCOL.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for code in blocks:
         code = code.replace("tcp://127.0.0.1:5557", server.endpoint)
         exec(compile(code, "docs/PROTOCOL.md", "exec"), {"__name__": "__doc_example__"})
@@ -442,8 +443,8 @@ def test_async_client(server):
 
             assert await c.ping() >= 0
             assert (await c.info())["model"] == "fake-model"
-            assert (await c.point("x", max_tokens=1))["points"]
-            assert (await c.detect("x", max_tokens=1))["objects"]
+            assert (await c.point(b"img", "x", max_tokens=1))["points"]
+            assert (await c.detect(b"img", "x", max_tokens=1))["objects"]
             assert (await c.generate("after", max_tokens=1)).text == " after0"
         with pytest.raises(ConnectionClosed):
             await c.generate("x")
@@ -461,3 +462,33 @@ def test_async_close_fails_waiters(server):
             await task
 
     asyncio.run(main())
+
+
+def test_skills_send_one_image_with_their_prompt_and_defaults(client, server, tmp_path):
+    """caption/query sample gently (0.2, top_p 0.9), point/detect are greedy under their grammar;
+    the image goes as encoded bytes whether given as a path, bytes or a PIL image."""
+    from PIL import Image
+
+    path = tmp_path / "x.png"
+    Image.new("RGB", (4, 3), (255, 0, 0)).save(path)
+    data = path.read_bytes()
+
+    def last():
+        return list(server.requests.values())[-1]
+
+    assert set(client.caption(str(path), length="short", max_tokens=2)) == {"caption"}
+    req = last()
+    assert req.images == (data,) and (req.temperature, req.top_p, req.max_tokens) == (0.2, 0.9, 2)
+    assert req.messages[0]["content"][0] == {"type": "image"}
+    assert set(client.query(data, "What colour?", max_tokens=1)) == {"answer"}
+    assert "What colour?" in last().messages[0]["content"][1]["text"] and last().temperature == 0.2
+    assert client.point(Image.open(path), "the cat", max_objects=2, max_tokens=1)["points"]
+    req = last()
+    assert req.temperature == 0.0 and req.grammar == {"kind": "point", "max_objects": 2}
+    assert Image.open(io.BytesIO(req.images[0])).getpixel((0, 0)) == (255, 0, 0)
+    client.detect(data, "dogs", max_tokens=1)
+    assert last().grammar["kind"] == "box"
+    with pytest.raises(ValueError, match="length"):
+        client.caption(data, length="epic")
+    with pytest.raises(TypeError, match="an image must be"):
+        client.generate("<image>x", images=[123])

@@ -136,7 +136,7 @@ BAD = [
     ({"type": "generate", "id": "r1", "messages": [{"role": 1, "content": "x"}]}, "bad_request",
      "messages[0].role must be a string, got int"),
     ({"type": "generate", "id": "r1", "messages": [{"role": "user", "content": 3}]}, "bad_request",
-     "messages[0].content must be a string, got int"),
+     "messages[0].content must be a string or an array of parts, got int"),
     ({"type": "generate", "id": "r1", "messages": [{"role": "user", "content": "x", "name": "n"}]},
      "bad_request", "unknown field 'name' for messages[0]"),
     ({"type": "generate", "id": "r1", "prompt_token_ids": "1 2"}, "bad_request",
@@ -506,3 +506,29 @@ def test_fuzz_valid_messages_parse():
         for f in ("prompt", "messages", "prompt_token_ids"):
             assert getattr(r, f) == m.get(f)
         r.sampling_params()
+
+
+def test_images_envelope():
+    """Images ride a generate as bin; such a message may be up to 64 MiB, others keep 1 MiB."""
+    big = b"\x89PNG" + b"\0" * (2 << 20)
+    r = parse({"type": "generate", "id": "i", "prompt": "<image>hi", "images": [big]})
+    assert r.images == (big,) and r.prompt == "<image>hi"
+    e = err(gen(prompt="x" * (2 << 20)))
+    assert e.code == "too_long" and e.id == "r1"
+    parts = [{"type": "text", "text": "a"}, {"type": "image"}]
+    r = parse({"type": "generate", "id": "m", "messages": [{"role": "user", "content": parts}], "images": [b"x"]})
+    assert r.messages[0]["content"] == parts
+    for fields, message in [
+        ({"prompt": "<image>", "images": [b"x"] * 9}, "images: too many images: 9 (at most 8 per request)"),
+        ({"prompt": "x", "images": [b"x"]}, "images: the prompt has 0 <image> placeholders but 1 images were sent"),
+        ({"prompt_token_ids": [1], "images": [b"x"]},
+         "images cannot be combined with prompt_token_ids: send prompt or messages"),
+        ({"prompt": "<image>", "images": [1]}, "images[0] must be bin (an encoded image file), got int"),
+        ({"prompt": "<image>", "images": b"x"}, "images must be an array of bin (encoded image files), got bin"),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+         "messages hold 1 image parts but no images were sent"),
+        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+         "messages[0].content[0].type must be one of text, image, got 'video'"),
+    ]:
+        e = err({"type": "generate", "id": "b", **fields})
+        assert (e.code, e.message, e.id) == ("bad_request", message, "b"), fields

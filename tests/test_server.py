@@ -62,8 +62,8 @@ def pack(msg) -> bytes:
 class LiveServer:
     """One ``Server`` on a thread, plus a way to run code on that thread."""
 
-    def __init__(self, **server_kw) -> None:
-        self.svc = Service(ServiceConfig(model="tiny-random", device="cpu", max_batch=MAX_BATCH, kv_pages=1200,
+    def __init__(self, model: str = "tiny-random", **server_kw) -> None:
+        self.svc = Service(ServiceConfig(model=model, device="cpu", max_batch=MAX_BATCH, kv_pages=1200,
                                          page_size=8))
         try:
             self.server = Server(self.svc, "tcp://127.0.0.1:0", **server_kw)

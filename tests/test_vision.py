@@ -386,5 +386,44 @@ def test_too_many_images(params):
     assert len(fi.prepare_images([data] * 8, params)) == 8
     with pytest.raises(ValueError, match="too many images: 9"):
         fi.prepare_images([data] * 9, params)
-    with pytest.raises(ValueError, match="image 1: data is not an image"):
+    with pytest.raises(ValueError, match=r"images\[1\]: data is not an image"):
         fi.prepare_images([data, b"nope" * 20], params)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_engine_with_images_matches_the_reference_decode(pipeline, ours, vlm_path, params, two_image_prompt):
+    """Through the Engine (vision encoder inside the prefill launch, a 37-token budget
+    splitting the image spans, a text request and a second copy of the images in the
+    same batch): greedy tokens equal the step-by-step reference above (itself checked
+    against transformers), and the repeated images are encoded once."""
+    from gpu_worker.engine import Engine, EngineConfig
+    from gpu_worker.sequence import ImageInput
+    from shared.sampling import SamplingParams
+
+    llama, _ = ours
+    ids, tiles = two_image_prompt
+    prepared = fi.prepare_images([IMAGES["panoramic"][0], IMAGES["tiny"][0]], params)
+    expected, _ = run_ours(llama, ids, vision_features(ours, tiles, params), params.image_token_id, [], new_tokens=12)
+    engine = Engine(EngineConfig(model=str(vlm_path), device="cpu", dtype="float32", pipeline=pipeline,
+                                 prefill_budget=37, max_batch=4))
+    try:
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        images = [ImageInput(im.hash, im.tiles) for im in prepared]
+        first = engine.submit(ids, greedy, images=images)
+        text = engine.submit(list(range(100, 140)), greedy)
+        second = engine.submit(ids, greedy, images=[ImageInput(im.hash, im.tiles) for im in prepared])
+        engine.run_until_idle()
+        assert first.output_ids == second.output_ids == expected[len(ids):]
+        assert len(text.output_ids) == 12
+        stats = engine.stats()
+        assert (stats["encoded_images"], stats["encoder_cache_misses"], stats["encoder_cache_hits"]) == (2, 2, 2)
+        assert stats["encoder_cache_refs"] == 0 and engine.idle
+        with pytest.raises(ValueError, match="image tokens but the images have 0 feature rows"):
+            engine.submit(ids, greedy)
+    finally:
+        engine.close()
+
+
+def vision_features(ours, tiles: np.ndarray, params) -> torch.Tensor:
+    with torch.no_grad():
+        return ours[1].encode_images(normalize_tiles(torch.from_numpy(tiles), params, torch.float32))

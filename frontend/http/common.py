@@ -3,6 +3,8 @@ request to its end while watching the client, and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -24,6 +26,7 @@ class Context:
     model: str  # the served model's name, as /v1/models lists it
     tokenizer: Any = None  # for logprobs' token strings (decoding only)
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (--lora): OpenAI routes take them as models
+    vision: bool = False  # the model takes images
     max_body_bytes: int = MAX_BODY_BYTES
 
 
@@ -79,10 +82,24 @@ async def server_info(ctx: Context) -> dict[str, Any] | None:
         return None
 
 
-def image_input(ctx: Context, url: Any) -> None:
-    """An image in a request (an ``image_url``: a ``data:`` URL). The one place images enter:
-    the served text models have no vision encoder, so every image is a 400 naming the model."""
-    raise bad_request(f"this model ({ctx.model}) does not take images; send text only", "images_not_supported")
+def image_input(ctx: Context, url: Any, where: str = "image_url") -> bytes:
+    """The encoded image file of an ``image_url`` (a ``data:`` URL, or OpenAI's ``{"url": ...}``):
+    the one place images enter. The server decodes and checks the file like a ZeroMQ request's
+    ``images``; a text-only model answers 400 naming the model."""
+    if not ctx.vision:
+        raise bad_request(f"this model ({ctx.model}) does not take images; send text only", "images_not_supported")
+    if isinstance(url, dict):
+        url, where = url.get("url"), f"{where}.url"
+    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+        raise bad_request(f"{where} must be a data: URL (data:image/png;base64,...); "
+                          "this server fetches nothing from the network")
+    meta, payload = url[5:].split(",", 1)
+    if not meta.endswith(";base64"):
+        raise bad_request(f"{where} must be base64-encoded (data:<type>;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"{where} holds invalid base64") from None
 
 
 def field(body: dict[str, Any], name: str, types: type | tuple, what: str) -> Any:

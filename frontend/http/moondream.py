@@ -26,18 +26,19 @@ from .errors import HttpError, bad_request
 
 async def caption(ctx: Context, request: Request):
     body = await _body(ctx, request)
-    _image(ctx, body, required=True)
+    images = _image(ctx, body, required=True)
     length = field(body, "length", str, "one of normal, short, long") or "normal"
-    return await _text_answer(ctx, request, body, _skill(skills.caption, length, body.get("settings")), "caption")
+    fields = _skill(skills.caption, length, body.get("settings"))
+    return await _text_answer(ctx, request, body, {**fields, **images}, "caption")
 
 
 async def query(ctx: Context, request: Request):
     body = await _body(ctx, request)
     if body.get("reasoning"):
         raise bad_request("reasoning is not supported by this model")
-    _image(ctx, body, required=False)
+    images = _image(ctx, body, required=False)
     fields = _skill(skills.query, body.get("question"), body.get("settings"))
-    return await _text_answer(ctx, request, body, fields, "answer")
+    return await _text_answer(ctx, request, body, {**fields, **images}, "answer")
 
 
 async def point(ctx: Context, request: Request):
@@ -57,13 +58,14 @@ async def _body(ctx: Context, request: Request) -> dict[str, Any]:
     return body
 
 
-def _image(ctx: Context, body: dict[str, Any], required: bool) -> None:
+def _image(ctx: Context, body: dict[str, Any], required: bool) -> dict[str, Any]:
+    """The request's ``images`` field (the protocol places the image before the skill's text)."""
     url = body.get("image_url")
     if url is None:
         if required:
             raise bad_request("image_url is required (a data: URL of the image)")
-        return
-    image_input(ctx, url)
+        return {}
+    return {"images": [image_input(ctx, url)]}
 
 
 def _skill(fn, *args) -> dict[str, Any]:
@@ -75,9 +77,9 @@ def _skill(fn, *args) -> dict[str, Any]:
 
 async def _located(ctx: Context, request: Request, fn, key: str):
     body = await _body(ctx, request)
-    _image(ctx, body, required=True)
+    images = _image(ctx, body, required=True)
     fields = _skill(fn, body.get("object"), body.get("settings"))
-    done = await run_to_end(request, ctx.bridge.generate({**fields, "stream": False}))
+    done = await run_to_end(request, ctx.bridge.generate({**fields, **images, "stream": False}))
     if "output" not in done:
         raise HttpError(500, f"the answer did not complete (finish_reason {done['finish_reason']})", "internal",
                         "server_error")

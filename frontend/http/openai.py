@@ -44,8 +44,11 @@ def models(ctx: Context) -> JSONResponse:
 async def chat_completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     model = check_model(ctx, body, adapters=True)
-    fields = {"messages": _messages(ctx, body.get("messages")), **_sampling(body, chat=True),
+    images: list[bytes] = []
+    fields = {"messages": _messages(ctx, body.get("messages"), images), **_sampling(body, chat=True),
               **adapter_field(ctx, model)}
+    if images:
+        fields["images"] = images
     return await _respond(ctx, request, body, model, fields, _ChatShape())
 
 
@@ -116,7 +119,8 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def _messages(ctx: Context, messages: Any) -> list[dict[str, Any]]:
+def _messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
+    """The protocol's messages; the files of ``image_url`` parts are appended to ``images``."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array")
     out = []
@@ -126,26 +130,30 @@ def _messages(ctx: Context, messages: Any) -> list[dict[str, Any]]:
         role = m.get("role")
         content = m.get("content")
         if isinstance(content, list):
-            content = _content_parts(ctx, content, f"messages[{i}].content")
+            content = _content_parts(ctx, content, f"messages[{i}].content", images)
         elif content is None:
             content = ""  # e.g. an assistant turn that only called tools
         out.append({"role": ROLE_ALIASES.get(role, role), "content": content})  # the server checks both
     return out
 
 
-def _content_parts(ctx: Context, parts: list, where: str) -> str:
-    texts = []
+def _content_parts(ctx: Context, parts: list, where: str, images: list[bytes]) -> str | list[dict[str, Any]]:
+    """Text parts joined into one string; with images, the protocol's text and image parts in order."""
+    out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}[{j}].text must be a string")
-            texts.append(part["text"])
+            out.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
-            image_input(ctx, part.get("image_url"))
+            images.append(image_input(ctx, part.get("image_url"), f"{where}[{j}].image_url"))
+            out.append({"type": "image"})
         else:
             raise bad_request(f"{where}[{j}] must be a text or image_url part, got type {kind!r}")
-    return "\n".join(texts)
+    if any(p["type"] == "image" for p in out):
+        return out
+    return "\n".join(p["text"] for p in out)
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:

@@ -62,13 +62,14 @@ a single thread.
 
 Modules: ``errors``; ``layout`` (header words, enums, ``Layout``); ``tags``
 (the tagged-word helpers of the invariant above); ``wake`` (eventfds and the
-spin-then-sleep waiter); ``arena`` (``Arena``); ``token_ring``, ``ack_ring``
-and ``masks`` (the endpoints). Everything public is re-exported here.
+spin-then-sleep waiter); ``arena`` (``Arena``); ``token_ring``, ``ack_ring``,
+``masks`` and ``images`` (the endpoints). Everything public is re-exported here.
 """
 from __future__ import annotations
 
 from .ack_ring import AckEvent, AckReader, AckWriter
 from .arena import Arena
+from .images import ImageSlotReader, ImageSlotWriter
 from .errors import (
     AckRingFull, ArenaError, LayoutMismatch, MaskNotReady, RingAborted, RingCorrupt, RingTimeout,
 )
@@ -89,4 +90,5 @@ __all__ = [
     "Layout", "WakeFds", "Arena",
     "Entry", "PendingEntry", "TokenRingWriter", "TokenRingReader",
     "AckEvent", "AckWriter", "AckReader", "MaskWriter", "MaskReader", "mask_stamp",
+    "ImageSlotWriter", "ImageSlotReader",
 ]
