@@ -31,7 +31,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 KEY = "playground-test-key"
 # sim:20: a simulated device with 20 ms steps, so a stream takes long enough to watch it grow
-TINY_SLOW = ["--model", "tiny-random", "--device", "sim:20"]
+VLM_SLOW = ["--model", "tiny-random-vlm", "--device", "sim:20"]
+TEXT_SLOW = ["--model", "tiny-random", "--device", "sim:20"]
 
 
 def _browser_or_skip():
@@ -80,13 +81,15 @@ def tandem_serve(tmp_path, *args: str):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with tandem_serve(tmp_path_factory.mktemp("serve"), *TINY_SLOW) as url:
+    """A vision-language model (it chats too), without an API key."""
+    with tandem_serve(tmp_path_factory.mktemp("serve"), *VLM_SLOW) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
-    with tandem_serve(tmp_path_factory.mktemp("serve-key"), *TINY_SLOW, "--api-key", KEY) as url:
+    """A text-only model behind an API key."""
+    with tandem_serve(tmp_path_factory.mktemp("serve-key"), *TEXT_SLOW, "--api-key", KEY) as url:
         yield url
 
 
@@ -215,7 +218,7 @@ def test_page_and_its_files_are_served_from_the_package_and_need_no_network(keye
 
 def test_chat_streams_in_while_the_figures_move(browser, server, tmp_path):
     open_page(browser, server)
-    wait_for(browser, lambda d: js(d, "return document.getElementById('model').textContent") == "tiny-random")
+    wait_for(browser, lambda d: js(d, "return document.getElementById('model').textContent") == "tiny-random-vlm")
     watch_answer_lengths(browser)
     set_field(browser, "max-tokens", 120)
     set_field(browser, "temperature", 1.0)
@@ -364,3 +367,69 @@ def test_marks_land_on_the_coordinates_they_are_given(browser, server, tmp_path)
         browser.set_window_size(1280, 900)
     screenshot(browser, tmp_path / "marks.png")
     assert console_errors(browser) == []
+
+
+# --------------------------------------------------------------------------- a vision model, end to end
+
+
+def ask_until_placed(driver, mode: str, obj: str, turns: int) -> tuple[list[dict], int]:
+    """Ask until an answer places a mark inside the image, checking every answer's marks on
+    the way. tiny-random-vlm's weights are random: most answers are `none` or a corner, so
+    the page samples (temperature 2) until one is not, lest the check be vacuous."""
+    key, check, coords = {"detect": ("objects", assert_boxes_drawn_at, ("x_min", "y_min", "x_max", "y_max")),
+                          "point": ("points", assert_points_drawn_at, ("x", "y"))}[mode]
+    for _ in range(40):
+        send(driver, mode, obj)
+        answer = wait_answer(driver, turns)
+        turns += 1
+        assert not answer["error"], answer
+        found = answer["json"][key]
+        check(drawn_marks(driver), found)
+        if any(0 < item[c] < 1 for item in found for c in coords):
+            return found, turns
+    pytest.fail(f"40 {mode} answers placed nothing inside the image")
+
+
+def test_ask_about_an_image_in_every_mode(browser, server, tmp_path):
+    """Upload a generated image; detect and point draw what the server returned where it
+    says; caption and query stream in about it. A screenshot of each mode."""
+    make_image(tmp_path / "shapes.png")
+    open_page(browser, server)
+    wait_for(browser, lambda d: js(d, "return document.getElementById('model').textContent") == "tiny-random-vlm")
+    upload(browser, tmp_path / "shapes.png")
+    set_field(browser, "temperature", 2.0)
+    set_field(browser, "max-objects", 4)
+
+    objects, turns = ask_until_placed(browser, "detect", "yellow square", 0)
+    assert drawn_marks(browser)["boxes"]
+    screenshot(browser, tmp_path / "detect.png")
+    points, turns = ask_until_placed(browser, "point", "blue square", turns)
+    assert drawn_marks(browser)["points"]
+    screenshot(browser, tmp_path / "point.png")
+
+    set_field(browser, "max-tokens", 40)
+    for mode, text, key in [("caption", "", "caption"), ("query", "What is yellow?", "answer")]:
+        watch_answer_lengths(browser)
+        send(browser, mode, text)
+        answer = wait_answer(browser, turns)
+        turns += 1
+        assert not answer["error"] and answer["text"], answer
+        assert answer["json"][key] == answer["text"]
+        seen = js(browser, "return window.__lengths")
+        assert len({n for n in seen if 0 < n < len(answer["text"])}) >= 2, f"{mode} did not stream: {seen}"
+        assert drawn_marks(browser)["points"] == [], "a new question clears the old marks"
+        screenshot(browser, tmp_path / f"{mode}.png")
+    assert console_errors(browser) == []
+
+
+def test_a_text_model_turns_the_image_modes_off(browser, keyed_server):
+    from selenium.webdriver.common.by import By
+    open_page(browser, keyed_server)
+    key = browser.find_element(By.ID, "api-key")
+    key.clear()
+    key.send_keys(KEY)
+    key.submit()
+    wait_for(browser, lambda d: js(d, "return document.querySelector('input[value=detect]').disabled"),
+             what="detect to be turned off")
+    modes = js(browser, "return [...document.querySelectorAll('input[name=mode]')].map(r => [r.value, r.disabled])")
+    assert dict(modes) == {"chat": False, "query": False, "caption": True, "point": True, "detect": True}
