@@ -433,3 +433,14 @@ def test_a_text_model_turns_the_image_modes_off(browser, keyed_server):
              what="detect to be turned off")
     modes = js(browser, "return [...document.querySelectorAll('input[name=mode]')].map(r => [r.value, r.disabled])")
     assert dict(modes) == {"chat": False, "query": False, "caption": True, "point": True, "detect": True}
+
+
+def test_a_missing_browser_skips_here_and_fails_in_ci(monkeypatch):
+    import test_playground
+    monkeypatch.setattr(test_playground, "CHROMIUM", None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="chromium"):
+        _browser_or_skip()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="chromium"):
+        _browser_or_skip()
