@@ -422,7 +422,9 @@ def test_ask_about_an_image_in_every_mode(browser, server, tmp_path):
     assert console_errors(browser) == []
 
 
-def test_a_text_model_turns_the_image_modes_off(browser, keyed_server):
+def test_a_text_model_turns_the_image_modes_off(browser, keyed_server, tmp_path):
+    """Modes that need an image are off; a question asked with an image on the page goes
+    to the model without it (not a 400)."""
     from selenium.webdriver.common.by import By
     open_page(browser, keyed_server)
     key = browser.find_element(By.ID, "api-key")
@@ -433,6 +435,17 @@ def test_a_text_model_turns_the_image_modes_off(browser, keyed_server):
              what="detect to be turned off")
     modes = js(browser, "return [...document.querySelectorAll('input[name=mode]')].map(r => [r.value, r.disabled])")
     assert dict(modes) == {"chat": False, "query": False, "caption": True, "point": True, "detect": True}
+    console_errors(browser)  # the 401s of a page opened without the key (the key test checks those)
+    make_image(tmp_path / "shapes.png")
+    upload(browser, tmp_path / "shapes.png")
+    assert "takes no images" in browser.find_element(By.ID, "status").text
+    turns = assistant_turns(browser)
+    send(browser, "query", "What is this?")
+    answer = wait_answer(browser, turns)
+    assert not answer["error"] and answer["text"], answer
+    asked = js(browser, "return [...document.querySelectorAll('#transcript .turn.user .who')].pop().textContent")
+    assert asked == "you · query"  # not "· image"
+    assert console_errors(browser) == []
 
 
 def test_a_missing_browser_skips_here_and_fails_in_ci(monkeypatch):

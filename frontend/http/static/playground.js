@@ -29,6 +29,7 @@ const state = {
   abort: null,       // the AbortController of the request in flight
   needKey: false,    // the server answered 401: wait for a key
   lastStats: null,   // the previous /v1/stats answer (rates are differences)
+  vision: undefined, // whether the model takes images (false: it said it does not)
 };
 
 // --------------------------------------------------------------------------- HTTP
@@ -156,8 +157,12 @@ async function setImage(url, name) {
   $("clear-image").hidden = false;
   $("image-name").textContent = `${name} · ${img.naturalWidth}×${img.naturalHeight}`;
   clearMarks();
-  if (currentMode() === "chat") setMode("query");
-  showStatus("");
+  if (state.vision === false) {
+    showStatus(`This model (${$("model").textContent}) takes no images: questions go to it without the image.`);
+  } else {
+    if (currentMode() === "chat") setMode("query");
+    showStatus("");
+  }
 }
 
 function clearImage() {
@@ -250,6 +255,7 @@ document.querySelectorAll("input[name=mode]").forEach((r) => r.addEventListener(
 
 // Once the server says its model takes no images, the modes that need one are turned off.
 function showVision(vision, model) {
+  state.vision = vision;
   for (const [mode, spec] of Object.entries(MODES)) {
     const radio = document.querySelector(`input[name=mode][value=${mode}]`);
     radio.disabled = spec.image === "required" && vision === false;
@@ -277,7 +283,7 @@ async function ask(mode, text) {
   if (mode !== "caption" && !text) return showStatus("Type something first.", true);
   showStatus("");
   clearMarks();
-  const sendImage = spec.image !== "none" && state.image;
+  const sendImage = spec.image !== "none" && state.image && state.vision !== false;
   addTurn("user", `you · ${mode}${sendImage ? " · image" : ""}`, mode === "caption" ? `caption (${$("caption-length").value})` : text);
   const answer = addTurn("assistant", "tandem", "");
   const meter = new RequestMeter();
