@@ -13,6 +13,7 @@ Without Chromium the tests skip, except in CI (``CI=true``), where they fail.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -37,9 +38,7 @@ TEXT_SLOW = ["--model", "tiny-random", "--device", "sim:20"]
 
 def _browser_or_skip():
     missing = [name for name, path in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER)) if not path]
-    try:
-        import selenium  # noqa: F401  (the `test` extra)
-    except ImportError:
+    if importlib.util.find_spec("selenium") is None:  # the `test` extra
         missing.append("selenium (pip install -e '.[test]')")
     if missing:
         reason = f"no browser to test the page with: {', '.join(missing)} missing " \
