@@ -45,8 +45,8 @@ log = logging.getLogger("tandem.server")
 
 # The worker's figures that ``info`` passes on (besides the contract's fields).
 INFO_STATS = ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total", "waiting", "running", "steps",
-              "zombie_rows", "host_s", "device_idle_fraction", "committed_tokens", "prefill_tokens",
-              "prefix_hit_tokens", "prefix_query_tokens")
+              "zombie_rows", "host_s", "device_idle_fraction", "bubble_idle_s", "bubble_busy_s",
+              "committed_tokens", "prefill_tokens", "prefix_hit_tokens", "prefix_query_tokens")
 
 
 @dataclass

@@ -102,12 +102,17 @@ def server():
         assert serving.wait(180) and proc.poll() is None, "".join(stderr)[-3000:]
         yield address, stderr
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 # --------------------------------------------------------------------------- --connect with no server

@@ -3,9 +3,10 @@
 One more client of the server's request path (``bridge.py``): every HTTP
 request is a protocol ``generate`` over the server's in-process endpoint, so
 there is one request table and one validation. Modules: ``app.py`` (routes,
-API key), ``openai.py``, ``moondream.py``, ``common.py`` (body, model,
-images, disconnects, SSE), ``errors.py`` (statuses), ``listener.py``
-(uvicorn on its own thread). Contract: docs/HTTP.md.
+API key), ``openai.py``, ``moondream.py``, ``playground.py`` (the page at
+``/``, in ``static/``, and ``/v1/stats``), ``common.py`` (body, model, images,
+disconnects, SSE), ``errors.py`` (statuses), ``listener.py`` (uvicorn on its
+own thread). Contract: docs/HTTP.md.
 """
 from .listener import HttpListener
 

@@ -2,12 +2,14 @@
 
 Routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
 (``openai.py``); ``/v1/caption``, ``/v1/query``, ``/v1/point``, ``/v1/detect``
-(``moondream.py``); ``GET /health`` (200 once the worker is ready, 503 while it
-starts or restarts, or the server drains) and ``GET /metrics`` (Prometheus).
+(``moondream.py``); ``GET /``, the playground page, and ``GET /v1/stats``, its
+live figures (``playground.py``); ``GET /health`` (200 once the worker is ready,
+503 while it starts or restarts, or the server drains) and ``GET /metrics``
+(Prometheus).
 
-With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``
-or ``X-Moondream-Auth: KEY``; anything else is a 401 before the request is
-read (no work is done for it).
+With an API key every route but ``/health`` and the page's own files needs
+``Authorization: Bearer KEY`` or ``X-Moondream-Auth: KEY``; anything else is a
+401 before the request is read (no work is done for it).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE, Metrics
-from . import moondream, openai
-from .common import ClientGone, Context
+from . import moondream, openai, playground
+from .common import ClientGone, Context, server_info
 from .errors import HttpError
 
 log = logging.getLogger("tandem.http")
@@ -50,11 +52,8 @@ def build_app(ctx: Context, metrics: Metrics, health: Callable[[], str], api_key
         return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
 
     async def metrics_route(request: Request):
-        try:
-            info = await ctx.bridge.info()
-        except TimeoutError:
-            info = None  # the server loop is busy: counters and histograms only
-        return Response(metrics.render(info), media_type=CONTENT_TYPE)
+        # info None (the server loop is busy): counters and histograms only
+        return Response(metrics.render(await server_info(ctx)), media_type=CONTENT_TYPE)
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
@@ -66,6 +65,7 @@ def build_app(ctx: Context, metrics: Metrics, health: Callable[[], str], api_key
         Route("/v1/detect", post(moondream.detect), methods=["POST"]),
         Route("/health", health_route, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
+        *playground.routes(ctx, metrics),
     ]
     handlers = {HttpError: _http_error, HTTPException: _starlette_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers)
@@ -80,7 +80,7 @@ class ApiKeyAuth:
         self._key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._allowed(scope):
+        if scope["type"] == "http" and not _is_open(scope["path"]) and not self._allowed(scope):
             err = HttpError(401, "a valid API key is required (Authorization: Bearer KEY or X-Moondream-Auth: KEY)",
                             "invalid_api_key")
             return await err.response()(scope, receive, send)
@@ -97,6 +97,10 @@ class ApiKeyAuth:
             if hmac.compare_digest(given, self._key):
                 return True
         return False
+
+
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or playground.is_public(path)
 
 
 async def _http_error(request: Request, exc: HttpError):

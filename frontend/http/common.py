@@ -74,6 +74,14 @@ def adapter_field(ctx: Context, model: str) -> dict[str, str]:
     return {"adapter": model} if model in ctx.adapters else {}
 
 
+async def server_info(ctx: Context) -> dict[str, Any] | None:
+    """The server's ``info`` answer; None while the server loop is too busy to answer."""
+    try:
+        return await ctx.bridge.info()
+    except TimeoutError:
+        return None
+
+
 def image_input(ctx: Context, url: Any, where: str = "image_url") -> bytes:
     """The encoded image file of an ``image_url`` (a ``data:`` URL, or OpenAI's ``{"url": ...}``):
     the one place images enter. The server decodes and checks the file like a ZeroMQ request's
