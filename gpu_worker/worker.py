@@ -229,11 +229,15 @@ class Worker:
         return True
 
     def _pending_masks(self) -> list[int]:
-        """Indices of mask requests whose row is not yet stamped for their next token."""
-        return [i for i, s in enumerate(self.mask_requests)
-                if s.seq_id not in self.ended
-                and not self.masks.stamped(np.array([self.mask_rows[s.seq_id]]),
-                                           mask_stamp(s.seq_id, len(s.output_ids)))]
+        """Indices of mask requests whose row is not yet stamped for their next token (one vectorised
+        check over the rows, not a shared-memory read per row)."""
+        seqs = self.mask_requests
+        if not seqs:
+            return []
+        rows = np.fromiter((self.mask_rows[s.seq_id] for s in seqs), np.int64, len(seqs))
+        stamps = np.fromiter((mask_stamp(s.seq_id, len(s.output_ids)) for s in seqs), np.uint64, len(seqs))
+        ready = self.masks.stamped_each(rows, stamps)
+        return [i for i, s in enumerate(seqs) if not ready[i] and s.seq_id not in self.ended]
 
     def _read_masks(self, missing_rows: list[int]):
         if not self.mask_requests:

@@ -73,6 +73,11 @@ class MaskReader:
         rows = _check_rows(rows, self._rows)
         return bool(np.all(self._stamp[rows] == np.uint64(stamp + 1)))
 
+    def stamped_each(self, rows, stamps) -> np.ndarray:
+        """Per row: is its stamp exactly its own entry of ``stamps``? (bool array)"""
+        rows = _check_rows(rows, self._rows)
+        return self._stamp[rows] == np.asarray(stamps, dtype=np.uint64) + np.uint64(1)
+
     def wait_rows(self, rows, stamp: int, timeout: Optional[float], abort: AbortFn = None) -> bool:
         """Wait until all ``rows`` are stamped with ``stamp``; False on timeout."""
         rows = _check_rows(rows, self._rows)
