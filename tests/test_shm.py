@@ -387,6 +387,7 @@ def test_mask_rows_exact_stamp_only(arena):
     assert mr.wait_rows(rows, 5, timeout=0)
     assert np.array_equal(mr.read_rows(rows, 5), m5)
     assert mr.read_rows(rows, 5).dtype == np.int32
+    assert mr.stamped_each(rows, [5, 6, 5]).tolist() == [True, False, True]  # each row its own stamp
     assert not mr.wait_rows(rows, 6, timeout=0.02)       # stale stamp: never accepted
     assert not mr.wait_rows(rows, 4, timeout=0.02)       # newer than asked: not accepted
     with pytest.raises(MaskNotReady, match="stamped 6"):
