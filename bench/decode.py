@@ -595,7 +595,9 @@ def run(args) -> dict:
         if args.zombie_case:
             run_zombie(args, loaded, engines, modes, result, device)
     finally:
-        for e in engines.values():
+        for m, e in engines.items():
+            st = e.stats()
+            result.setdefault("graphs", {})[m] = {"count": st["cuda_graphs"], "capture_s": st["graph_capture_s"]}
             e.close()
     result["wall_s"] = time.perf_counter() - t_load
     return result

@@ -1,7 +1,7 @@
 """Helpers of bench/gpu.sh: a correctness pre-check on the GPU, and the final summary table.
 
     python -m bench.gpu_check precheck [MODEL [DEVICE]]  # pipelined == blocking tokens on CUDA (exit 1 otherwise)
-    python -m bench.gpu_check summary A.json ...  # one short table from bench.decode JSON files
+    python -m bench.gpu_check summary A.json ...  # the decode table, then a line per other bench JSON
 
 Needs only torch, numpy (and transformers through the model code's imports);
 no pyzmq, msgspec or grammar libraries.
@@ -213,16 +213,25 @@ def _sync_watch(cuda: bool, found: list, mode: str):
 
 
 def summary(paths: list[str]) -> int:
+    """The decode table from bench.decode's JSON files, then one line per other
+    bench JSON file (bench.split, bench.prefix_cache, bench.image_ttft, bench.lora)."""
     results = []
     for p in paths:
         try:
             with open(p) as f:
-                results.append(json.load(f))
+                results.append((os.path.basename(p), json.load(f)))
         except (OSError, ValueError) as e:
             print(f"(skipping {p}: {e})")
-    if not results:
-        print("no results")
-        return 1
+    decode = [r for _, r in results if "speedup" in r]
+    if decode:
+        _decode_table(decode)
+    for name, r in results:
+        if "speedup" not in r:
+            print(f"{name}: {_feature_line(r)}")
+    return 0 if results else 1
+
+
+def _decode_table(results: list[dict]) -> None:
     gpu = next((r["machine"].get("gpu") for r in results if r["machine"].get("gpu")), results[0]["device"])
     r0 = results[0]
     kind = f"{r0['dtype']}{', CUDA graphs' if r0['cuda_graphs'] else ''}"
@@ -245,11 +254,31 @@ def summary(paths: list[str]) -> int:
                   f"{p['ms_per_step']:.2f} | {100 * (b['ms_per_step'] / p['ms_per_step'] - 1):+.1f}% | "
                   f"{100 * b['device_idle_fraction']:.1f}% | {100 * p['device_idle_fraction']:.1f}% | "
                   f"{p['host_ms_per_step']:.3f} | {tr} | {ratio} |")
+        for m, g in r.get("graphs", {}).items():
+            if g["count"]:
+                print(f"  CUDA graphs {r['model']} {m}: {g['count']} captured in {g['capture_s'] * 1e3:.0f} ms "
+                      f"({g['capture_s'] * 1e3 / g['count']:.0f} ms each)")
         for z in r.get("zombie", []):
             print(f"  zombie case {r['model']} {z['mode']}: {z['zombie_rows_per_request']:.0f} zombie rows per "
                   f"{z['answer_tokens']}-token answer (tax {z['zombie_tax']:.4f})")
     print(f"target pipelined idle < 3%: {'met' if ok else 'NOT met'}")
-    return 0
+
+
+def _feature_line(r: dict) -> str:
+    if "two_process_over_in_process" in r:
+        return (f"{r['model']} {r['streams']} streams: in-process {r['in_process_tokens_per_s']:.0f} tok/s, "
+                f"two-process {r['two_process_tokens_per_s']:.0f} tok/s (ratio {r['two_process_over_in_process']:.3f})")
+    if "ttft_speedup_on_hit" in r:
+        off, on = r["cache_off"], r["cache_on"]
+        return (f"prefix cache, {on['prompt_tokens']}-token prompt: TTFT {off['later_ttft_ms_p50']:.1f} ms on a miss, "
+                f"{on['later_ttft_ms_p50']:.1f} ms on a hit ({r['ttft_speedup_on_hit']:.1f}x); multi-turn hit rate "
+                f"{100 * r['multi_turn']['hit_rate']:.0f}%")
+    if "ttft_ms_median" in r:
+        return "image TTFT ms (median): " + ", ".join(f"{k} {v:.1f}" for k, v in r["ttft_ms_median"].items())
+    if "rank" in r:
+        return (f"LoRA on {r['model']}, {r['streams']} streams, rank {r['rank']} (ms/step, x base): "
+                + ", ".join(f"{x['adapters']} {x['ms_per_step']:.2f} ({x['vs_base']:.2f}x)" for x in r["rows"]))
+    return "(not a bench result)"
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ from bench.decode import _csv, load_model, machine_info, make_prompts, timed_pas
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_random_adapter(path: Path, config, rank: int, seed: int) -> None:
-    """A PEFT adapter directory with random A and B on every linear layer of ``config``."""
+def write_random_adapter(path: Path, config, rank: int, seed: int, b_std: float = 0.02) -> None:
+    """A PEFT adapter directory with random A and B on every linear layer of ``config``
+    (B's standard deviation ``b_std``: large enough, the adapter changes the greedy tokens)."""
     import torch
     from safetensors.torch import save_file
 
@@ -47,7 +48,7 @@ def write_random_adapter(path: Path, config, rank: int, seed: int) -> None:
             fan_in, fan_out = shapes[m]
             prefix = f"base_model.model.model.layers.{layer}.{'mlp' if m in MODULES[4:] else 'self_attn'}.{m}"
             tensors[prefix + ".lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.02
-            tensors[prefix + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.02
+            tensors[prefix + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_std
     path.mkdir(parents=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(

@@ -285,6 +285,8 @@ class Engine:
             "prefix_cache_evictions": self.alloc.pages.evictions,
             "rows_free": self.alloc.rows.num_free,
             "rows_total": self.alloc.rows.capacity,
+            "cuda_graphs": len(self.runner.graphs),
+            "graph_capture_s": self.runner.graph_capture_s,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             **self.encoder_cache.stats(),

@@ -153,7 +153,8 @@ class ModelRunner:
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
         self.slots = [SlotBuffers(device, max_rows) for _ in range(NUM_SLOTS)]
         self.use_graphs = config.cuda_graphs and device.is_cuda
-        self.graphs: dict[tuple[int, int, int], "_DecodeGraph"] = {}
+        self.graphs: dict[tuple[int, int, int, str | None], "_DecodeGraph"] = {}
+        self.graph_capture_s = 0.0  # wall time spent capturing them (warm-up and new buckets)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     # -- rows -----------------------------------------------------------------
@@ -363,12 +364,14 @@ class ModelRunner:
         p = _bucket(pages, tuple(sorted({min(1 << i, self.max_pages_per_seq) for i in range(3, 16)})))
         if b is None or p is None:
             return None
-        key = (slot, b, p)
+        # The LoRA kernel is Python control flow, frozen into a graph when it is captured.
+        key = (slot, b, p, self.lora.kernel if self.lora is not None else None)
         if key not in self.graphs:
             t0 = time.perf_counter()
             self.graphs[key] = _DecodeGraph(self, b, p, self._graph_pool)
-            log.info("captured decode graph slot=%d batch=%d pages=%d in %.0f ms", slot, b, p,
-                     (time.perf_counter() - t0) * 1e3)
+            took = time.perf_counter() - t0
+            self.graph_capture_s += took
+            log.info("captured decode graph slot=%d batch=%d pages=%d in %.0f ms", slot, b, p, took * 1e3)
         return self.graphs[key]
 
     def warmup(self, batch_sizes=(1, 8, 32), pages=(8, 16), progress=None) -> None:

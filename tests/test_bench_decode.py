@@ -154,3 +154,37 @@ def test_gpu_precheck_runs_on_cpu_and_can_fail(monkeypatch, capsys):
     monkeypatch.setattr(gpu_check._RingSink, "_copy_targets", copy_elsewhere)
     assert gpu_check.precheck("random-tiny", "cpu") == 1
     assert "differ from the committed ids" in capsys.readouterr().out
+
+
+def test_gpu_feature_checks_run_on_cpu_and_can_fail(monkeypatch, capsys):
+    """bench/gpu.sh's feature checks (LoRA, prefix cache, images, the two processes)
+    pass on the CPU backend, and each one fails when the engine under test (the
+    pipelined one; the references are blocking) gets the requests wrong."""
+    from bench import gpu_features
+
+    dry_run = ["--device", "cpu", "--llm", "tiny-random", "--vlm", "tiny-random-vlm"]
+    assert gpu_features.main(dry_run) == 0
+    out = capsys.readouterr().out
+    assert all(f"feature {name}: OK" in out for name in gpu_features.CHECKS), out
+
+    real_engine = gpu_features._engine
+
+    def engine_that_garbles(model, device, dtype, pipeline, **kw):
+        engine = real_engine(model, device, dtype, pipeline, **kw)
+        if pipeline:
+            submit = engine.submit
+
+            def garbled(prompt_ids, params, adapter=None, images=None):
+                if images:  # the features of another picture
+                    images = [type(im)(im.hash, np.zeros_like(im.tiles)) for im in images]
+                else:
+                    prompt_ids = prompt_ids[::-1]
+                return submit(prompt_ids, params, images=images)  # and the adapter is lost
+
+            engine.submit = garbled
+        return engine
+
+    monkeypatch.setattr(gpu_features, "_engine", engine_that_garbles)
+    assert gpu_features.main(dry_run) == 1
+    out = capsys.readouterr().out
+    assert all(f"feature {name}: FAILED" in out for name in gpu_features.CHECKS), out

