@@ -28,6 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "${1:-}" = "prepare" ]; then
     set -e
@@ -37,15 +38,13 @@ if [ "${1:-}" = "prepare" ]; then
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
         -d .whl msgspec==0.23.0 msgpack==1.2.4 pillow==13.0.0
     PY="$ROOT/.venv/bin/python"
-    "$PY" -c "from shared.models import resolve_model, cache_root, TOKENIZER_DIR; import shutil; \
-resolve_model('tiny-random', quiet=True); shutil.copytree(cache_root() / TOKENIZER_DIR, \
-'.cache/models/' + TOKENIZER_DIR, dirs_exist_ok=True)"
+    "$PY" -c "from shared.models import smollm2_tokenizer_dir as d; import shutil; \
+shutil.copytree(d(), '.cache/models/' + d().name, dirs_exist_ok=True)"
     du -sh .whl .cache/models/smollm2-tokenizer
     echo "prepared: carry .whl and .cache/models/smollm2-tokenizer with the working tree"
     exit 0
 fi
 
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 [ -d "$ROOT/.cache/models/smollm2-tokenizer" ] && export TANDEM_CACHE="${TANDEM_CACHE:-$ROOT/.cache}"
 DIR="${OUT:-$(mktemp -d /tmp/tandem-gpu-bench.XXXXXX)}"

