@@ -23,6 +23,7 @@ import click
 from click.core import ParameterSource
 
 from frontend import serve_options
+from shared.lora_config import KERNELS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
 
@@ -86,7 +87,7 @@ def timeout_option(default: float):
 
 # Options that configure the in-process engine (the worker that `generate` and `serve` start).
 ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len", "kv_pages",
-                  "kv_memory_fraction", "lora", "max_loras"]
+                  "kv_memory_fraction", "lora", "max_loras", "lora_kernel"]
 
 
 def engine_options(fn):
@@ -109,6 +110,9 @@ def engine_options(fn):
                      help="Serve a LoRA adapter (PEFT directory) under NAME (repeatable)."),
         click.option("--max-loras", default=4, show_default=True, type=click.IntRange(min=1),
                      help="Device slots for adapters; more adapters are loaded on demand (LRU)."),
+        click.option("--lora-kernel", type=click.Choice(KERNELS), default="gather", show_default=True,
+                     help="How each row applies its adapter: gather its own A and B, or multiply by every "
+                          "slot's and mask the others (see BENCHMARKS.md)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)

@@ -28,14 +28,7 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 
-from shared.lora_config import AdapterSpec, module_shapes, read_adapters
-
-# How a row's delta is computed (same result; the cost differs, see BENCHMARKS.md):
-# - "gather": per row, gather its slot's A and B ([T, R, in] and [T, R, out]) and two batched matvecs;
-#   cost grows with T * R, independent of the number of slots;
-# - "masked": x @ every slot's A (one matmul), zero all but the row's own slot, @ every slot's B;
-#   no weight copies, cost grows with T * slots * R.
-KERNELS = ("gather", "masked")
+from shared.lora_config import KERNELS, AdapterSpec, module_shapes, read_adapters
 
 # The parts of each fused projection of gpu_worker.model, in its output order.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),

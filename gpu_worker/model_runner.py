@@ -120,7 +120,7 @@ class ModelRunner:
         self.model = llama.eval()
         self.config = llama.config
         # LoRA: wraps the targeted linear layers (before any graph is captured).
-        self.lora = LoraPool(self.model, config.loras, config.max_loras) if config.loras else None
+        self.lora = LoraPool(self.model, config.loras, config.max_loras, config.lora_kernel) if config.loras else None
         self.max_model_len = min(max_model_len, llama.max_model_len)
         self.page_size = page_size
         self.max_rows = max_rows

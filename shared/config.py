@@ -26,6 +26,7 @@ class EngineConfig:
     debug: bool = False
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> PEFT directory
     max_loras: int = 4  # device slots for adapters (more adapters are loaded on demand, LRU)
+    lora_kernel: str = "gather"  # how each row meets its slot: gather | masked (gpu_worker.lora.KERNELS)
 
     def engine_fields(self) -> dict:
         """Just the EngineConfig fields (also of a subclass such as the frontend's ServiceConfig)."""

@@ -23,6 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_LORA_RANK = 64
+# How a row's delta is computed (same result; the cost differs, see BENCHMARKS.md):
+# - "gather": per row, gather its slot's A and B ([T, R, in] and [T, R, out]) and two batched matvecs;
+#   cost grows with T * R, independent of the number of slots;
+# - "masked": x @ every slot's A (one matmul), zero all but the row's own slot, @ every slot's B;
+#   no weight copies, cost grows with T * slots * R.
+KERNELS = ("gather", "masked")
 # The Llama linear layers an adapter may target, and the fused projection each belongs to.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

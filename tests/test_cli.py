@@ -338,6 +338,32 @@ def test_dtype_option():
         main.commands["serve"].make_context("serve", ["--dtype", "float64"])
 
 
+def test_lora_kernel_option_reaches_the_worker(tmp_path):
+    from gpu_worker.engine import Engine
+
+    ctx = main.commands["serve"].make_context("serve", ["--lora-kernel", "masked"])
+    config = cli.service_config(_engine_kw(ctx))
+    assert config.lora_kernel == "masked"
+    assert main.commands["generate"].make_context("generate", ["hi"]).params["lora_kernel"] == "gather"
+    with pytest.raises(click.UsageError):
+        main.commands["serve"].make_context("serve", ["--lora-kernel", "fast"])
+    # The worker builds its engine from the config's engine fields: the adapters' layers use that kernel.
+    from bench.lora import write_random_adapter
+    from gpu_worker.model import LlamaConfig
+    from shared.config import EngineConfig
+    from shared.models import resolve_model
+
+    path = resolve_model("tiny-random", quiet=True)
+    write_random_adapter(tmp_path / "a", LlamaConfig.from_pretrained(path), rank=4, seed=0)
+    fields = config.engine_fields() | dict(model=str(path), device="cpu", loras={"a": str(tmp_path / "a")},
+                                           max_batch=2, kv_pages=8)
+    engine = Engine(EngineConfig(**fields))
+    try:
+        assert engine.runner.lora.kernel == "masked"
+    finally:
+        engine.close()
+
+
 def _engine_kw(ctx: click.Context) -> dict:
     return {k: ctx.params[k] for k in cli.ENGINE_OPTIONS}
 
