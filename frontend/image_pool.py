@@ -56,8 +56,13 @@ class ImagePool:
     def _start(self) -> ProcessPoolExecutor:
         # spawn: a child never inherits the frontend's threads, sockets or shared memory
         # (fork would), and no fork server outlives the pool.
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_lower_priority)
+        executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_lower_priority)
+        # Start every child now (each submit to a pool without an idle child starts one), so that they
+        # import Pillow and numpy while the worker loads, not beside the first images.
+        for _ in range(self.workers):
+            executor.submit(prepare_images, [], self.params)
+        return executor
 
     def submit(self, images: list[bytes], on_done: Callable[[object], None]) -> Future:
         """Prepare ``images`` in a child. ``on_done`` gets the list of ``PreparedImage`` or the exception
