@@ -13,12 +13,15 @@ field, and reports ``vision``, ``encoder_cache`` and ``usage.image_tokens``.
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import re
 import signal
 import struct
+import threading
 import time
 import zlib
+from concurrent.futures import CancelledError
 
 import msgpack
 import numpy as np
@@ -28,6 +31,7 @@ import zmq
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
+from frontend.image_pool import ImagePool  # noqa: E402
 from frontend.images import image_prompt_ids  # noqa: E402
 from frontend.server import Server  # noqa: E402
 from frontend.service import Service, ServiceConfig  # noqa: E402
@@ -431,3 +435,114 @@ def test_a_long_prefill_launch_is_a_wait_not_a_hang():
         assert svc.generation == 1
     finally:
         svc.close()
+
+
+# ---- the image pool: child processes at nice 19 ------------------------------------------------------
+
+def large_png(seed: int) -> bytes:
+    """2048 x 1536 noise: tens of milliseconds of decoding and resizing, so a pool child stays busy with it."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (1536, 2048, 3), dtype=np.uint8)).save(
+        buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def test_a_bad_image_in_the_pool_fails_only_its_own_request(svc):
+    """Truncated images between good ones, all in the pool at once: each fails its own request with a
+    bad_request naming the image; the requests prepared beside them (same children) finish."""
+    log = Log()
+    truncated = WIDE[3][:300]
+    reqs = [submit(svc, log, [WIDE[1], truncated] if i % 3 == 0 else [WIDE[i % 6]], SamplingParams(max_tokens=2))
+            for i in range(9)]
+    svc.run_until(lambda: all(r.seq_id in log.terminal for r in reqs), 60)
+    for i, r in enumerate(reqs):
+        kind, payload = log.terminal[r.seq_id]
+        if i % 3 == 0:
+            assert kind == "error" and payload["code"] == "bad_request", payload
+            assert re.search(r"images\[1\]: image data is truncated or corrupt", payload["message"]), payload
+        else:
+            assert kind == "done" and payload["usage"]["image_tokens"] == 5 * 16, payload
+    assert_idle(svc)
+
+
+def test_cancel_while_queued_in_the_pool_frees_everything():
+    svc = make_service(image_workers=1)
+    try:
+        log = Log()
+        image = large_png(1)
+        reqs = [submit(svc, log, [image], SamplingParams(max_tokens=2)) for _ in range(6)]
+        for r in reqs[1:]:  # one child: the first is being decoded, the last ones wait in the pool
+            svc.cancel(r)
+        assert reqs[-1].preparation.cancelled()  # non-vacuity: a cancel took work out of the pool
+        assert all(log.terminal[r.seq_id][1]["finish_reason"] == "cancelled" for r in reqs[1:])
+        svc.run_until(lambda: reqs[0].seq_id in log.terminal, 60)
+        assert log.terminal[reqs[0].seq_id][0] == "done"
+        # Those already handed to the child finish there; their results are dropped on arrival.
+        svc.run_until(lambda: not any(r.preparing for r in reqs), 60)
+        assert not svc._prepared and not any(r.preparation for r in reqs)
+        assert_idle(svc)
+    finally:
+        svc.close()
+
+
+def test_a_killed_pool_process_fails_its_request_and_the_next_request_gets_a_new_pool():
+    before = set(multiprocessing.active_children())
+    svc = make_service(image_workers=1)
+    try:
+        log = Log()
+        (child,) = set(multiprocessing.active_children()) - before
+        doomed = submit(svc, log, [large_png(2)] * 4, SamplingParams(max_tokens=2))
+        os.kill(child.pid, signal.SIGKILL)
+        svc.run_until(lambda: doomed.seq_id in log.terminal, 60)
+        kind, payload = log.terminal[doomed.seq_id]
+        assert kind == "error" and payload["code"] == "internal", payload
+        assert "process preparing the images died" in payload["message"]
+        after = submit(svc, log, [WIDE[0]], SamplingParams(max_tokens=2))
+        svc.run_until(lambda: after.seq_id in log.terminal, 60)
+        assert log.terminal[after.seq_id][0] == "done", log.terminal[after.seq_id]
+        assert_idle(svc)
+    finally:
+        svc.close()
+    assert set(multiprocessing.active_children()) == {c for c in before if c.is_alive()}  # none of its own left
+
+
+def test_pool_children_run_at_nice_19_and_close_leaves_no_process_or_thread(svc):
+    if os.getpriority(os.PRIO_PROCESS, 0) >= 19:
+        pytest.skip("the tests run at nice 19 already: the children's priority would prove nothing")
+    threads_before = set(threading.enumerate())
+    children_before = set(multiprocessing.active_children())
+    pool = ImagePool(svc.image_params, workers=2)
+    outcomes: list = []
+    try:
+        children = set(multiprocessing.active_children()) - children_before
+        assert len(children) == 2  # started with the pool, not with the first image
+        deadline = time.monotonic() + 30
+        while not all(os.getpriority(os.PRIO_PROCESS, c.pid) == 19 for c in children):
+            assert time.monotonic() < deadline, "the pool's children never lowered their priority"
+            time.sleep(0.01)
+        image = large_png(3)
+        for _ in range(6):
+            pool.submit([image], outcomes.append)
+        assert len(outcomes) < 6  # close() comes while the pool works
+    finally:
+        pool.close()
+    # Each submit was answered exactly once: prepared, or cancelled before it started.
+    assert len(outcomes) == 6 and all(isinstance(o, (list, CancelledError)) for o in outcomes), outcomes
+    assert not any(c.is_alive() for c in children)
+    assert set(multiprocessing.active_children()) == {c for c in children_before if c.is_alive()}
+    assert [t for t in threading.enumerate() if t not in threads_before] == []
+
+
+def test_close_while_images_are_prepared_ends_each_request_once_and_leaves_no_process():
+    children_before = set(multiprocessing.active_children())
+    svc = make_service(image_workers=2)
+    log = Log()
+    try:
+        image = large_png(4)
+        reqs = [submit(svc, log, [image], SamplingParams(max_tokens=2)) for _ in range(4)]
+        assert any(r.preparing for r in reqs)
+    finally:
+        svc.close()
+    assert all(log.terminal[r.seq_id][0] == "error" and "shutting down" in log.terminal[r.seq_id][1]["message"]
+               for r in reqs)
+    assert set(multiprocessing.active_children()) == {c for c in children_before if c.is_alive()}
