@@ -18,14 +18,19 @@ in and uint8 tiles out (no float arrays).
 A child that dies (killed, or crashed in a decoder) breaks the executor: the
 requests it held get ``BrokenProcessPool``, and the next submit starts a fresh
 pool. ``close()`` waits for the running preparations (at most one image each),
-cancels the queued ones and joins every child and helper thread.
+cancels the queued ones and joins every child and helper thread; a frontend
+that is killed takes its children with it (each watches its parent). The
+spawn start method also starts multiprocessing's resource tracker, one helper
+process per frontend that ends when the frontend does.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait
 from typing import Callable
 
 from shared.vision_config import ImageProcessorParams
@@ -40,9 +45,13 @@ def default_workers() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) - 2))
 
 
-def _lower_priority() -> None:
-    """Child initializer: nice 19 for the child's one working thread (on Linux, ``who=0`` is the caller)."""
+def _start_child() -> None:
+    """Child initializer: nice 19 for its working thread (on Linux, ``who=0`` is the caller), and exit
+    when the frontend does: killed, it never closes the pipe the child waits on (every child holds
+    its write end), so without this watch the children would outlive it."""
     os.setpriority(os.PRIO_PROCESS, 0, PREPARE_NICENESS)
+    parent = multiprocessing.parent_process().sentinel  # readable once the frontend has exited
+    threading.Thread(target=lambda: (wait([parent]), os._exit(1)), name="exit-with-frontend", daemon=True).start()
 
 
 class ImagePool:
@@ -57,7 +66,7 @@ class ImagePool:
         # spawn: a child never inherits the frontend's threads, sockets or shared memory
         # (fork would), and no fork server outlives the pool.
         executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_lower_priority)
+                                       initializer=_start_child)
         # Start every child now (each submit to a pool without an idle child starts one), so that they
         # import Pillow and numpy while the worker loads, not beside the first images.
         for _ in range(self.workers):

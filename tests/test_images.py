@@ -18,10 +18,13 @@ import os
 import re
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
 from concurrent.futures import CancelledError
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -546,3 +549,43 @@ def test_close_while_images_are_prepared_ends_each_request_once_and_leaves_no_pr
     assert all(log.terminal[r.seq_id][0] == "error" and "shutting down" in log.terminal[r.seq_id][1]["message"]
                for r in reqs)
     assert set(multiprocessing.active_children()) == {c for c in children_before if c.is_alive()}
+
+
+POOL_THEN_SLEEP = """
+import multiprocessing, sys, time
+from frontend.image_pool import ImagePool
+from shared.models import ModelInfo
+from shared.vision_config import ImageProcessorParams
+if __name__ == "__main__":
+    pool = ImagePool(ImageProcessorParams.from_model_dir(ModelInfo.load("tiny-random-vlm").path), workers=2)
+    pool.submit([], lambda result: None).result()  # the children are up
+    print(*[c.pid for c in multiprocessing.active_children()], flush=True)
+    time.sleep(120)
+"""
+
+
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_pool_children_exit_when_the_frontend_is_killed(tmp_path):
+    script = tmp_path / "pool_then_sleep.py"
+    script.write_text(POOL_THEN_SLEEP)
+    root = str(Path(__file__).resolve().parents[1])
+    frontend = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root,
+                                env={**os.environ, "PYTHONPATH": root})
+    try:
+        children = [int(pid) for pid in frontend.stdout.readline().split()]
+        assert len(children) == 2 and all(process_running(pid) for pid in children)  # non-vacuity
+    finally:
+        frontend.kill()
+        frontend.wait()
+    deadline = time.monotonic() + 30
+    while any(process_running(pid) for pid in children):
+        assert time.monotonic() < deadline, "a pool child outlived its killed frontend"
+        time.sleep(0.05)
