@@ -21,7 +21,9 @@ pool. ``close()`` waits for the running preparations (at most one image each),
 cancels the queued ones and joins every child and helper thread; a frontend
 that is killed takes its children with it (each watches its parent). The
 spawn start method also starts multiprocessing's resource tracker, one helper
-process per frontend that ends when the frontend does.
+process per frontend that ends when the frontend does; and, as with any
+spawned child, a script that creates a ``Service`` of a vision model needs the
+``if __name__ == "__main__":`` guard (each child imports the main module).
 """
 from __future__ import annotations
 
