@@ -9,6 +9,10 @@ exactly one terminal event and leave every image slot, encoder-cache
 reference, KV page and batch row free. The ZeroMQ server, driven from the test
 thread, answers each kind of bad image input with ``bad_request`` naming the
 field, and reports ``vision``, ``encoder_cache`` and ``usage.image_tokens``.
+The image pool's children run at nice 19; a bad image among good ones fails
+only its request, a cancel while queued takes the work out of the pool, a
+killed child fails its request and the next one gets a fresh pool, and
+neither ``close()`` nor a killed frontend leaves a pool process behind.
 """
 from __future__ import annotations
 
