@@ -430,10 +430,13 @@ def check_endpoint_free(endpoint: str) -> None:
                    "(default: room for one request of 8 of the largest images).")
 @click.option("--encoder-cache-mb", default=256.0, show_default=True,
               help="Vision models: device memory for image features kept for reuse.")
+@click.option("--image-workers", type=click.IntRange(min=1), default=None,
+              help="Vision models: processes (at nice 19) that decode and tile images (default: the cores "
+                   "less two, 1 to 4).")
 @serve_options.network_options
 @log_level_option()
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, http, api_key,
-          curve_secret_key, curve_clients, insecure, **engine_kw):
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, image_workers, http,
+          api_key, curve_secret_key, curve_clients, insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -453,7 +456,7 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, e
     check_endpoint_free(bind)  # before the model load, which can take minutes
     net.listen()
     cfg = service_config(engine_kw, restart=not exit_on_worker_failure, image_slots=image_slots,
-                         encoder_cache_mb=encoder_cache_mb)
+                         encoder_cache_mb=encoder_cache_mb, image_workers=image_workers)
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
     server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve)

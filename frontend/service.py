@@ -22,14 +22,17 @@ Invariants:
   running and new requests wait in ``unsent`` (a failed restart raises
   ``WorkerFailed``: a worker that cannot start is not retried in a loop).
 
-Images (``submit_images``): decoding, resizing, tiling and tokenizing run in
-a small thread pool, so a large image never holds up the tokens of other
-streams; the finished request waits in ``unsent`` until enough image slots of
-the arena are free (a slot is reused only after the worker's ``ImagesCopied``),
-then its Submit names the slots. A cancel at any of these phases ends it at once.
+Images (``submit_images``): decoding, resizing and tiling run in child
+processes at nice 19 (``image_pool.py``), so a large image neither takes the
+GIL from this loop nor the CPU from the worker; tokenizing the expanded prompt
+then runs here. The prepared request waits in ``unsent`` until enough image
+slots of the arena are free (a slot is reused only after the worker's
+``ImagesCopied``), then its Submit names the slots. A cancel at any of these
+phases ends it at once (one still queued in the pool never runs); a bad image
+fails only its own request.
 
 Single-threaded: call ``poll()`` from one thread (the server loop); only the
-image pool's threads run beside it, and they hand results back through
+image pool's helper threads run beside it, and they hand results back through
 ``_prepared`` plus an eventfd that is among ``fds()``.
 """
 from __future__ import annotations
@@ -39,7 +42,8 @@ import os
 import select
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,7 +60,8 @@ from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import ImageProcessorParams, read_config
 
 from .detokenizer import IncrementalDetokenizer
-from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image, prepare_images
+from .image_pool import ImagePool
+from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image
 from .worker_handle import WorkerFailed, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
@@ -81,7 +86,7 @@ class ServiceConfig(EngineConfig):
     log_level: str = "WARNING"
     image_slots: int | None = None  # arena image slots; None: room for one request of the largest images
     image_slot_tiles: int = 1  # tiles per image slot
-    image_threads: int = 2  # threads that decode, tile and tokenize images
+    image_workers: int | None = None  # processes that decode and tile images; None: cores - 2, 1 to 4
 
 
 @dataclass(eq=False)
@@ -104,7 +109,8 @@ class Request:
     mask_row: int = -1  # its row in the shared mask region while it holds one
     images: list[PreparedImage] | None = None  # tiles waiting to go into image slots (dropped once sent)
     image_tokens: int = 0  # prompt positions filled by image features
-    preparing: bool = False  # its images are still being decoded in the thread pool
+    preparing: bool = False  # its images are still being decoded in the image pool
+    preparation: Any = None  # that work's Future (cancelled with the request while it waits in the pool)
     render: Callable | None = None  # prepared images -> prompt ids (submit_images)
     submitted: bool = False  # sent to the worker (else waiting for a mask row)
     ended: bool = False
@@ -136,8 +142,7 @@ class Service:
         self._next_seq = 1
         self._stats: dict | None = None
         self.image_params = ImageProcessorParams.from_model_dir(self.model_path) if self.model.vision else None
-        self._image_pool = (ThreadPoolExecutor(cfg.image_threads, thread_name_prefix="tandem-images")
-                            if self.image_params else None)
+        self._image_pool = ImagePool(self.image_params, cfg.image_workers) if self.image_params else None
         self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
         self._prepared_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.worker: WorkerHandle | None = None
@@ -230,15 +235,11 @@ class Service:
         req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter)
         req.preparing = True
         req.render = render
-        self._image_pool.submit(self._prepare, req, list(images))
+        req.preparation = self._image_pool.submit(list(images), lambda result: self._hand_back(req, result))
         return req
 
-    def _prepare(self, req: Request, images: list[bytes]) -> None:
-        """Pool thread: decode, tile and hash; hand the result to the loop."""
-        try:
-            result = prepare_images(images, self.image_params)
-        except Exception as e:  # noqa: BLE001 - reported to the request, never lost in the pool
-            result = e
+    def _hand_back(self, req: Request, result) -> None:
+        """Pool thread (or the cancelling one): queue the prepared images or the exception for the loop."""
         self._prepared.append((req, result))
         os.eventfd_write(self._prepared_fd, 1)
 
@@ -250,13 +251,17 @@ class Service:
             pass
         while self._prepared:
             req, result = self._prepared.popleft()
-            req.preparing = False
-            if req.ended:  # cancelled (or failed) while its images were being prepared
+            req.preparing, req.preparation = False, None
+            if req.ended or isinstance(result, CancelledError):  # cancelled (or failed) while being prepared
                 self._forget(req)
                 continue
             error = None
             if isinstance(result, ValueError):
                 error = ("bad_request", str(result))
+            elif isinstance(result, BrokenProcessPool):
+                log.error("the image pool process preparing request %d died: %s", req.seq_id, result)
+                error = ("internal", "the process preparing the images died (killed, or crashed decoding an "
+                                     "image); retry the request")
             elif isinstance(result, Exception):
                 log.error("preparing the images of request %d failed: %r", req.seq_id, result)
                 error = ("internal", f"{type(result).__name__}: {result}")
@@ -339,6 +344,8 @@ class Service:
         if req.ended:
             return
         self._end(req, reason=FinishReason.CANCELLED)
+        if req.preparation is not None:
+            req.preparation.cancel()  # frees its pool place if it has not started (else its result is dropped)
         self._stop_worker_side(req, FinishReason.CANCELLED)
 
     def _stop_worker_side(self, req: Request, reason: FinishReason) -> None:
@@ -531,8 +538,8 @@ class Service:
         return self._stats
 
     def close(self) -> None:
-        if self._image_pool is not None:
-            self._image_pool.shutdown(wait=False, cancel_futures=True)
+        if self._image_pool is not None:  # first: no pool thread writes to the eventfd once it is closed
+            self._image_pool.close()
         if self.worker is not None:
             for req in list(self.requests.values()):
                 self._end(req, error=("internal", "the server is shutting down"))

@@ -9,16 +9,26 @@ exactly one terminal event and leave every image slot, encoder-cache
 reference, KV page and batch row free. The ZeroMQ server, driven from the test
 thread, answers each kind of bad image input with ``bad_request`` naming the
 field, and reports ``vision``, ``encoder_cache`` and ``usage.image_tokens``.
+The image pool's children run at nice 19; a bad image among good ones fails
+only its request, a cancel while queued takes the work out of the pool, a
+killed child fails its request and the next one gets a fresh pool, and
+neither ``close()`` nor a killed frontend leaves a pool process behind.
 """
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import re
 import signal
 import struct
+import subprocess
+import sys
+import threading
 import time
 import zlib
+from concurrent.futures import CancelledError
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -28,6 +38,7 @@ import zmq
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
+from frontend.image_pool import ImagePool  # noqa: E402
 from frontend.images import image_prompt_ids  # noqa: E402
 from frontend.server import Server  # noqa: E402
 from frontend.service import Service, ServiceConfig  # noqa: E402
@@ -431,3 +442,154 @@ def test_a_long_prefill_launch_is_a_wait_not_a_hang():
         assert svc.generation == 1
     finally:
         svc.close()
+
+
+# ---- the image pool: child processes at nice 19 ------------------------------------------------------
+
+def large_png(seed: int) -> bytes:
+    """2048 x 1536 noise: tens of milliseconds of decoding and resizing, so a pool child stays busy with it."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (1536, 2048, 3), dtype=np.uint8)).save(
+        buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def test_a_bad_image_in_the_pool_fails_only_its_own_request(svc):
+    """Truncated images between good ones, all in the pool at once: each fails its own request with a
+    bad_request naming the image; the requests prepared beside them (same children) finish."""
+    log = Log()
+    truncated = WIDE[3][:300]
+    reqs = [submit(svc, log, [WIDE[1], truncated] if i % 3 == 0 else [WIDE[i % 6]], SamplingParams(max_tokens=2))
+            for i in range(9)]
+    svc.run_until(lambda: all(r.seq_id in log.terminal for r in reqs), 60)
+    for i, r in enumerate(reqs):
+        kind, payload = log.terminal[r.seq_id]
+        if i % 3 == 0:
+            assert kind == "error" and payload["code"] == "bad_request", payload
+            assert re.search(r"images\[1\]: image data is truncated or corrupt", payload["message"]), payload
+        else:
+            assert kind == "done" and payload["usage"]["image_tokens"] == 5 * 16, payload
+    assert_idle(svc)
+
+
+def test_cancel_while_queued_in_the_pool_frees_everything():
+    svc = make_service(image_workers=1)
+    try:
+        log = Log()
+        image = large_png(1)
+        reqs = [submit(svc, log, [image], SamplingParams(max_tokens=2)) for _ in range(6)]
+        for r in reqs[1:]:  # one child: the first is being decoded, the last ones wait in the pool
+            svc.cancel(r)
+        assert reqs[-1].preparation.cancelled()  # non-vacuity: a cancel took work out of the pool
+        assert all(log.terminal[r.seq_id][1]["finish_reason"] == "cancelled" for r in reqs[1:])
+        svc.run_until(lambda: reqs[0].seq_id in log.terminal, 60)
+        assert log.terminal[reqs[0].seq_id][0] == "done"
+        # Those already handed to the child finish there; their results are dropped on arrival.
+        svc.run_until(lambda: not any(r.preparing for r in reqs), 60)
+        assert not svc._prepared and not any(r.preparation for r in reqs)
+        assert_idle(svc)
+    finally:
+        svc.close()
+
+
+def test_a_killed_pool_process_fails_its_request_and_the_next_request_gets_a_new_pool():
+    before = set(multiprocessing.active_children())
+    svc = make_service(image_workers=1)
+    try:
+        log = Log()
+        (child,) = set(multiprocessing.active_children()) - before
+        doomed = submit(svc, log, [large_png(2)] * 4, SamplingParams(max_tokens=2))
+        os.kill(child.pid, signal.SIGKILL)
+        svc.run_until(lambda: doomed.seq_id in log.terminal, 60)
+        kind, payload = log.terminal[doomed.seq_id]
+        assert kind == "error" and payload["code"] == "internal", payload
+        assert "process preparing the images died" in payload["message"]
+        after = submit(svc, log, [WIDE[0]], SamplingParams(max_tokens=2))
+        svc.run_until(lambda: after.seq_id in log.terminal, 60)
+        assert log.terminal[after.seq_id][0] == "done", log.terminal[after.seq_id]
+        assert_idle(svc)
+    finally:
+        svc.close()
+    assert set(multiprocessing.active_children()) == {c for c in before if c.is_alive()}  # none of its own left
+
+
+def test_pool_children_run_at_nice_19_and_close_leaves_no_process_or_thread(svc):
+    if os.getpriority(os.PRIO_PROCESS, 0) >= 19:
+        pytest.skip("the tests run at nice 19 already: the children's priority would prove nothing")
+    threads_before = set(threading.enumerate())
+    children_before = set(multiprocessing.active_children())
+    pool = ImagePool(svc.image_params, workers=2)
+    outcomes: list = []
+    try:
+        children = set(multiprocessing.active_children()) - children_before
+        assert len(children) == 2  # started with the pool, not with the first image
+        deadline = time.monotonic() + 30
+        while not all(os.getpriority(os.PRIO_PROCESS, c.pid) == 19 for c in children):
+            assert time.monotonic() < deadline, "the pool's children never lowered their priority"
+            time.sleep(0.01)
+        image = large_png(3)
+        for _ in range(6):
+            pool.submit([image], outcomes.append)
+        assert len(outcomes) < 6  # close() comes while the pool works
+    finally:
+        pool.close()
+    # Each submit was answered exactly once: prepared, or cancelled before it started.
+    assert len(outcomes) == 6 and all(isinstance(o, (list, CancelledError)) for o in outcomes), outcomes
+    assert not any(c.is_alive() for c in children)
+    assert set(multiprocessing.active_children()) == {c for c in children_before if c.is_alive()}
+    assert [t for t in threading.enumerate() if t not in threads_before] == []
+
+
+def test_close_while_images_are_prepared_ends_each_request_once_and_leaves_no_process():
+    children_before = set(multiprocessing.active_children())
+    svc = make_service(image_workers=2)
+    log = Log()
+    try:
+        image = large_png(4)
+        reqs = [submit(svc, log, [image], SamplingParams(max_tokens=2)) for _ in range(4)]
+        assert any(r.preparing for r in reqs)
+    finally:
+        svc.close()
+    assert all(log.terminal[r.seq_id][0] == "error" and "shutting down" in log.terminal[r.seq_id][1]["message"]
+               for r in reqs)
+    assert set(multiprocessing.active_children()) == {c for c in children_before if c.is_alive()}
+
+
+POOL_THEN_SLEEP = """
+import multiprocessing, sys, time
+from frontend.image_pool import ImagePool
+from shared.models import ModelInfo
+from shared.vision_config import ImageProcessorParams
+if __name__ == "__main__":
+    pool = ImagePool(ImageProcessorParams.from_model_dir(ModelInfo.load("tiny-random-vlm").path), workers=2)
+    pool.submit([], lambda result: None).result()  # the children are up
+    print(*[c.pid for c in multiprocessing.active_children()], flush=True)
+    time.sleep(120)
+"""
+
+
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_pool_children_exit_when_the_frontend_is_killed(tmp_path):
+    script = tmp_path / "pool_then_sleep.py"
+    script.write_text(POOL_THEN_SLEEP)
+    root = str(Path(__file__).resolve().parents[1])
+    frontend = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root,
+                                env={**os.environ, "PYTHONPATH": root})
+    try:
+        children = [int(pid) for pid in frontend.stdout.readline().split()]
+        assert len(children) == 2 and all(process_running(pid) for pid in children)  # non-vacuity
+    finally:
+        frontend.kill()
+        frontend.wait()
+    deadline = time.monotonic() + 30
+    while any(process_running(pid) for pid in children):
+        assert time.monotonic() < deadline, "a pool child outlived its killed frontend"
+        time.sleep(0.05)
