@@ -166,14 +166,19 @@ class Server:
                 return
             identity, body = frames[0].bytes, [f.bytes for f in frames[1:]]
             self._clients_gone(self.connections.message_from(identity, frames[-1]))
+            msg = None
             try:
-                self._handle(identity, P.parse_client_message(body, self.limits))
+                msg = P.parse_client_message(body, self.limits)
+                self._handle(identity, msg)
             except P.ProtocolError as e:
                 self.metrics.error(e.code)
                 self._send(identity, e.to_frames())
             except Exception as e:  # noqa: BLE001 - one bad request never takes the server down
                 log.exception("internal error handling a client message")
-                self._send(identity, P.encode_error(None, "internal", f"{type(e).__name__}: {e}"))
+                self.metrics.error("internal")
+                # a generate that failed here is not live: this error is its terminal message
+                rid = msg.id if isinstance(msg, P.GenerateRequest) else None
+                self._send(identity, P.encode_error(rid, "internal", f"{type(e).__name__}: {e}"))
 
     def _handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, P.PingRequest):

@@ -9,7 +9,10 @@ that request's queue, and a writer task sends (so a cancel can be queued from
 anywhere, even from a ``finally`` of a cancelled task, without awaiting).
 
 Fields are passed through as the HTTP layer mapped them: the server checks
-types and ranges and answers ``bad_request`` naming the field.
+types and ranges and answers ``bad_request`` naming the field. A value that
+msgpack cannot carry at all (JSON allows integers beyond 64 bits and strings
+with lone surrogates) never reaches the server: ``generate`` raises
+``Unencodable`` naming the field.
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ import zmq.asyncio
 
 VERSION = b"TANDEM1"
 TERMINAL = ("done", "error")
+
+
+class Unencodable(ValueError):
+    """A request field holds a value the protocol cannot carry (the message names the field)."""
 
 
 class Bridge:
@@ -62,9 +69,10 @@ class Bridge:
     # ------------------------------------------------------------------ requests
     def generate(self, fields: dict[str, Any]) -> "Call":
         rid = f"h{next(self._ids)}"
+        frames = _encode({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        self._send({"type": "generate", "id": rid, **fields})
+        self._outbox.put_nowait(frames)
         return Call(self, rid, q)
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -78,7 +86,7 @@ class Bridge:
         self._send({"type": "cancel", "id": rid})
 
     def _send(self, msg: dict) -> None:
-        self._outbox.put_nowait([VERSION, msgpack.packb(msg, use_bin_type=True)])
+        self._outbox.put_nowait(_encode(msg))
 
     # ------------------------------------------------------------------ tasks
     async def _write(self) -> None:
@@ -165,6 +173,22 @@ class Call:
             self.ended = True
             self._bridge._queues.pop(self.id, None)
             self._bridge.cancel(self.id)
+
+
+_UNENCODABLE = {OverflowError: "an integer out of range (msgpack carries integers of at most 64 bits)",
+                UnicodeEncodeError: "a string that is not valid Unicode (a lone surrogate such as \\ud800)"}
+
+
+def _encode(msg: dict[str, Any]) -> list[bytes]:
+    try:
+        return [VERSION, msgpack.packb(msg, use_bin_type=True)]
+    except (OverflowError, UnicodeEncodeError):
+        for name, value in msg.items():  # the error path only: find the field to name
+            try:
+                msgpack.packb(value, use_bin_type=True)
+            except (OverflowError, UnicodeEncodeError) as e:
+                raise Unencodable(f"{name} holds {_UNENCODABLE[type(e)]}") from None
+        raise
 
 
 def _gone() -> dict[str, Any]:
