@@ -64,6 +64,8 @@ __all__ = [
     "encode_error",
     "encode_pong",
     "encode_info",
+    "encode_message",
+    "Unencodable",
 ]
 
 VERSION_FRAME = b"TANDEM1"
@@ -665,6 +667,28 @@ def _parse_grammar(ctx: _Ctx, v: object) -> dict[str, Any] | None:
 
 def _frames(obj: dict) -> list[bytes]:
     return [VERSION_FRAME, msgpack.packb(obj, use_bin_type=True)]
+
+
+class Unencodable(ValueError):
+    """A message field holds a value msgpack cannot carry (the message names the field)."""
+
+
+_UNENCODABLE = {OverflowError: "an integer out of range (msgpack carries integers of at most 64 bits)",
+                UnicodeEncodeError: "a string that is not valid Unicode (a lone surrogate such as \\ud800)"}
+
+
+def encode_message(msg: Mapping[str, Any]) -> list[bytes]:
+    """A client message's frames. Python (and JSON) allow values msgpack cannot carry: integers
+    beyond 64 bits, strings with lone surrogates; they raise :class:`Unencodable` naming the field."""
+    try:
+        return _frames(dict(msg))
+    except (OverflowError, UnicodeEncodeError):
+        for name, value in msg.items():  # the error path only: find the field to name
+            try:
+                msgpack.packb(value, use_bin_type=True)
+            except (OverflowError, UnicodeEncodeError) as e:
+                raise Unencodable(f"{name} holds {_UNENCODABLE[type(e)]}") from None
+        raise
 
 
 def encode_chunk(id: str, seq: int, text: str, token_ids: Sequence[int]) -> list[bytes]:

@@ -8,6 +8,7 @@ model (``LiveServer`` from test_server, with an ``HttpListener``), module-scoped
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -21,6 +22,7 @@ import zmq
 from PIL import Image
 
 import frontend.http.openai as openai_routes
+from frontend.client import Client
 from frontend.http import HttpListener
 from test_server import LiveServer, Raw
 
@@ -73,9 +75,10 @@ def still_serves(c: httpx.Client) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
 
-def data_url(size=(32, 32)) -> str:
+def data_url(size=(32, 32), seed: int | None = None) -> str:
     buf = io.BytesIO()
-    Image.new("RGB", size, (200, 40, 40)).save(buf, format="PNG")
+    img = Image.new("RGB", size, (200, 40, 40)) if seed is None else Image.effect_noise(size, 10 + seed).convert("RGB")
+    img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -184,6 +187,15 @@ def test_a_body_over_the_limit_is_a_413_declared_or_streamed(live):
         still_serves(c)
 
 
+def test_the_python_client_names_a_field_msgpack_cannot_carry(live):
+    with Client(live.endpoint, timeout=60) as c:
+        with pytest.raises(ValueError, match="seed holds an integer out of range"):
+            c.generate("Hello", seed=2 ** 64, max_tokens=2, request_id="r")
+        with pytest.raises(ValueError, match="stop holds a string that is not valid Unicode"):
+            list(c.stream("Hello", stop=["\udc00"], max_tokens=2, request_id="r"))
+        assert c.generate("Hello", max_tokens=2, ignore_eos=True, request_id="r").finish_reason == "length"
+
+
 # --------------------------------------------------------------------------- server bugs and vanished clients
 
 
@@ -287,3 +299,47 @@ def test_point_that_does_not_fit_its_max_tokens_is_a_400(vlm):
         ok = c.post("/v1/point", json={"image_url": data_url(), "object": "dot", "settings": {"max_objects": 1}})
         assert ok.status_code == 200 and isinstance(ok.json()["points"], list), ok.text
     vlm.wait_idle()
+
+
+def test_clients_leaving_while_their_images_are_prepared_or_generated_free_everything(vlm):
+    """Four clients leave once the server holds their requests (images still being decoded and
+    tiled, or queued), four after three streamed events: every request ends, and the KV pages,
+    batch rows, mask rows and image slots all come back."""
+    svc = vlm.svc
+
+    def body(i: int) -> dict:
+        image = {"type": "image_url", "image_url": {"url": data_url((96 + 120 * i, 64 + 90 * i), seed=i)}}
+        return {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "Describe it."}]}],
+                "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def server_holds(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while vlm.on_server_thread(lambda: len(svc.requests)) < n:
+            assert time.monotonic() < deadline, "the requests did not reach the server"
+            time.sleep(0.005)
+
+    async def leave_mid_stream(client: httpx.AsyncClient, i: int) -> int:
+        async with client.stream("POST", CHAT, json=body(i)) as r:
+            events = 0
+            async for line in r.aiter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    return r.status_code
+        raise AssertionError("the stream ended before the client left")
+
+    async def main():
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=vlm.http.url, timeout=120, limits=limits) as client:
+            early = [asyncio.ensure_future(client.post(CHAT, json=body(i))) for i in range(4)]
+            await asyncio.to_thread(server_holds, 4)
+            for task in early:
+                task.cancel()
+            return await asyncio.gather(*(leave_mid_stream(client, i) for i in range(4, 8)))
+
+    assert asyncio.run(main()) == [200] * 4
+    vlm.wait_idle(timeout=60)
+    slots = vlm.on_server_thread(lambda: (svc.worker.images.num_free, svc.worker.images.capacity))
+    assert slots[0] == slots[1], f"image slots free / total: {slots}"
+    with httpx.Client(base_url=vlm.http.url, timeout=60) as c:  # and the server still answers
+        r = c.post("/v1/query", json={"image_url": data_url(), "question": "?", "settings": {"max_tokens": 2}})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text

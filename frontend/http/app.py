@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE, Metrics
+from ..protocol import Unencodable
 from . import moondream, openai, playground
-from .bridge import Unencodable
 from .common import ClientGone, Context, server_info
 from .errors import HttpError, bad_request
 

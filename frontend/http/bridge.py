@@ -24,12 +24,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-VERSION = b"TANDEM1"
+from ..protocol import encode_message
+
 TERMINAL = ("done", "error")
-
-
-class Unencodable(ValueError):
-    """A request field holds a value the protocol cannot carry (the message names the field)."""
 
 
 class Bridge:
@@ -69,7 +66,7 @@ class Bridge:
     # ------------------------------------------------------------------ requests
     def generate(self, fields: dict[str, Any]) -> "Call":
         rid = f"h{next(self._ids)}"
-        frames = _encode({"type": "generate", "id": rid, **fields})
+        frames = encode_message({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         self._outbox.put_nowait(frames)
@@ -86,7 +83,7 @@ class Bridge:
         self._send({"type": "cancel", "id": rid})
 
     def _send(self, msg: dict) -> None:
-        self._outbox.put_nowait(_encode(msg))
+        self._outbox.put_nowait(encode_message(msg))
 
     # ------------------------------------------------------------------ tasks
     async def _write(self) -> None:
@@ -173,22 +170,6 @@ class Call:
             self.ended = True
             self._bridge._queues.pop(self.id, None)
             self._bridge.cancel(self.id)
-
-
-_UNENCODABLE = {OverflowError: "an integer out of range (msgpack carries integers of at most 64 bits)",
-                UnicodeEncodeError: "a string that is not valid Unicode (a lone surrogate such as \\ud800)"}
-
-
-def _encode(msg: dict[str, Any]) -> list[bytes]:
-    try:
-        return [VERSION, msgpack.packb(msg, use_bin_type=True)]
-    except (OverflowError, UnicodeEncodeError):
-        for name, value in msg.items():  # the error path only: find the field to name
-            try:
-                msgpack.packb(value, use_bin_type=True)
-            except (OverflowError, UnicodeEncodeError) as e:
-                raise Unencodable(f"{name} holds {_UNENCODABLE[type(e)]}") from None
-        raise
 
 
 def _gone() -> dict[str, Any]:
