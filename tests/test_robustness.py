@@ -24,7 +24,7 @@ from PIL import Image
 import frontend.http.openai as openai_routes
 from frontend.client import Client
 from frontend.http import HttpListener
-from test_server import LiveServer, Raw
+from test_server import LiveServer, Raw, check_request
 
 MSG = [{"role": "user", "content": "Tell me a story."}]
 CHAT = "/v1/chat/completions"
@@ -267,6 +267,39 @@ def test_a_chat_template_that_refuses_the_conversation_is_a_400(live, http):
     finally:
         tok.chat_template = original
     live.wait_idle()
+
+
+def test_a_client_that_reads_too_slowly_still_gets_every_terminal_message(live, tmp_path):
+    """A ZeroMQ client that stops reading while its streams run: once its queue is full the
+    server cancels its requests (it never blocks, nor buffers without bound), and still every
+    request's messages arrive in order, adding up, with exactly one terminal message."""
+    endpoint = f"ipc://{tmp_path}/slow.sock"  # small socket buffers (TCP's would hold it all)
+    live.on_server_thread(lambda: live.server.sock.bind(endpoint))
+    zctx = zmq.Context()
+    conn = Raw(zctx, endpoint)
+    conn.sock.close(0)
+    conn.sock = zctx.socket(zmq.DEALER)  # a small queue on this side too
+    for option, value in ((zmq.RCVHWM, 50), (zmq.LINGER, 0)):
+        conn.sock.setsockopt(option, value)
+    conn.sock.connect(endpoint)
+    ids = [f"s{i}" for i in range(128)]
+    try:
+        for rid in ids:
+            conn.generate(rid, max_tokens=100, ignore_eos=True, temperature=0)
+        deadline = time.monotonic() + 60  # not reading until every request has ended in the server
+        while live.on_server_thread(lambda: len(live.server.live)):
+            assert time.monotonic() < deadline, "the requests did not end"
+            time.sleep(0.05)
+        terminals = [check_request(conn.request(rid, timeout_s=10)) for rid in ids]
+    finally:
+        conn.close()
+        zctx.term()
+    reasons = [t.get("finish_reason") for t in terminals]
+    assert "cancelled" in reasons, reasons  # non-vacuity: its queue did fill up
+    assert set(reasons) <= {"length", "cancelled"}, reasons
+    live.wait_idle()
+    with httpx.Client(base_url=live.http.url, timeout=30) as c:
+        still_serves(c)
 
 
 # --------------------------------------------------------------------------- vision-language model
