@@ -182,17 +182,18 @@ class Server:
                 self._handle(identity, msg)
             except P.ProtocolError as e:
                 self.metrics.error(e.code)
-                self._send(identity, e.to_frames())
+                self._send(identity, e.to_frames(), keep=e.id is not None)
             except Exception as e:  # noqa: BLE001 - one bad request never takes the server down
                 log.exception("internal error handling a client message")
                 self.metrics.error("internal")
                 # a generate that failed here is not live: this error is its terminal message
                 rid = msg.id if isinstance(msg, P.GenerateRequest) else None
-                self._send(identity, P.encode_error(rid, "internal", f"{type(e).__name__}: {e}"))
+                error = P.encode_error(rid, "internal", f"{type(e).__name__}: {e}")
+                self._send(identity, error, keep=rid is not None)
 
     def _handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, P.PingRequest):
-            self._send(identity, P.encode_pong(msg.nonce))
+            self._send(identity, P.encode_pong(msg.nonce), keep=False)
         elif isinstance(msg, P.InfoRequest):
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
@@ -211,7 +212,7 @@ class Server:
             self._send(identity, P.encode_info(
                 model=self.service.config.model, max_batch=info.get("max_batch", 0),
                 max_model_len=self.max_model_len, pipeline=bool(info.get("pipeline")),
-                device=str(info.get("device")), **extra))
+                device=str(info.get("device")), **extra), keep=False)
         elif isinstance(msg, P.CancelRequest):
             req = self.live.get((identity, msg.id))
             if req is not None:
@@ -300,8 +301,9 @@ class Server:
             frames = P.encode_error(state.id, payload["code"], payload["message"])
         self._send(state.identity, frames)
 
-    def _send(self, identity: bytes, frames: list[bytes]) -> Sent:
-        return self.outbox.send(identity, frames)  # never blocks
+    def _send(self, identity: bytes, frames: list[bytes], keep: bool = True) -> Sent:
+        """Never blocks; ``keep``: a request's message, held for a client that cannot take it now."""
+        return self.outbox.send(identity, frames, keep)
 
     def _clients_gone(self, identities: list[bytes]) -> None:
         """Clients whose connection closed: cancel their requests (streaming or not), free their

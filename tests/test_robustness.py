@@ -25,6 +25,7 @@ from PIL import Image
 import frontend.http.openai as openai_routes
 from frontend.client import Client
 from frontend.http import HttpListener
+from frontend.outbox import Outbox, Sent
 from test_server import LiveServer, Raw, check_request
 
 MSG = [{"role": "user", "content": "Tell me a story."}]
@@ -299,6 +300,40 @@ def test_a_client_that_reads_too_slowly_still_gets_every_terminal_message(live, 
     live.wait_idle()
     with httpx.Client(base_url=live.http.url, timeout=30) as c:
         still_serves(c)
+
+
+def test_outbox_holds_request_messages_in_order_drops_other_replies_and_caps_a_client(tmp_path):
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 5)
+        dealer.setsockopt(zmq.RCVHWM, 5)
+        router.bind(f"ipc://{tmp_path}/o.sock")
+        dealer.connect(f"ipc://{tmp_path}/o.sock")
+        dealer.send(b"hello")
+        identity = router.recv_multipart()[0]
+        outbox = Outbox(router, max_held=1000, max_held_bytes=1 << 20)
+        payload = b"x" * 2000
+        results = [outbox.send(identity, [b"%d" % i, payload]) for i in range(400)]
+        assert Sent.HELD in results and set(results) == {Sent.SENT, Sent.HELD}, "the queue never filled"
+        assert results.index(Sent.HELD) > 0 and Sent.SENT not in results[results.index(Sent.HELD):]
+        assert outbox.send(identity, [b"pong", b""], keep=False) is Sent.DROPPED
+        got = []
+        while len(got) < 400:
+            router.poll(0)  # as the server loop's poll: the socket learns its queue has room again
+            outbox.flush()
+            if dealer.poll(1000):
+                got.append(int(dealer.recv_multipart()[0]))
+        assert got == list(range(400)) and outbox.held == 0  # every one, in order, and nothing else
+        assert outbox.send(identity, [b"pong", b""], keep=False) is Sent.SENT  # read up: replies go again
+        dealer.recv_multipart()
+        results = [outbox.send(identity, [b"big", payload * 10]) for _ in range(200)]  # 4 MB, never read
+        assert Sent.GONE in results and outbox.held < 60  # over 1 MiB held: treated as gone
+    finally:
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
 
 
 # --------------------------------------------------------------------------- vision-language model
