@@ -31,6 +31,7 @@ message, so the server can answer to it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -723,7 +724,28 @@ def encode_done(
         msg["output"] = output
     if logprobs is not None:
         msg["logprobs"] = logprobs
-    return _frames(msg)
+    try:
+        return _frames(msg)
+    except (OverflowError, UnicodeEncodeError):  # only a parsed output can hold such values
+        msg["output"] = carriable(output)
+        return _frames(msg)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def carriable(value: Any) -> Any:
+    """A parsed JSON value as msgpack can carry it: an integer beyond 64 bits as a float (as
+    JavaScript reads a JSON number), a lone surrogate (a ``"\\ud800"`` escape) as U+FFFD."""
+    if isinstance(value, dict):
+        return {carriable(k): carriable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [carriable(v) for v in value]
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < 1 << 64:
+        return _as_float(value) if value > 0 else -_as_float(-value)
+    return value
 
 
 def encode_error(id: str | None, code: str, message: str) -> list[bytes]:

@@ -293,9 +293,13 @@ class Server:
         self.live.pop((state.identity, state.id), None)
         if kind == "done":
             self.metrics.done(payload)
-            frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
-                                   payload["usage"], payload["metrics"], payload.get("output"),
-                                   payload.get("logprobs"))
+            try:
+                frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
+                                       payload["usage"], payload["metrics"], payload.get("output"),
+                                       payload.get("logprobs"))
+            except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
+                log.exception("cannot encode the answer of request %r", state.id)
+                frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")
         else:
             self.metrics.error(payload["code"])
             frames = P.encode_error(state.id, payload["code"], payload["message"])

@@ -23,6 +23,8 @@ import zmq
 from PIL import Image
 
 import frontend.http.openai as openai_routes
+import msgpack
+from frontend import protocol as P
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.outbox import Outbox, Sent
@@ -254,6 +256,29 @@ def test_an_internal_error_ends_its_request_for_every_client(live, http):
     live.wait_idle()
 
 
+def test_a_grammar_output_msgpack_cannot_carry_reaches_the_client(live, http):
+    """A JSON answer may hold what msgpack cannot carry: a "\\ud800" escape (a lone surrogate
+    once parsed) or an integer beyond 64 bits. The answer still goes out, and the server lives."""
+    schema = {"type": "string", "pattern": "^\\\\ud800$"}  # the model must write "\ud800"
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 20, "temperature": 0,
+                              "grammar": {"kind": "json_schema", "schema": schema}}, timeout=20)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == '"\\ud800"' and choice["output"] == "\ufffd", choice
+    assert live.thread.is_alive()
+    still_serves(http)
+    live.wait_idle()
+
+
+def test_done_carries_any_parsed_json_output():
+    output = {"big": 2 ** 70, "neg": -2 ** 64, "huge": 10 ** 400, "s": "a\ud800b", "\udc00": [1, True, "ok"]}
+    msg = msgpack.unpackb(P.encode_done("r", "stop", "t", [1], {}, {}, output=output)[1], raw=False)
+    assert msg["output"] == {"big": float(2 ** 70), "neg": -float(2 ** 64), "huge": float("inf"), "s": "a\ufffdb",
+                             "\ufffd": [1, True, "ok"]}
+    plain = {"n": 2 ** 63, "s": "\U0001f600", "l": [-(2 ** 63)]}  # what msgpack carries is left as it is
+    assert msgpack.unpackb(P.encode_done("r", "stop", "t", [1], {}, {}, output=plain)[1], raw=False)["output"] == plain
+
+
 def test_a_chat_template_that_refuses_the_conversation_is_a_400(live, http):
     tok = live.svc.tokenizer
     original, tok.chat_template = tok.chat_template, REFUSING_TEMPLATE
@@ -273,19 +298,28 @@ def test_a_client_that_reads_too_slowly_still_gets_every_terminal_message(live, 
     """A ZeroMQ client that stops reading while its streams run: once its queue is full the
     server cancels its requests (it never blocks, nor buffers without bound), and still every
     request's messages arrive in order, adding up, with exactly one terminal message."""
-    endpoint = f"ipc://{tmp_path}/slow.sock"  # small socket buffers (TCP's would hold it all)
-    live.on_server_thread(lambda: live.server.sock.bind(endpoint))
+    endpoint = f"ipc://{tmp_path}/slow.sock"
+    sock = live.server.sock
+
+    def bind_with_small_queues():  # on the server thread; the endpoint keeps the options it was bound with
+        sock.setsockopt(zmq.SNDHWM, 20)
+        sock.setsockopt(zmq.SNDBUF, 4096)
+        sock.bind(endpoint)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.SNDBUF, -1)
+
+    live.on_server_thread(bind_with_small_queues)
     zctx = zmq.Context()
     conn = Raw(zctx, endpoint)
     conn.sock.close(0)
-    conn.sock = zctx.socket(zmq.DEALER)  # a small queue on this side too
-    for option, value in ((zmq.RCVHWM, 50), (zmq.LINGER, 0)):
+    conn.sock = zctx.socket(zmq.DEALER)  # small queues on this side too
+    for option, value in ((zmq.RCVHWM, 20), (zmq.RCVBUF, 4096), (zmq.LINGER, 0)):
         conn.sock.setsockopt(option, value)
     conn.sock.connect(endpoint)
-    ids = [f"s{i}" for i in range(128)]
+    ids = [f"s{i}" for i in range(48)]
     try:
         for rid in ids:
-            conn.generate(rid, max_tokens=100, ignore_eos=True, temperature=0)
+            conn.generate(rid, max_tokens=40, ignore_eos=True, temperature=0)
         deadline = time.monotonic() + 60  # not reading until every request has ended in the server
         while live.on_server_thread(lambda: len(live.server.live)):
             assert time.monotonic() < deadline, "the requests did not end"
