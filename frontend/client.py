@@ -60,6 +60,7 @@ import zmq
 import zmq.asyncio
 
 from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from frontend.protocol import encode_message as _encode
 from frontend.skills import skill_output, skill_request
 from shared.sampling import SAMPLING_FIELD_NAMES
 
@@ -286,8 +287,6 @@ def _cancel_msg(request_id: str) -> dict[str, Any]:
     return {"type": "cancel", "id": request_id}
 
 
-def _encode(msg: dict) -> list[bytes]:
-    return [VERSION_FRAME, msgpack.packb(msg, use_bin_type=True)]
 
 
 def _decode(frames: list[bytes]) -> dict | None:

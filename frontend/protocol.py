@@ -31,6 +31,7 @@ message, so the server can answer to it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -64,6 +65,8 @@ __all__ = [
     "encode_error",
     "encode_pong",
     "encode_info",
+    "encode_message",
+    "Unencodable",
 ]
 
 VERSION_FRAME = b"TANDEM1"
@@ -667,6 +670,28 @@ def _frames(obj: dict) -> list[bytes]:
     return [VERSION_FRAME, msgpack.packb(obj, use_bin_type=True)]
 
 
+class Unencodable(ValueError):
+    """A message field holds a value msgpack cannot carry (the message names the field)."""
+
+
+_UNENCODABLE = {OverflowError: "an integer out of range (msgpack carries integers of at most 64 bits)",
+                UnicodeEncodeError: "a string that is not valid Unicode (a lone surrogate such as \\ud800)"}
+
+
+def encode_message(msg: Mapping[str, Any]) -> list[bytes]:
+    """A client message's frames. Python (and JSON) allow values msgpack cannot carry: integers
+    beyond 64 bits, strings with lone surrogates; they raise :class:`Unencodable` naming the field."""
+    try:
+        return _frames(dict(msg))
+    except (OverflowError, UnicodeEncodeError):
+        for name, value in msg.items():  # the error path only: find the field to name
+            try:
+                msgpack.packb(value, use_bin_type=True)
+            except (OverflowError, UnicodeEncodeError) as e:
+                raise Unencodable(f"{name} holds {_UNENCODABLE[type(e)]}") from None
+        raise
+
+
 def encode_chunk(id: str, seq: int, text: str, token_ids: Sequence[int]) -> list[bytes]:
     return _frames(
         {"type": "chunk", "id": id, "seq": int(seq), "text": text, "token_ids": [int(t) for t in token_ids]}
@@ -699,7 +724,28 @@ def encode_done(
         msg["output"] = output
     if logprobs is not None:
         msg["logprobs"] = logprobs
-    return _frames(msg)
+    try:
+        return _frames(msg)
+    except (OverflowError, UnicodeEncodeError):  # only a parsed output can hold such values
+        msg["output"] = carriable(output)
+        return _frames(msg)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def carriable(value: Any) -> Any:
+    """A parsed JSON value as msgpack can carry it: an integer beyond 64 bits as a float (as
+    JavaScript reads a JSON number), a lone surrogate (a ``"\\ud800"`` escape) as U+FFFD."""
+    if isinstance(value, dict):
+        return {carriable(k): carriable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [carriable(v) for v in value]
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < 1 << 64:
+        return _as_float(value) if value > 0 else -_as_float(-value)
+    return value
 
 
 def encode_error(id: str | None, code: str, message: str) -> list[bytes]:

@@ -7,6 +7,8 @@ service commit tokens, and sends chunks, done and errors back.
 - ``ROUTER_MANDATORY`` is on: a message to a peer that is gone or cannot take
   more raises instead of being dropped silently; that peer's requests are
   cancelled (their resources freed in the worker) and the loop never blocks.
+  What a peer that cannot take more was to get is held for it, in order
+  (``outbox.py``): its terminal messages still arrive once it reads.
 - A closed client connection cancels its requests at once, ``stream: false``
   ones included (``connections.py``: the socket monitor, by fd).
 - At most one chunk per request per step: the service emits one event per
@@ -36,6 +38,7 @@ from .connections import Connections
 from .curve import CurveServer
 from .grammars import GrammarCompiler, GrammarError
 from .metrics import Metrics
+from .outbox import Outbox, Sent
 from .service import Request, Service
 from .systemd import Notifier
 from .images import image_prompt_ids
@@ -87,6 +90,7 @@ class Server:
         self.sock.bind(self.inproc_endpoint)
         self.metrics = Metrics()
         self.connections = Connections(self.sock)
+        self.outbox = Outbox(self.sock, max_held=2 * max_queue + 1024)  # ~2 per request, and replies
         self.live: dict[tuple[bytes, str], Request] = {}
         self._stop = threading.Event()
         self._drain_deadline: float | None = None  # set when a graceful stop begins
@@ -126,6 +130,8 @@ class Server:
                 if self.connections.monitor in events:
                     self._clients_gone(self.connections.poll())
                 self.service.poll(0)
+                if self.outbox.held:
+                    self._clients_gone(self.outbox.flush())
                 if not stopping:
                     self._feed_watchdog()
         finally:
@@ -152,6 +158,10 @@ class Server:
     def _shutdown(self) -> None:
         self.service.close()  # ends every live request: exactly one terminal message each
         self.live.clear()
+        deadline = time.monotonic() + 2.0  # what slow clients are still to read
+        while self.outbox.held and time.monotonic() < deadline:
+            self.outbox.flush()
+            time.sleep(0.01)
         self.connections.close()
         self.sock.close(linger=2000)  # let those terminal messages go out
         if self.curve is not None:
@@ -166,18 +176,24 @@ class Server:
                 return
             identity, body = frames[0].bytes, [f.bytes for f in frames[1:]]
             self._clients_gone(self.connections.message_from(identity, frames[-1]))
+            msg = None
             try:
-                self._handle(identity, P.parse_client_message(body, self.limits))
+                msg = P.parse_client_message(body, self.limits)
+                self._handle(identity, msg)
             except P.ProtocolError as e:
                 self.metrics.error(e.code)
-                self._send(identity, e.to_frames())
+                self._send(identity, e.to_frames(), keep=e.id is not None)
             except Exception as e:  # noqa: BLE001 - one bad request never takes the server down
                 log.exception("internal error handling a client message")
-                self._send(identity, P.encode_error(None, "internal", f"{type(e).__name__}: {e}"))
+                self.metrics.error("internal")
+                # a generate that failed here is not live: this error is its terminal message
+                rid = msg.id if isinstance(msg, P.GenerateRequest) else None
+                error = P.encode_error(rid, "internal", f"{type(e).__name__}: {e}")
+                self._send(identity, error, keep=rid is not None)
 
     def _handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, P.PingRequest):
-            self._send(identity, P.encode_pong(msg.nonce))
+            self._send(identity, P.encode_pong(msg.nonce), keep=False)
         elif isinstance(msg, P.InfoRequest):
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
@@ -196,7 +212,7 @@ class Server:
             self._send(identity, P.encode_info(
                 model=self.service.config.model, max_batch=info.get("max_batch", 0),
                 max_model_len=self.max_model_len, pipeline=bool(info.get("pipeline")),
-                device=str(info.get("device")), **extra))
+                device=str(info.get("device")), **extra), keep=False)
         elif isinstance(msg, P.CancelRequest):
             req = self.live.get((identity, msg.id))
             if req is not None:
@@ -266,36 +282,41 @@ class Server:
                 self.metrics.token_gap(now - state.t_last)
             state.t_last = now
             if state.stream:
-                ok = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
-                                                               payload["token_ids"]))
+                sent = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
+                                                                 payload["token_ids"]))
                 state.seq += 1
-                if not ok:
+                if sent is Sent.GONE:
                     self._clients_gone([state.identity])
+                elif sent is Sent.HELD:  # it cannot keep up: stop its requests (their ends still reach it)
+                    self._cancel_requests_of([state.identity])
             return
         self.live.pop((state.identity, state.id), None)
         if kind == "done":
             self.metrics.done(payload)
-            frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
-                                   payload["usage"], payload["metrics"], payload.get("output"),
-                                   payload.get("logprobs"))
+            try:
+                frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
+                                       payload["usage"], payload["metrics"], payload.get("output"),
+                                       payload.get("logprobs"))
+            except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
+                log.exception("cannot encode the answer of request %r", state.id)
+                frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")
         else:
             self.metrics.error(payload["code"])
             frames = P.encode_error(state.id, payload["code"], payload["message"])
         self._send(state.identity, frames)
 
-    def _send(self, identity: bytes, frames: list[bytes]) -> bool:
-        try:
-            self.sock.send_multipart([identity, *frames], zmq.NOBLOCK)
-            return True
-        except (zmq.Again, zmq.ZMQError) as e:  # unreachable or not taking messages: never block
-            log.info("client %s cannot take messages (%s)", identity.hex(), e)
-            return False
+    def _send(self, identity: bytes, frames: list[bytes], keep: bool = True) -> Sent:
+        """Never blocks; ``keep``: a request's message, held for a client that cannot take it now."""
+        return self.outbox.send(identity, frames, keep)
 
     def _clients_gone(self, identities: list[bytes]) -> None:
-        """Clients whose connection closed or that cannot take messages: cancel their
-        requests (streaming or not), free their resources."""
-        if not identities:
-            return
+        """Clients whose connection closed: cancel their requests (streaming or not), free their
+        resources, and drop what was held for them."""
+        if identities:
+            self._cancel_requests_of(identities)
+            self.outbox.drop(identities)
+
+    def _cancel_requests_of(self, identities: list[bytes]) -> None:
         gone = set(identities)
         for (ident, _rid), req in list(self.live.items()):
             if ident in gone:

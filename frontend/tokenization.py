@@ -1,13 +1,14 @@
 """Prompt rendering shared by the CLI and the server (text, and text with images)."""
 from __future__ import annotations
 
+from jinja2 import TemplateError
+
 from .images import PreparedImage, image_prompt_ids
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` (text only) rendered with the model's chat template."""
-    _need_template(tokenizer)
-    out = tokenizer.apply_chat_template(text_only(messages), add_generation_prompt=True, tokenize=True)
+    out = _apply_chat_template(tokenizer, text_only(messages), tokenize=True)
     if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -17,9 +18,15 @@ def text_prompt_ids(tokenizer, text: str) -> list[int]:
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
-def _need_template(tokenizer) -> None:
+def _apply_chat_template(tokenizer, messages: list[dict], tokenize: bool):
+    """ValueError (a bad request) when the model has no template or its template refuses the
+    conversation: many do, with ``raise_exception`` (e.g. roles that do not alternate)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+    except TemplateError as e:
+        raise ValueError(f"messages: the model's chat template refuses them: {e}") from None
 
 
 def text_only(messages: list[dict]) -> list[dict]:
@@ -44,7 +51,5 @@ def place_images(messages: list[dict], count: int) -> list[dict]:
 
 def image_chat_prompt_ids(tokenizer, messages: list[dict], images: list[PreparedImage], params) -> list[int]:
     """Token ids of ``messages`` with ``images`` (chat template, then each <image> expanded)."""
-    _need_template(tokenizer)
-    text = tokenizer.apply_chat_template(place_images(messages, len(images)), add_generation_prompt=True,
-                                         tokenize=False)
+    text = _apply_chat_template(tokenizer, place_images(messages, len(images)), tokenize=False)
     return image_prompt_ids(tokenizer, text, images, params)

@@ -19,14 +19,16 @@ from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE, Metrics
+from ..protocol import Unencodable
 from . import moondream, openai, playground
 from .common import ClientGone, Context, server_info
-from .errors import HttpError
+from .errors import HttpError, bad_request
 
 log = logging.getLogger("tandem.http")
 
@@ -67,8 +69,8 @@ def build_app(ctx: Context, metrics: Metrics, health: Callable[[], str], api_key
         Route("/metrics", metrics_route, methods=["GET"]),
         *playground.routes(ctx, metrics),
     ]
-    handlers = {HttpError: _http_error, HTTPException: _starlette_error, Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    handlers = {HttpError: _http_error, Unencodable: _unencodable, HTTPException: _starlette_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(InternalErrors)])
     return ApiKeyAuth(app, api_key) if api_key else app
 
 
@@ -113,6 +115,31 @@ async def _starlette_error(request: Request, exc: HTTPException):
     return HttpError(exc.status_code, message, code).response()
 
 
-async def _internal_error(request: Request, exc: Exception):
-    log.exception("internal error on %s %s", request.method, request.url.path)
-    return HttpError(500, f"internal error: {type(exc).__name__}", "internal", "server_error").response()
+async def _unencodable(request: Request, exc: Unencodable):
+    return bad_request(str(exc)).response()
+
+
+class InternalErrors:
+    """ASGI middleware: a server bug is a 500 in OpenAI's shape, logged once, and the connection
+    stays open. (Starlette's own last-resort handler re-raises after answering, and the HTTP
+    server then drops the keep-alive connection: a client's next request on it would fail.)"""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started or scope["type"] != "http":  # too late to answer: the server ends the connection
+                raise
+            log.exception("internal error on %s %s", scope["method"], scope["path"])
+            err = HttpError(500, f"internal error: {type(exc).__name__}", "internal", "server_error")
+            await err.response()(scope, receive, send)

@@ -9,7 +9,10 @@ that request's queue, and a writer task sends (so a cancel can be queued from
 anywhere, even from a ``finally`` of a cancelled task, without awaiting).
 
 Fields are passed through as the HTTP layer mapped them: the server checks
-types and ranges and answers ``bad_request`` naming the field.
+types and ranges and answers ``bad_request`` naming the field. A value that
+msgpack cannot carry at all (JSON allows integers beyond 64 bits and strings
+with lone surrogates) never reaches the server: ``generate`` raises
+``Unencodable`` naming the field.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-VERSION = b"TANDEM1"
+from ..protocol import encode_message
+
 TERMINAL = ("done", "error")
 
 
@@ -62,9 +66,10 @@ class Bridge:
     # ------------------------------------------------------------------ requests
     def generate(self, fields: dict[str, Any]) -> "Call":
         rid = f"h{next(self._ids)}"
+        frames = encode_message({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        self._send({"type": "generate", "id": rid, **fields})
+        self._outbox.put_nowait(frames)
         return Call(self, rid, q)
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -78,7 +83,7 @@ class Bridge:
         self._send({"type": "cancel", "id": rid})
 
     def _send(self, msg: dict) -> None:
-        self._outbox.put_nowait([VERSION, msgpack.packb(msg, use_bin_type=True)])
+        self._outbox.put_nowait(encode_message(msg))
 
     # ------------------------------------------------------------------ tasks
     async def _write(self) -> None:

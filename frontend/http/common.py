@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
 from .bridge import Bridge, Call
@@ -40,15 +40,20 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(413, f"the request body is {declared} bytes, the limit is {limit}", "too_long")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, f"the request body is over the limit of {limit} bytes", "too_long")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"the request body is over the limit of {limit} bytes", "too_long")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before the body arrived: nothing was started
+        raise ClientGone() from None
     try:
         body = json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more than 4300 digits
         raise bad_request(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
     return body

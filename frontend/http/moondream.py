@@ -80,6 +80,9 @@ async def _located(ctx: Context, request: Request, fn, key: str):
     images = _image(ctx, body, required=True)
     fields = _skill(fn, body.get("object"), body.get("settings"))
     done = await run_to_end(request, ctx.bridge.generate({**fields, **images, "stream": False}))
+    if "output" not in done and done["finish_reason"] == "length":  # the settings' doing, not the server's
+        raise bad_request(f"the {key} did not fit in {done['usage']['completion_tokens']} tokens (finish_reason "
+                          "length): raise settings.max_tokens or lower settings.max_objects")
     if "output" not in done:
         raise HttpError(500, f"the answer did not complete (finish_reason {done['finish_reason']})", "internal",
                         "server_error")

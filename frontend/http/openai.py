@@ -98,6 +98,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     so = field(body, "stream_options", dict, "an object")
     if so is not None and not body.get("stream"):
         raise bad_request("stream_options is only allowed with stream: true")
+    if so is not None and not isinstance(so.get("include_usage", False), bool):
+        raise bad_request("stream_options.include_usage must be a boolean")
     return out
 
 
@@ -133,7 +135,9 @@ def _messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str
             content = _content_parts(ctx, content, f"messages[{i}].content", images)
         elif content is None:
             content = ""  # e.g. an assistant turn that only called tools
-        out.append({"role": ROLE_ALIASES.get(role, role), "content": content})  # the server checks both
+        if isinstance(role, str):
+            role = ROLE_ALIASES.get(role, role)
+        out.append({"role": role, "content": content})  # the server checks both
     return out
 
 
