@@ -272,6 +272,9 @@ class Service:
                     error = self._check_image_request(req)
                 except ValueError as e:
                     error = ("bad_request", str(e))
+                except Exception as e:  # noqa: BLE001 - a renderer bug fails its request, never the loop
+                    log.exception("rendering the prompt of request %d failed", req.seq_id)
+                    error = ("internal", f"{type(e).__name__}: {e}")
             if error is not None:
                 self._end(req, error=error)
                 self._forget(req)

@@ -472,6 +472,22 @@ def test_a_bad_image_in_the_pool_fails_only_its_own_request(svc):
     assert_idle(svc)
 
 
+def test_a_renderer_that_raises_fails_its_request_not_the_loop(svc):
+    """``render`` runs on the loop thread after the pool: an unexpected exception
+    there is an ``internal`` error for that request, and the next request is served."""
+    log = Log()
+
+    def broken(prepared):
+        raise RuntimeError("renderer bug")
+
+    bad = svc.submit_images([WIDE[2]], broken, SamplingParams(max_tokens=2), on_event=log)
+    good = submit(svc, log, [WIDE[2]], SamplingParams(max_tokens=2))
+    svc.run_until(lambda: bad.seq_id in log.terminal and good.seq_id in log.terminal, 60)
+    assert log.terminal[bad.seq_id] == ("error", {"code": "internal", "message": "RuntimeError: renderer bug"})
+    assert log.terminal[good.seq_id][0] == "done"
+    assert_idle(svc)
+
+
 def test_cancel_while_queued_in_the_pool_frees_everything():
     svc = make_service(image_workers=1)
     try:
