@@ -59,9 +59,15 @@ class ControlChannel:
         self.send_raw(encode(msg))
 
     def send_raw(self, payload: bytes) -> None:
-        """Queue one frame and send what the socket takes now (never blocks)."""
+        """Queue one frame and send what the socket takes now. Never blocks and never
+        raises: a peer that is gone is reported by the owner's loop, at its next
+        ``flush()`` or ``receive()``, not to whoever happened to send (a client's
+        submit must not fail because the worker died a moment ago)."""
         self._out += _LEN.pack(len(payload)) + payload
-        self.flush()
+        try:
+            self.flush()
+        except ChannelClosed:
+            pass
 
     def flush(self) -> bool:
         """Send queued bytes until the socket is full; True when none are left."""

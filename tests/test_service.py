@@ -203,6 +203,29 @@ def test_malformed_control_messages_are_rejected_not_fatal(service):
     b.close()
 
 
+def test_sends_to_a_worker_that_died_unnoticed_fail_their_requests_not_the_caller():
+    """The worker is dead but the loop has not polled since: submit, cancel and the
+    image pool's hand-over send on a broken control channel. The send must not
+    raise into its caller (a client handler, the loop's image hand-over); the
+    loop's next poll finds the dead worker, fails what was in flight and restarts."""
+    svc = make_service()
+    try:
+        running = svc.submit([9] * 10, SamplingParams(max_tokens=2000, ignore_eos=True))
+        svc.run_until(lambda: len(running.token_ids) > 2)
+        os.kill(svc.worker_pid, signal.SIGKILL)
+        svc.worker.proc.wait()  # dead, its socket closed: a send now fails with EPIPE
+        late = svc.submit([1, 2], SamplingParams(max_tokens=3))
+        assert late.submitted  # sent, as far as the frontend knows
+        svc.cancel(running)
+        svc.run_until(lambda: late.ended, 10)
+        assert late.error[0] == "worker_failed"
+        again = svc.submit([1, 2], SamplingParams(max_tokens=3))
+        svc.run_until(lambda: again.ended, 120)
+        assert again.finish_reason == FinishReason.LENGTH
+    finally:
+        svc.close()
+
+
 def test_cancel_never_overtakes_its_submit():
     """A request cancelled while its Submit still waits in the control outbox (the
     worker is not reading) must never run: the cancel travels behind the Submit."""
