@@ -544,6 +544,7 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         while engine.has_work:
             step()
 
+        assert b.images[0].first_tile > 0 and f.images[0].first_tile > 0  # prefix-cache hits inside an image
         assert a.output_ids == b.output_ids == whole_image_tokens["pt"]
         assert f.output_ids == whole_image_tokens["m"] and c.output_ids == whole_image_tokens["text"]
         assert d.output_ids == [] and d.finish_reason == FinishReason.CANCELLED
@@ -565,5 +566,44 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         stats = engine.stats()
         assert stats["encoder_cache_refs"] == 0 and engine.idle
         assert all(e.pending == 0 and e.complete() for e in engine.encoder_cache.entries.values())
+    finally:
+        engine.close()
+
+
+def test_a_prefix_hit_inside_an_image_skips_its_tiles(ours, vlm_path, params, hf_processor, whole_image_tokens):
+    """A request cancelled inside its image leaves prefix-cache pages that end there; with the
+    encoder cache holding nothing unreferenced, the same prompt again encodes only the tiles
+    after its prefix hit, decodes the whole-image tokens, and hands its tiles back as soon as
+    those tiles are enqueued (before it finishes)."""
+    from gpu_worker.engine import Engine, EngineConfig
+    from shared.sampling import SamplingParams
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids, prepared = one_image_prompt(hf_processor, params, "many-tiles")
+    positions = np.flatnonzero(np.asarray(ids) == params.image_token_id)
+    llama, vision = ours
+    engine = Engine(EngineConfig(model=str(vlm_path), device="cpu", dtype="float32", prefill_budget=37, max_batch=4,
+                                 encoder_cache_mb=0), llama=llama, vision=vision, image_params=params)
+    try:
+        first = engine.submit(ids, greedy, images=own_tiles(prepared))
+        while not positions[len(positions) // 2] < first.num_prefilled:
+            engine.step()
+        engine.cancel(first)
+        engine.run_until_idle()
+        assert engine.stats()["encoder_cache_entries"] == 0  # its partly encoded entry is gone
+        tiles_before = engine.stats()["encoded_tiles"]
+        again = engine.submit(ids, greedy, images=own_tiles(prepared))
+        steps, handed_back, released = 0, None, None
+        while engine.has_work:
+            result = engine.step()
+            steps += 1
+            if result.tiles_done:
+                handed_back = steps
+            if again in result.released:
+                released = steps
+        skipped = again.images[0].first_tile
+        assert skipped > 0 and again.cached_tokens > positions[0]
+        assert engine.stats()["encoded_tiles"] - tiles_before == len(prepared[0].tiles) - skipped
+        assert again.output_ids == whole_image_tokens["m"]
+        assert handed_back < released
     finally:
         engine.close()
