@@ -607,3 +607,40 @@ def test_a_prefix_hit_inside_an_image_skips_its_tiles(ours, vlm_path, params, hf
         assert handed_back < released
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_failed_encode_mid_image_forgets_the_entry(pipeline, ours, vlm_path, params, hf_processor,
+                                                     whole_image_tokens):
+    """The vision forward of a launch fails after an earlier launch encoded the image's first
+    tiles: the request fails, the partly encoded entry is forgotten (not resumed), the tiles
+    are handed back once, and the same image again decodes the whole-image tokens."""
+    from collections import Counter
+    from shared.finish import FinishReason
+    from shared.sampling import SamplingParams
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids, prepared = one_image_prompt(hf_processor, params, "many-tiles")
+    engine = tile_engine(ours, vlm_path, params, pipeline, 37)
+    real, calls, handed_back = engine.runner._encode, [], Counter()
+
+    def second_fails(runs):
+        calls.append(sum(len(b) for blocks, *_ in runs for b in blocks))
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        real(runs)
+
+    engine.runner._encode = second_fails
+    try:
+        first = engine.submit(ids, greedy, images=own_tiles(prepared))
+        while engine.has_work:
+            handed_back.update(id(im) for im in engine.step().tiles_done)
+        assert first.finish_reason == FinishReason.ERROR and "boom" in first.error
+        assert len(calls) == 2 and calls[0] < len(prepared[0].tiles)  # it failed mid-image
+        assert engine.stats()["encoder_cache_entries"] == 0 and engine.idle
+        assert list(handed_back.values()) == [1] and set(handed_back) == {id(i.input) for i in first.images}
+        again = engine.submit(ids, greedy, images=own_tiles(prepared))
+        engine.run_until_idle()
+        assert again.output_ids == whole_image_tokens["m"]
+        assert engine.stats()["encoder_cache_refs"] == 0
+    finally:
+        engine.close()
