@@ -23,13 +23,20 @@ publishes and plans.
 
 Images (DESIGN.md §6a): a request may carry images (``submit(images=...)``).
 At admission each takes a reference to its encoder-cache entry (a hit, or a
-new entry on a miss); the first prefill launch whose chunk reaches an image not
-yet encoded encodes it on the compute stream, before that launch's text forward
-(one vision forward for all of the launch's images). A chunk may split an
-image span; the reference keeps the features until the request's last prefill
+new entry on a miss). A launch encodes only the tiles its prefill chunks reach
+that no launch has enqueued yet (a chunk whose image rows end inside tile t
+needs tiles up to t), on the compute stream, before its text forward (one
+vision forward for all of the launch's tiles), so the prefill budget bounds
+the encoder work too: at most ceil(budget / tokens_per_tile) + 1 tiles per
+chunk. The tiles come from the host tiles of the request whose chunk reaches
+them first; their rows land in the entry's preallocated features, and stream
+order makes them readable by every later launch. A chunk may split an image
+span; the reference keeps the features until the request's last prefill
 chunk has been committed. Host tiles are handed back (``StepResult.tiles_done``)
-once the engine will never read them: a cache hit at admission, the commit of
-the launch that copied them to the device, or the request's release.
+once the engine will never read them: every tile the request still needs is
+enqueued (by it or by another request) and no uncommitted launch copies from
+them, checked at admission, when a chunk reaches the image and when a launch
+that copied them commits; or at the request's release.
 
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
@@ -89,7 +96,7 @@ class Launch:
     constrained: np.ndarray | None = None  # sampling rows still waiting for their masks
     copy_done: object = None  # the device->host copy's event: what the commit waits on
     dropped: bool = False  # discarded after a device failure
-    encoded: list[SeqImage] = field(default_factory=list)  # images encoded (from their host tiles) by this launch
+    encoded: list = field(default_factory=list)  # (SeqImage, tiles) encoded from its host tiles by this launch
     prefill_ended: list[Sequence] = field(default_factory=list)  # sequences whose last prefill chunk is in it
 
 
@@ -131,8 +138,8 @@ class EngineStats:
     failed: int = 0
     prefix_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
-    encoder_launches: int = 0  # vision forwards (one per launch that encodes images)
-    encoded_images: int = 0
+    encoder_launches: int = 0  # vision forwards (one per launch that encodes tiles)
+    encoded_images: int = 0  # images whose last missing tile was enqueued
     encoded_tiles: int = 0
     image_tokens: int = 0  # prompt positions filled by image features
 
@@ -373,7 +380,7 @@ class Engine:
                 if int(seq.image_positions[image.row_end - 1]) < seq.cached_tokens:
                     self._tiles_done(image)  # wholly in the prefix-cache hit: its KV is there already
                 else:
-                    self._acquire_features(image)
+                    self._acquire_features(seq, image)
         if not plan:
             return None
         step, slot = self.pipeline.launch()
@@ -393,12 +400,21 @@ class Engine:
         self.launches.append(launch)
         return launch
 
-    def _acquire_features(self, image: SeqImage) -> None:
+    def _acquire_features(self, seq: Sequence, image: SeqImage) -> None:
         """Admission: a reference to the image's cache entry; a hit on features
         already computed (or enqueued) never reads this request's tiles."""
-        image.entry, _hit = self.encoder_cache.acquire(image.input.hash,
-                                                       self.runner.feature_bytes(image.input.num_tiles))
-        if image.entry.enqueued:
+        num_tiles = image.input.num_tiles
+        image.entry, _hit = self.encoder_cache.acquire(image.input.hash, self.runner.feature_bytes(num_tiles),
+                                                       num_tiles)
+        # A prefix-cache hit may end inside the image: its earlier tiles are never read.
+        first_row = int(np.searchsorted(seq.image_positions, seq.cached_tokens)) - image.row_start
+        image.first_tile = max(first_row, 0) // self.runner.vision.tokens_per_tile
+        self._maybe_tiles_done(image)
+
+    def _maybe_tiles_done(self, image: SeqImage) -> None:
+        """Hand the tiles back if every tile the request still needs is enqueued
+        and no uncommitted launch copies from them."""
+        if not image.copies and (image.entry is None or image.entry.complete(image.first_tile)):
             self._tiles_done(image)
 
     def _tiles_done(self, image: SeqImage) -> None:
@@ -414,25 +430,33 @@ class Engine:
 
     def _image_inputs(self, seq: Sequence, start: int, length: int, offset: int, launch: Launch, encode: list,
                       index: list, segments: list) -> None:
-        """A prefill chunk's image rows: encode what is not yet encoded, say where each row's features are."""
+        """A prefill chunk's image rows: encode the tiles they need that nobody has
+        enqueued yet, say where each row's features are."""
         offsets, rows = image_rows_in_chunk(seq.image_positions, start, length)
         if not len(rows):
             return
         lo, hi = int(rows[0]), int(rows[-1]) + 1  # a chunk's image rows are contiguous
         index.append(offsets + offset)
+        per_tile = self.runner.vision.tokens_per_tile
         for image in seq.images:
             if image.row_end <= lo or image.row_start >= hi:
                 continue
             entry = image.entry
-            if not entry.enqueued:
-                assert image.holds_tiles, "an image to encode without its tiles"
-                entry.enqueued = image.encoding = True
-                encode.append((image.input.tiles, entry.holder))
-                launch.encoded.append(image)
-            elif not image.encoding:
-                self._tiles_done(image)  # another request's tiles were encoded
-            segments.append((entry.holder, max(lo, image.row_start) - image.row_start,
-                             min(hi, image.row_end) - image.row_start))
+            first, end = max(lo, image.row_start) - image.row_start, min(hi, image.row_end) - image.row_start
+            missing = entry.missing(first // per_tile, -(-end // per_tile))
+            if len(missing):
+                assert image.holds_tiles, "tiles to encode without the host tiles"
+                entry.enqueued[missing] = True
+                entry.pending += len(missing)
+                image.copies += 1
+                launch.encoded.append((image, len(missing)))
+                for run in np.split(missing, np.flatnonzero(np.diff(missing) > 1) + 1):  # contiguous runs
+                    a, b = int(run[0]), int(run[-1]) + 1
+                    encode.append((image.input.tile_blocks(a, b), entry.holder, a, entry.num_tiles))
+                self.stats_.encoded_tiles += len(missing)
+                self.stats_.encoded_images += entry.complete()
+            self._maybe_tiles_done(image)  # e.g. another request enqueued the rest
+            segments.append((entry.holder, first, end))
 
     def _inputs(self, plan: Plan, launch: Launch) -> tuple[LaunchInputs, list[Sequence]]:
         """Host metadata of a launch, and the counters it advances."""
@@ -480,8 +504,6 @@ class Engine:
         )
         if encode:
             self.stats_.encoder_launches += 1
-            self.stats_.encoded_images += len(encode)
-            self.stats_.encoded_tiles += sum(image.input.num_tiles for image in launch.encoded)
         return inp, sample_seqs
 
     def _token_lora(self, plan: Plan) -> np.ndarray | None:
@@ -565,10 +587,11 @@ class Engine:
             return
         self.device.account(launch.marks, launch.copy_done)
         self._count(launch)
-        for image in launch.encoded:  # the host-to-device copies of their tiles are done
+        for image, tiles in launch.encoded:  # the host-to-device copies of their tiles are done
+            image.copies -= 1
             if image.entry is not None:
-                image.entry.ready = True
-            self._tiles_done(image)
+                image.entry.pending -= tiles
+            self._maybe_tiles_done(image)
         for seq in launch.prefill_ended:  # no later launch reads their features
             self._release_features(seq)
         n = len(launch.sample_seqs)
@@ -699,7 +722,7 @@ class Engine:
         self.device.recover()
         # Features whose encode never completed are garbage: forget them, and fail every
         # request that would read them (a request admitted later hit on them).
-        broken = {e for e in self.encoder_cache.entries.values() if e.enqueued and not e.ready}
+        broken = {e for e in self.encoder_cache.entries.values() if e.pending}
         for entry in broken:
             self.encoder_cache.invalidate(entry)
         if broken:

@@ -7,9 +7,10 @@ page-locked host buffers the sampled ids are copied into, and on CUDA the
 decode graphs captured for that slot (one per batch-size bucket and page-count
 bucket).
 
-Image prefill: a launch may first encode images (``LaunchInputs.encode``): the
-tiles go host -> device, are normalised and run through the vision encoder on
-the compute stream, and the features land in their encoder-cache holders;
+Image prefill: a launch may first encode image tiles (``LaunchInputs.encode``):
+the tiles go host -> device, are normalised and run through the vision encoder
+on the compute stream, and their features land in their images' rows of the
+encoder-cache holders;
 then the text forward replaces the embeddings of the launch's ``<image>``
 tokens (``image_index``) by rows of those holders (``image_segments``).
 
@@ -59,7 +60,8 @@ class LaunchInputs:
     any_random: bool
     any_filter: bool
     want_logprobs: bool
-    # Images encoded by this launch, before its text forward: (host tile blocks, FeatureHolder).
+    # Tiles encoded by this launch, before its text forward: (host tile blocks, FeatureHolder,
+    # index of the first of those tiles in their image, the image's number of tiles) per run of tiles.
     encode: list = ()
     # The launch's <image> tokens: packed token index [K], and where their features are,
     # in the same order: (FeatureHolder, first row, end row) runs.
@@ -235,17 +237,20 @@ class ModelRunner:
 
         self.device.compute.submit(run)
 
-    def _encode(self, images: list) -> None:
-        """Compute-stream work: encode every image of a launch in one vision forward."""
+    def _encode(self, runs: list) -> None:
+        """Compute-stream work: encode every tile of a launch in one vision forward (the encoder
+        treats tiles independently), and write each run's rows into its image's features."""
         dev = self.device.torch_device
-        blocks = [torch.from_numpy(t).to(dev, non_blocking=True) for tiles, _ in images for t in tiles]
+        blocks = [torch.from_numpy(t).to(dev, non_blocking=True) for tiles, *_ in runs for t in tiles]
         tiles = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         features = self.vision.encode_images(normalize_tiles(tiles, self.image_params, self.dtype))
         rows_per_tile, start = self.vision.tokens_per_tile, 0
-        for tiles, holder in images:
+        for tiles, holder, first_tile, num_tiles in runs:
             end = start + sum(len(t) for t in tiles) * rows_per_tile
-            # Own storage per image, so evicting one frees its memory.
-            holder.features = features if len(images) == 1 else features[start:end].clone()
+            if holder.features is None:  # the image's first tiles: its own storage, so evicting it frees it
+                holder.features = features.new_empty((num_tiles * rows_per_tile, features.shape[1]))
+            first = first_tile * rows_per_tile
+            holder.features[first:first + end - start] = features[start:end]
             start = end
 
     def feature_bytes(self, num_tiles: int) -> int:

@@ -46,6 +46,16 @@ class ImageInput:
     def num_tiles(self) -> int:
         return sum(len(t) for t in self.tiles)
 
+    def tile_blocks(self, first: int, end: int) -> list[np.ndarray]:
+        """Tiles ``first .. end - 1`` as views of the blocks that hold them (no copy)."""
+        out, base = [], 0
+        for block in self.tiles:
+            a, b = max(first - base, 0), min(end - base, len(block))
+            if a < b:
+                out.append(block[a:b])
+            base += len(block)
+        return out
+
 
 @dataclass(eq=False)
 class SeqImage:
@@ -54,7 +64,8 @@ class SeqImage:
     row_start: int  # first of its rows among the sequence's feature rows
     num_rows: int
     holds_tiles: bool = True  # the engine may still read input.tiles
-    encoding: bool = False  # its tiles were enqueued for encoding (held until that launch commits)
+    first_tile: int = 0  # the first tile whose rows this request computes (earlier ones: its prefix-cache hit)
+    copies: int = 0  # launches, not yet committed, that encode some of its tiles (they read input.tiles)
     entry: object = None  # its EncoderCache entry, from admission until the prefill is committed
 
     @property

@@ -167,9 +167,11 @@ def test_the_same_image_twice_runs_the_encoder_once(svc):
     b = submit(svc, log, [image], SamplingParams(max_tokens=3), "<|im_start|>User: Two more words.<image>Describe it.")
     svc.run_until(lambda: b.seq_id in log.terminal, 60)
     after = assert_idle(svc)
-    assert mid["encoder_launches"] == before["encoder_launches"] + 1  # non-vacuity: a miss encodes
+    assert mid["encoder_launches"] > before["encoder_launches"]  # non-vacuity: a miss encodes (chunk by chunk)
+    assert mid["encoded_tiles"] == before["encoded_tiles"] + 5  # each of its 80 / 16 tiles once
     assert mid["encoder_cache_misses"] == before["encoder_cache_misses"] + 1
     assert after["encoder_launches"] == mid["encoder_launches"]  # the hit encodes nothing
+    assert after["encoded_tiles"] == mid["encoded_tiles"]
     assert after["encoder_cache_hits"] == mid["encoder_cache_hits"] + 1
     assert log.terminal[b.seq_id][0] == "done" and log.terminal[b.seq_id][1]["usage"]["image_tokens"] == 80
 
@@ -382,22 +384,22 @@ def test_encoder_cache_bounds_unreferenced_entries_lru_and_never_evicts_referenc
     from gpu_worker.encoder_cache import EncoderCache
 
     cache = EncoderCache(capacity_bytes=300)
-    a, hit = cache.acquire("a", 100)
+    a, hit = cache.acquire("a", 100, 2)
     assert not hit
-    a.enqueued = True
-    b, _ = cache.acquire("b", 100)
-    b.enqueued = True
-    c, _ = cache.acquire("c", 150)  # 350 bytes, all referenced: over the bound, nothing evicted
-    c.enqueued = True
+    a.enqueued[:] = True
+    b, _ = cache.acquire("b", 100, 2)
+    b.enqueued[1] = True  # partly encoded: kept, a later request encodes the rest
+    c, _ = cache.acquire("c", 150, 3)  # 350 bytes, all referenced: over the bound, nothing evicted
+    c.enqueued[:] = True
     assert set(cache.entries) == {"a", "b", "c"}
     cache.release(a)  # unreferenced and over the bound: evicted at once
     assert set(cache.entries) == {"b", "c"} and not a.cached
     cache.release(b)
     cache.release(c)  # 250 bytes: both stay, b least recently used
-    again, hit = cache.acquire("b", 100)
-    assert hit and again is b
+    again, hit = cache.acquire("b", 100, 2)
+    assert hit and again is b and again.missing(0, 2).tolist() == [0] and not again.complete()
     cache.release(b)  # b is now the most recent
-    d, _ = cache.acquire("d", 100)  # 350: the least recently used unreferenced entry (c) goes
+    d, _ = cache.acquire("d", 100, 2)  # 350: the least recently used unreferenced entry (c) goes
     assert set(cache.entries) == {"b", "d"}
     cache.release(d)  # never enqueued (its request ended before its prefill): dropped at once
     assert set(cache.entries) == {"b"} and cache.bytes == 100

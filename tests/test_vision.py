@@ -427,3 +427,220 @@ def test_engine_with_images_matches_the_reference_decode(pipeline, ours, vlm_pat
 def vision_features(ours, tiles: np.ndarray, params) -> torch.Tensor:
     with torch.no_grad():
         return ours[1].encode_images(normalize_tiles(torch.from_numpy(tiles), params, torch.float32))
+
+
+# ---- encoder work per launch --------------------------------------------------------------
+
+def test_tiles_encode_independently(ours, params):
+    """A tile's feature rows do not depend on the other tiles in the vision batch (attention,
+    layer norms and the pixel shuffle act within a tile), so the engine may encode an image's
+    tiles a few at a time, in any launches, and get the rows of the whole-image encode."""
+    tiles = np.concatenate([fi.prepare_image(IMAGES[n][0], params).tiles for n in ("many-tiles", "tiny")])
+    per = params.image_seq_len
+    whole = vision_features(ours, tiles, params)
+    for sizes in ([1] * len(tiles), [3, 1, len(tiles) - 4]):
+        pieces = np.split(tiles, np.cumsum(sizes)[:-1])
+        assert torch.allclose(torch.cat([vision_features(ours, p, params) for p in pieces]), whole, rtol=0, atol=1e-5)
+    reordered = vision_features(ours, tiles[[2, 0]], params)  # other neighbours, other order
+    assert torch.allclose(reordered[:per], whole[2 * per:3 * per], rtol=0, atol=1e-5)
+    assert (whole[:per] - whole[2 * per:3 * per]).abs().max().item() > 1e-2  # non-vacuity: tiles differ
+
+
+def one_image_prompt(hf_processor, params, name: str) -> tuple[list[int], list]:
+    prepared = fi.prepare_images([IMAGES[name][0]], params)
+    return fi.image_prompt_ids(hf_processor.tokenizer, PROMPT, prepared, params), prepared
+
+
+def own_tiles(prepared) -> list:
+    """Each request its own copy of the host tiles (scrambled when handed back)."""
+    from gpu_worker.sequence import ImageInput
+    return [ImageInput(im.hash, im.tiles.copy()) for im in prepared]
+
+
+def tile_engine(ours, vlm_path, params, pipeline: bool, budget: int):
+    from gpu_worker.engine import Engine, EngineConfig
+    llama, vision = ours
+    return Engine(EngineConfig(model=str(vlm_path), device="cpu", dtype="float32", pipeline=pipeline,
+                               prefill_budget=budget, max_batch=4), llama=llama, vision=vision, image_params=params)
+
+
+@pytest.fixture(scope="module")
+def whole_image_tokens(ours, vlm_path, params, two_image_prompt, hf_processor):
+    """The reference: each prompt alone, with a budget that encodes every image whole in one launch."""
+    from shared.sampling import SamplingParams
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids_m, prepared_m = one_image_prompt(hf_processor, params, "many-tiles")
+    prepared_pt = fi.prepare_images([IMAGES["panoramic"][0], IMAGES["tiny"][0]], params)
+    engine = tile_engine(ours, vlm_path, params, False, 4096)
+    try:
+        out = {}
+        for name, ids, prepared in (("pt", two_image_prompt[0], prepared_pt), ("m", ids_m, prepared_m),
+                                    ("text", list(range(100, 140)), [])):
+            seq = engine.submit(ids, greedy, images=own_tiles(prepared) or None)
+            engine.run_until_idle()
+            out[name] = seq.output_ids
+        assert engine.stats()["encoder_launches"] == 2  # one launch per image prompt: whole images
+        return out
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_path, params, two_image_prompt,
+                                                          hf_processor, whole_image_tokens):
+    """Budget 37 (16 rows per tile): two requests with the same two images interleaved (the
+    second hits a partly encoded entry, and maybe prefix-cache pages ending inside an image),
+    a text request, and a request cancelled inside its image whose entry a later request
+    finishes. Each launch encodes only tiles its own chunks reach (at most ceil(37/16) + 1
+    per chunk), every tile of every image is encoded exactly once, the tokens equal the
+    whole-image reference, every host tile block is handed back exactly once and never read
+    afterwards (scrambled when handed back), and at idle no cache entry is referenced."""
+    from collections import Counter
+    from shared.finish import FinishReason
+    from shared.sampling import SamplingParams
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    budget, per = 37, params.image_seq_len
+    ids_pt = two_image_prompt[0]
+    ids_m, prepared_m = one_image_prompt(hf_processor, params, "many-tiles")
+    prepared_pt = fi.prepare_images([IMAGES["panoramic"][0], IMAGES["tiny"][0]], params)
+    engine = tile_engine(ours, vlm_path, params, pipeline, budget)
+    launches, handed_back, submitted = [], Counter(), []
+    forward = engine.runner.enqueue_forward
+
+    def record(slot, inp):
+        launches.append((list(inp.encode), list(inp.image_segments), [c[1] for c in inp.prefill_chunks]))
+        forward(slot, inp)
+
+    engine.runner.enqueue_forward = record
+
+    def submit(ids, prepared):
+        images = own_tiles(prepared)
+        submitted.extend(images)
+        return engine.submit(ids, greedy, images=images or None)
+
+    def step():
+        for image in engine.step().tiles_done:
+            handed_back[id(image)] += 1
+            for block in image.tiles:  # the caller reuses the memory at once
+                block[...] = np.random.default_rng(len(handed_back)).integers(0, 256, block.shape, np.uint8)
+
+    try:
+        a = submit(ids_pt, prepared_pt)
+        step(), step()
+        b = submit(ids_pt, prepared_pt)
+        d = submit(ids_m, prepared_m)
+        image_m = np.flatnonzero(np.asarray(ids_m) == params.image_token_id)
+        for _ in range(200):
+            if image_m[0] + per < d.num_prefilled < image_m[-1] - per:
+                break
+            step()
+        else:
+            raise AssertionError("the request to cancel never prefilled inside its image")
+        engine.cancel(d)
+        c = submit(list(range(100, 140)), [])
+        while engine.has_work:
+            step()
+        f = submit(ids_m, prepared_m)  # hits the entry the cancelled request left partly encoded
+        while engine.has_work:
+            step()
+
+        assert b.images[0].first_tile > 0 and f.images[0].first_tile > 0  # prefix-cache hits inside an image
+        assert a.output_ids == b.output_ids == whole_image_tokens["pt"]
+        assert f.output_ids == whole_image_tokens["m"] and c.output_ids == whole_image_tokens["text"]
+        assert d.output_ids == [] and d.finish_reason == FinishReason.CANCELLED
+
+        encoded = Counter()
+        for encode, segments, lengths in launches:
+            reached = {(id(h), t) for h, first, end in segments for t in range(first // per, -(-end // per))}
+            here = [(id(h), t) for blocks, h, first, n in encode for t in range(first, first + sum(map(len, blocks)))]
+            assert set(here) <= reached and len(here) == len(set(here))
+            assert len(here) <= sum(-(-n // per) + 1 for n in lengths)
+            encoded.update(here)
+        holders = {id(e.holder): e for e in engine.encoder_cache.entries.values()}
+        assert len(holders) == 3 and set(encoded) == {(h, t) for h, e in holders.items() for t in range(e.num_tiles)}
+        assert set(encoded.values()) == {1}  # each tile of each image once
+        tiles_per_launch = [sum(sum(map(len, blocks)) for blocks, *_ in e) for e, _, _ in launches]
+        assert 0 < max(tiles_per_launch) < len(prepared_m[0].tiles)  # non-vacuity: the images were split
+        assert sum(n > 0 for n in tiles_per_launch) > 3
+        assert sorted(handed_back) == sorted(id(im) for im in submitted) and set(handed_back.values()) == {1}
+        stats = engine.stats()
+        assert stats["encoder_cache_refs"] == 0 and engine.idle
+        assert all(e.pending == 0 and e.complete() for e in engine.encoder_cache.entries.values())
+    finally:
+        engine.close()
+
+
+def test_a_prefix_hit_inside_an_image_skips_its_tiles(ours, vlm_path, params, hf_processor, whole_image_tokens):
+    """A request cancelled inside its image leaves prefix-cache pages that end there; with the
+    encoder cache holding nothing unreferenced, the same prompt again encodes only the tiles
+    after its prefix hit, decodes the whole-image tokens, and hands its tiles back as soon as
+    those tiles are enqueued (before it finishes)."""
+    from gpu_worker.engine import Engine, EngineConfig
+    from shared.sampling import SamplingParams
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids, prepared = one_image_prompt(hf_processor, params, "many-tiles")
+    positions = np.flatnonzero(np.asarray(ids) == params.image_token_id)
+    llama, vision = ours
+    engine = Engine(EngineConfig(model=str(vlm_path), device="cpu", dtype="float32", prefill_budget=37, max_batch=4,
+                                 encoder_cache_mb=0), llama=llama, vision=vision, image_params=params)
+    try:
+        first = engine.submit(ids, greedy, images=own_tiles(prepared))
+        while not positions[len(positions) // 2] < first.num_prefilled:
+            engine.step()
+        engine.cancel(first)
+        engine.run_until_idle()
+        assert engine.stats()["encoder_cache_entries"] == 0  # its partly encoded entry is gone
+        tiles_before = engine.stats()["encoded_tiles"]
+        again = engine.submit(ids, greedy, images=own_tiles(prepared))
+        steps, handed_back, released = 0, None, None
+        while engine.has_work:
+            result = engine.step()
+            steps += 1
+            if result.tiles_done:
+                handed_back = steps
+            if again in result.released:
+                released = steps
+        skipped = again.images[0].first_tile
+        assert skipped > 0 and again.cached_tokens > positions[0]
+        assert engine.stats()["encoded_tiles"] - tiles_before == len(prepared[0].tiles) - skipped
+        assert again.output_ids == whole_image_tokens["m"]
+        assert handed_back < released
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_failed_encode_mid_image_forgets_the_entry(pipeline, ours, vlm_path, params, hf_processor,
+                                                     whole_image_tokens):
+    """The vision forward of a launch fails after an earlier launch encoded the image's first
+    tiles: the request fails, the partly encoded entry is forgotten (not resumed), the tiles
+    are handed back once, and the same image again decodes the whole-image tokens."""
+    from collections import Counter
+    from shared.finish import FinishReason
+    from shared.sampling import SamplingParams
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids, prepared = one_image_prompt(hf_processor, params, "many-tiles")
+    engine = tile_engine(ours, vlm_path, params, pipeline, 37)
+    real, calls, handed_back = engine.runner._encode, [], Counter()
+
+    def second_fails(runs):
+        calls.append(sum(len(b) for blocks, *_ in runs for b in blocks))
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        real(runs)
+
+    engine.runner._encode = second_fails
+    try:
+        first = engine.submit(ids, greedy, images=own_tiles(prepared))
+        while engine.has_work:
+            handed_back.update(id(im) for im in engine.step().tiles_done)
+        assert first.finish_reason == FinishReason.ERROR and "boom" in first.error
+        assert len(calls) == 2 and calls[0] < len(prepared[0].tiles)  # it failed mid-image
+        assert engine.stats()["encoder_cache_entries"] == 0 and engine.idle
+        assert list(handed_back.values()) == [1] and set(handed_back) == {id(i.input) for i in first.images}
+        again = engine.submit(ids, greedy, images=own_tiles(prepared))
+        engine.run_until_idle()
+        assert again.output_ids == whole_image_tokens["m"]
+        assert engine.stats()["encoder_cache_refs"] == 0
+    finally:
+        engine.close()
