@@ -287,4 +287,4 @@ if __name__ == "__main__":
         sys.exit(precheck(*sys.argv[2:4]))
     if cmd == "summary":
         sys.exit(summary(sys.argv[2:]))
-    sys.exit(f"usage: python -m bench.gpu_check precheck [MODEL [DEVICE]] | summary FILE.json ...")
+    sys.exit("usage: python -m bench.gpu_check precheck [MODEL [DEVICE]] | summary FILE.json ...")

@@ -177,7 +177,7 @@ class Attention(nn.Module):
 
         # Write the new K/V into their slots first, so the gather below sees
         # the whole sequence (cached prefix + this chunk) in one place.
-        num_pages, page_size = kv.k.shape[1], kv.k.shape[2]
+        page_size = kv.k.shape[2]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]  # [pages, page_size, Hkv, D]
         k_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
