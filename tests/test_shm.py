@@ -373,6 +373,20 @@ def test_pass_fds_and_heartbeats(arena):
     assert not peer.is_alive(Side.FRONTEND, 0.0)
 
 
+def test_close_stops_and_joins_the_heartbeat(monkeypatch):
+    """Closing the arena while its heartbeat still runs (nobody set the event):
+    the thread is joined first, so no beat lands on the dropped header."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    a = Arena.create(SMALL)
+    a.start_heartbeat(Side.FRONTEND, 0.001)
+    time.sleep(0.01)
+    a.close()
+    time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "heartbeat-frontend"]
+    assert errors == []
+
+
 # ------------------------------------------------------------------ mask rows
 def test_mask_rows_exact_stamp_only(arena):
     mw, mr = arena.mask_writer(), arena.mask_reader(corrupt_after_s=0.05)

@@ -34,6 +34,7 @@ class Arena:
             name: np.frombuffer(mm, dt, int(np.prod(shape)), off).reshape(shape)
             for name, (off, shape, dt) in layout.regions().items()
         }
+        self._heartbeats: list[tuple[threading.Event, threading.Thread]] = []
 
     # -- construction -------------------------------------------------------
     @classmethod
@@ -159,7 +160,8 @@ class Arena:
 
     def start_heartbeat(self, side: Side, interval_s: float = 0.1) -> threading.Event:
         """Beat from a daemon thread every ``interval_s`` until the returned
-        event is set."""
+        event is set or the arena is closed (``close`` joins the thread, so no
+        beat lands after the header is gone)."""
         stop = threading.Event()
 
         def run() -> None:
@@ -167,8 +169,9 @@ class Arena:
                 self.beat(side)
                 stop.wait(interval_s)
 
-        threading.Thread(target=run, name=f"heartbeat-{Side(side).name.lower()}",
-                         daemon=True).start()
+        thread = threading.Thread(target=run, name=f"heartbeat-{Side(side).name.lower()}", daemon=True)
+        thread.start()
+        self._heartbeats.append((stop, thread))
         return stop
 
     # -- endpoints ----------------------------------------------------------
@@ -198,6 +201,10 @@ class Arena:
 
     def close(self) -> None:
         """Unmap and close this process's fds (the other side is unaffected)."""
+        for stop, thread in self._heartbeats:
+            stop.set()
+            thread.join()
+        self._heartbeats.clear()
         self._views.clear()
         self._header = None
         try:
