@@ -108,7 +108,7 @@ def _random_adapters(model: str, root: Path) -> dict[str, str]:
 
 
 def check_lora(device: str, llm: str) -> str:
-    from gpu_worker.lora import KERNELS
+    from shared.lora_config import KERNELS
 
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory(prefix="tandem-gpu-lora-") as tmp:
@@ -117,32 +117,27 @@ def check_lora(device: str, llm: str) -> str:
         prompts = _prompts(16, rng)
         reqs = [dict(prompt_ids=p, params=_greedy(), adapter=names[i % len(names)]) for i, p in enumerate(prompts)]
         ref_engine = _engine(llm, "cpu", "float32", False, loras=loras, max_loras=2)
-        want = _run(ref_engine, reqs)
-        ref_engine.close()
-        if want[0] == _run_one(llm, prompts[0], loras):  # request 0 has no adapter; under a0 it must differ
+        try:
+            want = _run(ref_engine, reqs)
+            # Request 0 has no adapter; under a0 its tokens must differ.
+            under_a0 = _run(ref_engine, [dict(reqs[0], adapter="a0")])[0]
+        finally:
+            ref_engine.close()
+        if want[0] == under_a0:
             raise AssertionError("non-vacuity: adapter a0 does not change the greedy tokens")
         notes = []
         for kernel in KERNELS:
-            eng = _engine(llm, device, "float32", True, loras=loras, max_loras=2)
-            eng.runner.lora.kernel = kernel
+            eng = _engine(llm, device, "float32", True, loras=loras, max_loras=2, lora_kernel=kernel)
             try:
                 _same(f"{kernel} kernel on {device} (fp32) against the CPU", _run(eng, reqs), want)
                 st = eng.stats()
                 if st["lora_evictions"] == 0:
                     raise AssertionError("three adapters through two slots evicted none")
-                notes.append(f"{kernel}: {st['lora_loads']} slot loads, {st.get('cuda_graphs', 0)} graphs")
+                notes.append(f"{kernel}: {st['lora_loads']} slot loads, {st['cuda_graphs']} graphs")
             finally:
                 eng.close()
         notes.append(_bf16_modes_agree(llm, device, reqs, loras=loras, max_loras=2))
     return f"{len(reqs)} requests, 3 adapters in 2 slots + base rows; " + "; ".join(notes)
-
-
-def _run_one(llm: str, prompt: list[int], loras: dict[str, str]) -> list[int]:
-    eng = _engine(llm, "cpu", "float32", False, loras=loras, max_loras=2)
-    try:
-        return _run(eng, [dict(prompt_ids=prompt, params=_greedy(), adapter="a0")])[0]
-    finally:
-        eng.close()
 
 
 def _bf16_modes_agree(model: str, device: str, reqs: list[dict], **kw) -> str:
