@@ -25,6 +25,8 @@ import hashlib
 import io
 import json
 import math
+import struct
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,12 +91,55 @@ def decode_image(data: bytes) -> Image.Image:
         image.load()
     except Exception as e:  # truncated or corrupt pixel data (OSError, SyntaxError, zlib errors, ...)
         raise ValueError(f"image data is truncated or corrupt ({image.format}): {e}") from None
+    if image.format == "PNG":
+        _check_png_complete(data, width, height)
     if image.mode == "RGB":
         return image
     try:
         return image.convert("RGB")  # as transformers does: alpha dropped, palettes and grey expanded
     except Exception as e:
         raise ValueError(f"cannot convert a {image.mode} image to RGB: {e}") from None
+
+
+# PNG colour type -> channels per pixel (grey, RGB, palette, grey + alpha, RGBA)
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+# Adam7 interlacing: (x0, y0, dx, dy) of the seven passes
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+def _png_raw_size(width: int, height: int, depth: int, color_type: int, interlaced: bool) -> int:
+    """Bytes of filtered scanlines (one filter byte per row) the IDAT stream must inflate to."""
+    bits = _PNG_CHANNELS.get(color_type, 4) * depth
+
+    def scanlines(w: int, h: int) -> int:
+        return 0 if w == 0 or h == 0 else h * (1 + -(-w * bits // 8))
+
+    if not interlaced:
+        return scanlines(width, height)
+    return sum(scanlines(-(-(width - x0) // dx), -(-(height - y0) // dy)) for x0, y0, dx, dy in _ADAM7)
+
+
+def _check_png_complete(data: bytes, width: int, height: int) -> None:
+    """Refuse a PNG whose pixel data ends early. Pillow zero-fills the rows a complete but short
+    zlib stream leaves out (a header claiming 8192x8192 over one row of data decodes "fine"),
+    so the IDAT stream is inflated once more, counting bytes, without keeping them."""
+    view = memoryview(data)
+    depth, color_type, interlace = view[24], view[25], view[28]  # IHDR, the first chunk (Pillow checked it)
+    need = _png_raw_size(width, height, depth, color_type, interlace == 1)
+    inflate, got, pos = zlib.decompressobj(), 0, 8
+    while pos + 8 <= len(view) and got < need:
+        length, kind = struct.unpack_from(">I4s", view, pos)
+        if kind == b"IEND":
+            break
+        if kind == b"IDAT":
+            chunk = view[pos + 8:pos + 8 + length]
+            while chunk and got < need:  # at most 1 MiB inflated at a time
+                got += len(inflate.decompress(chunk, 1 << 20))
+                chunk = inflate.unconsumed_tail
+        pos += 12 + length
+    if got < need:
+        raise ValueError(f"image data is truncated (PNG): its pixel data inflates to {got} bytes where "
+                         f"{width}x{height} needs {need}")
 
 
 def image_hash(data: bytes, params: ImageProcessorParams) -> str:

@@ -110,6 +110,9 @@ class Limits:
     max_image_message_bytes: int = 64 << 20  # a generate carrying images
     max_prompt_chars: int = 1 << 18  # prompt, or the sum of all messages' content
     max_prompt_tokens: int = 1 << 17  # prompt_token_ids length
+    # Every chat template spends at least one token on each message, so more messages than the
+    # context holds tokens cannot fit: refused before any of them is parsed or rendered.
+    max_messages: int = 1 << 17
     vocab_size: int | None = None  # when set, token ids must be < vocab_size
 
 
@@ -509,6 +512,9 @@ def _parse_messages(ctx: _Ctx, v: object, limits: Limits) -> list[dict[str, str]
         raise ctx.bad(f"messages must be an array of {{role, content}} maps, got {_tname(v)}")
     if not v:
         raise ctx.bad("messages must not be empty")
+    if len(v) > limits.max_messages:
+        raise ctx.too_long(f"messages has {len(v)} entries, the limit is {limits.max_messages} "
+                           "(each message takes at least one token of the context)")
     out = [_parse_chat_message(ctx, m, f"messages[{i}]") for i, m in enumerate(v)]
     total = sum(len(_content_text(m["content"])) for m in out)
     if total > limits.max_prompt_chars:

@@ -68,8 +68,9 @@ class Server:
         self.service = service
         self.max_queue = max_queue
         self.drain_timeout_s = drain_timeout_s
-        self.limits = limits or P.Limits(vocab_size=service.vocab_size)
         self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
+        # a prompt needs one token less than the context: at least one is generated
+        self.limits = limits or P.Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
         self.notifier = notifier or Notifier()
         self.grammars = grammar_compiler(service)
         self.ctx = zmq.Context.instance()

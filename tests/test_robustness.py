@@ -15,7 +15,9 @@ import io
 import json
 import logging
 import socket
+import struct
 import time
+import zlib
 
 import httpx
 import pytest
@@ -187,6 +189,57 @@ def test_a_body_over_the_limit_is_a_413_declared_or_streamed(live):
         assert status == 413 and "limit" in json.loads(body)["error"]["message"]
     with httpx.Client(base_url=live.http.url, timeout=30) as c:
         still_serves(c)
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /health HTTP/1.1\r\nHost: t\r\nno colon in this header\r\n\r\n",
+    b"GET /he alth HTTP/1.1\r\nHost: t\r\n\r\n",  # a space in the target
+    f"POST {CHAT} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{{}}\r\n".encode(),
+    f"POST {CHAT} HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{{}}".encode(),
+])
+def test_malformed_http_framing_is_a_json_400(live, request_bytes):
+    with socket.create_connection(("127.0.0.1", live.http.port), timeout=30) as s:
+        status, body = exchange(s, request_bytes)
+    assert status == 400, (status, body)
+    assert json.loads(body)["error"]["code"] == "bad_request" and b"malformed HTTP request" in body, body
+    with httpx.Client(base_url=live.http.url, timeout=30) as c:
+        still_serves(c)
+
+
+def test_as_many_messages_as_the_context_has_tokens_are_refused_before_rendering(live, http):
+    """30,000 empty messages rendered by the chat template hold the server loop for about a
+    second before the prompt is found too long; they are refused by their count instead."""
+    limit = live.server.max_model_len - 1
+    body = {"messages": [{"role": "user", "content": ""}] * 30_000, "max_tokens": 2}
+    err = error_of(http.post(CHAT, json=body), 413)
+    assert err["code"] == "too_long" and f"30000 entries, the limit is {limit}" in err["message"], err
+    at_limit = {"messages": [{"role": "user", "content": ""}] * limit, "max_tokens": 2}  # rendered, then too long
+    err = error_of(http.post(CHAT, json=at_limit), 413)
+    assert "the prompt has" in err["message"] and "tokens" in err["message"], err
+    ok = {"messages": [{"role": "user", "content": ""}] * 3 + MSG, "max_tokens": 2}  # empty ones are fine
+    assert http.post(CHAT, json=ok).status_code == 200
+    live.wait_idle()
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"anyOf": []}, "grammar.schema.anyOf"),
+    ({"type": "object", "properties": {"a": {"oneOf": []}}, "required": ["a"]}, "grammar.schema.properties.a.oneOf"),
+    ({"type": "array", "items": {"allOf": []}}, "grammar.schema.items.allOf"),
+])
+def test_a_json_schema_with_an_empty_anyof_is_a_400(live, http, schema, where):
+    grammar = {"kind": "json_schema", "schema": schema}
+    err = error_of(http.post(CHAT, json={"messages": MSG, "max_tokens": 8, "grammar": grammar}), 400)
+    assert err["code"] == "bad_request" and f"{where} must be a non-empty array" in err["message"], err
+    still_serves(http)
+
+
+def test_a_json_schema_with_anyof_and_data_that_looks_like_it_is_valid(live, http):  # non-vacuity of the above
+    for schema in ({"anyOf": [{"type": "integer"}]}, {"const": {"anyOf": []}},
+                   {"type": "object", "properties": {"anyOf": {"type": "integer"}}, "required": ["anyOf"]}):
+        r = http.post(CHAT, json={"messages": MSG, "max_tokens": 12, "temperature": 0,
+                                  "grammar": {"kind": "json_schema", "schema": schema}})
+        assert r.status_code == 200, (schema, r.text)
+    live.wait_idle()
 
 
 def test_the_python_client_names_a_field_msgpack_cannot_carry(live):
@@ -388,6 +441,32 @@ def test_a_refusing_chat_template_with_images_is_a_400_and_the_server_lives(vlm)
     assert vlm.thread.is_alive()  # the rendering runs on the server loop: it must not end it
     with httpx.Client(base_url=vlm.http.url, timeout=30) as c:
         r = c.post(CHAT, json={**body, "messages": body["messages"][1:]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    vlm.wait_idle()
+
+
+def handmade_png(width: int, height: int, rows: int) -> str:
+    """A data URL of an RGB PNG whose header says WIDTHxHEIGHT and whose one, complete zlib
+    stream holds ``rows`` rows (fewer than ``height``: a truncated image Pillow zero-fills)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    pixels = (b"\x00" + bytes([200, 40, 40]) * width) * rows
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(pixels)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.mark.parametrize("width, height, rows", [(8192, 8192, 1), (64, 48, 47)])
+def test_a_truncated_image_is_a_400(vlm, width, height, rows):
+    image = {"type": "image_url", "image_url": {"url": handmade_png(width, height, rows)}}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "?"}]}], "max_tokens": 2}
+    with httpx.Client(base_url=vlm.http.url, timeout=60) as c:
+        err = error_of(c.post(CHAT, json=body), 400)
+        assert err["code"] == "bad_request" and "truncated" in err["message"] and "images[0]" in err["message"], err
+        complete = {"type": "image_url", "image_url": {"url": handmade_png(64, 48, 48)}}  # non-vacuity
+        body["messages"][0]["content"][0] = complete
+        r = c.post(CHAT, json=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     vlm.wait_idle()
 

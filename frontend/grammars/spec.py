@@ -16,6 +16,13 @@ MAX_OBJECTS_LIMIT = 100
 MAX_PATTERN_CHARS = 8192
 MAX_SCHEMA_CHARS = 65536
 
+# JSON Schema's lists of subschemas that must not be empty (the specification says so; xgrammar
+# compiles an empty anyOf to the empty output, which is no JSON at all), the keywords whose value
+# maps names to subschemas, and those whose value is data ("{\"anyOf\": []}" there is a value).
+_NONEMPTY_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
 # The fields each kind takes in the protocol map (all of them required).
 _FIELDS = {
     "point": ("kind", "max_objects"),
@@ -37,6 +44,26 @@ def _type_name(v: object) -> str:
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_schema_lists(schema: Any, where: str) -> None:
+    """GrammarError at the first anyOf/oneOf/allOf, in any subschema, that is not a non-empty array."""
+    if not isinstance(schema, Mapping):
+        return
+    for key, value in schema.items():
+        at = f"{where}.{key}"
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in _NONEMPTY_SCHEMA_LISTS and not (isinstance(value, list) and value):
+            raise GrammarError(f"{at} must be a non-empty array of schemas")
+        if key in _NAMED_SCHEMAS and isinstance(value, Mapping):
+            for name, sub in value.items():
+                _check_schema_lists(sub, f"{at}.{name}")
+        elif isinstance(value, list):
+            for i, sub in enumerate(value):
+                _check_schema_lists(sub, f"{at}[{i}]")
+        else:
+            _check_schema_lists(value, at)
 
 
 @dataclass(frozen=True)
@@ -103,6 +130,7 @@ class GrammarSpec:
                 raise GrammarError(f"grammar.schema is not valid JSON: {e}") from None
             if len(text) > MAX_SCHEMA_CHARS:
                 raise GrammarError(f"grammar.schema is too large ({len(text)} > {MAX_SCHEMA_CHARS} characters of JSON)")
+            _check_schema_lists(s, "grammar.schema")
             object.__setattr__(self, "schema", copy.deepcopy(dict(s)))
             key = (k, text)
         object.__setattr__(self, "cache_key", key)

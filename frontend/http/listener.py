@@ -8,14 +8,18 @@ message); the thread's loop runs the app and one ``Bridge`` into the server's
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import build_app
 from .bridge import Bridge
 from .common import Context
+from .errors import bad_request
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -33,6 +37,18 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+class JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (request line, headers,
+    chunked framing) with the JSON error body of every other error instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response to this request begun
+            body = json.dumps(bad_request(f"malformed HTTP request: {msg}").body()).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()  # else a response is under way: ending the connection is all that is left
 
 
 class HttpListener:
@@ -89,7 +105,7 @@ class HttpListener:
                       adapters=tuple(service.adapters), vision=service.image_params is not None)
         app = build_app(ctx, self._server.metrics, self._health, self._api_key)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, ws="none")
+                                timeout_graceful_shutdown=5, ws="none", http=JsonErrorsH11Protocol)
         self._uvicorn = uvicorn.Server(config)
         self._uvicorn.config.setup_event_loop = lambda: None
         started = asyncio.create_task(self._signal_started())
