@@ -1,8 +1,8 @@
 """Decode benchmark: blocking vs pipelined decoding, side by side in one process.
 
-    python -m bench.decode --model random-tiny --device sim:2.6 --streams 1,32 --tokens 128 --repeats 5
+    python -m bench.decode --model tiny-random-llama-vocab4k --device sim:2.6 --streams 1,32 --tokens 128 --repeats 5
     python -m bench.decode --model smollm2-135m --device cpu --streams 1,32 --baseline transformers
-    python -m bench.decode --model random-1b --device cuda --json
+    python -m bench.decode --model random-llama-3.2-1b --device cuda --json
     tandem bench decode ...        (the same options, once registered in frontend/cli.py)
 
 What is timed (BENCHMARKS.md has the full methodology):
@@ -52,30 +52,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 
-# Random-weight Llama-architecture models (no files needed), built with Llama.random.
-RANDOM_MODELS = {
-    # tiny-random's shape with a 4096-token vocabulary: its real forward + sampling stay
-    # ~1.5 ms at 32 streams on a small CPU, under the simulated time of sim:2.6 / sim:5.4
-    # (tiny-random's 49152-token lm_head alone takes ~3 ms at 32 rows on 2 cores).
-    "random-tiny": dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-                        rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
-                        eos_token_id=(2,), bos_token_id=1),
-    # SmolLM2-135M's shape.
-    "random-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                        rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
-                        eos_token_id=(2,), bos_token_id=1),
-    # Llama-3.2-1B's shape (1.24 B parameters, tied embeddings, llama3 rope scaling).
-    "random-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
-                      rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                        high_freq_factor=4.0, original_max_position_embeddings=8192),
-                      rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
-                      eos_token_id=(128001, 128008, 128009), bos_token_id=128000),
-}
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODES = ("blocking", "pipelined")
 ZOMBIE_TARGET = 110  # answer length of the zombie-tax case (the published single-stream figure)
@@ -83,9 +62,9 @@ ZOMBIE_TARGET = 110  # answer length of the zombie-tax case (the published singl
 # One definition of the options, used to build both the argparse parser and the click command.
 # (flags, kwargs); kwargs: default, help, type (int/float/str), flag (bool switch), choices.
 OPTIONS = [
-    (("--model",), dict(default="smollm2-135m",
-                        help="tiny-random | smollm2-135m | random-tiny | random-135m | random-1b | "
-                             "path to a HF directory")),
+    (("--model",), dict(default=DEFAULT_MODEL,
+                        help=f"a built-in model ({', '.join(REGISTRY)}; `tandem models` says what each is; "
+                             "random Llamas are built in memory) or a Hugging Face directory")),
     (("--device",), dict(default="auto", help="auto | cpu | cuda | sim:MS (simulated device: MS per decode step)")),
     (("--streams",), dict(default="1,32", help="comma-separated concurrent streams, e.g. 1,32")),
     (("--tokens",), dict(default=128, type=int, help="decode tokens (= decode steps) per stream")),
@@ -152,8 +131,9 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
 
     auto = dtype_name in (None, "auto")
     dtype = default_dtype(torch_device != "cpu") if auto else getattr(torch, dtype_name)
-    if name in RANDOM_MODELS:
-        cfg = LlamaConfig(**RANDOM_MODELS[name])
+    model = builtin(name)
+    if model is not None and model.random_llama is not None:  # random weights, in memory (no files)
+        cfg = LlamaConfig.from_hf_config(model.random_llama)
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)
         return Loaded(name, llama, None, dtype, torch_device)
     from shared.models import resolve_model

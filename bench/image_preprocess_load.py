@@ -63,7 +63,7 @@ def run(svc, images: list[bytes], streams: int, window_s: float | None, preproce
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.image_preprocess_load", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-random-vlm")
+    ap.add_argument("--model", default="tiny-random-smolvlm")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--images", type=int, default=20)

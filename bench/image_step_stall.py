@@ -24,7 +24,7 @@ import numpy as np
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.image_step_stall", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-random-vlm")
+    ap.add_argument("--model", default="tiny-random-smolvlm")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--streams", type=int, default=8, help="text requests decoding throughout")

@@ -20,7 +20,7 @@ import statistics
 import sys
 
 from gpu_worker.engine import Engine, EngineConfig
-from shared.models import load_tokenizer
+from shared.models import DEFAULT_MODEL, load_tokenizer
 from shared.sampling import SamplingParams
 
 WORDS = ("river stone light garden paper window cloud market teacher bridge music winter ocean "
@@ -68,7 +68,7 @@ def multi_turn(engine: Engine, tok, users: int, turns: int, max_tokens: int, rng
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--system-tokens", type=int, default=1500)

@@ -17,6 +17,7 @@ import time
 
 from frontend.service import Service, ServiceConfig
 from gpu_worker.engine import Engine, EngineConfig
+from shared.models import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 
 
@@ -35,7 +36,7 @@ def run_service(svc: Service, prompts, params) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)

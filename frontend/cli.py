@@ -23,13 +23,16 @@ import click
 from click.core import ParameterSource
 
 from frontend import serve_options
-from shared.lora_config import KERNELS
+from frontend.options import (ENGINE_OPTIONS, GroupedCommand, engine_options, normalize_endpoint, option, sampling_options,
+                              server_options)
+from frontend.client import DEFAULT_ENDPOINT
+from shared.models import DEFAULT_MODEL, REGISTRY, builtin
+from shared.sampling import SAMPLING_FIELD_NAMES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 LOG_LEVELS = ["debug", "info", "warning", "error"]
-DTYPES = ["auto", "float32", "bfloat16", "float16"]
 CACHE_HELP = ("Models are cached in $TANDEM_CACHE/models if set, else $XDG_CACHE_HOME/tandem/models, "
               "else ~/.cache/tandem/models.")
 
@@ -57,66 +60,20 @@ def _set_log_level(ctx, param, value):
 def log_level_option(default: str | None = None):
     """``--log-level`` on the group (``tandem --log-level info serve``) and on each command
     (``tandem serve --log-level info``); the command's wins."""
-    return click.option("--log-level", type=click.Choice(LOG_LEVELS), default=default, show_default=default is not None,
-                        expose_value=False, is_eager=True, callback=_set_log_level,
-                        help="Logging on stderr (also the GPU worker's).")
-
-
-def normalize_endpoint(ctx, param, value: str | None) -> str | None:
-    """ZeroMQ endpoints; a bare HOST:PORT means tcp://HOST:PORT."""
-    if value is None:
-        return None
-    scheme, sep, rest = value.rpartition("://")
-    if not sep:
-        scheme, rest = "tcp", value
-    host, colon, port = rest.rpartition(":")
-    if scheme == "tcp" and not (colon and host and (port == "*" or port.isdigit() and int(port) < 1 << 16)):
-        raise click.BadParameter(f"{value!r}: expected HOST:PORT, tcp://HOST:PORT or ipc://PATH")
-    return f"{scheme}://{rest}"
+    return option("Other", "--log-level", type=click.Choice(LOG_LEVELS), default=default,
+                  show_default=default is not None, expose_value=False, is_eager=True, callback=_set_log_level,
+                  help="Logging on stderr (also the GPU worker's).")
 
 
 def connect_option(default: str | None, help: str):
-    return click.option("--connect", default=default, show_default=default is not None, callback=normalize_endpoint,
-                        help=help)
+    return option("Connection", "--connect", default=default, show_default=default is not None,
+                  callback=normalize_endpoint, help=help)
 
 
 def timeout_option(default: float):
-    return click.option("--timeout", default=default, show_default=True, type=click.FloatRange(min=0, min_open=True),
-                        help="Seconds to wait for the server's first answer before giving up.")
-
-
-# Options that configure the in-process engine (the worker that `generate` and `serve` start).
-ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len", "kv_pages",
-                  "kv_memory_fraction", "lora", "max_loras", "lora_kernel"]
-
-
-def engine_options(fn):
-    """Options shared by every command that starts a GPU worker."""
-    opts = [
-        click.option("--model", default="smollm2-135m", show_default=True,
-                     help="smollm2-135m | tiny-random | path to a Hugging Face directory"),
-        click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | sim:MS"),
-        click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-                     help="Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)."),
-        click.option("--no-pipeline", is_flag=True, help="Blocking decode (the baseline)."),
-        click.option("--no-prefix-cache", is_flag=True,
-                     help="Compute every prompt in full (no KV pages shared between requests; for A/B runs)."),
-        click.option("--max-batch", default=64, show_default=True, help="Batch rows (concurrent sequences)."),
-        click.option("--max-model-len", default=2048, show_default=True, help="Context length cap."),
-        click.option("--kv-pages", type=int, default=None, help="KV cache pages (default: sized to memory)."),
-        click.option("--kv-memory-fraction", default=0.5, show_default=True,
-                     help="Fraction of free GPU memory for the KV cache (CUDA, without --kv-pages)."),
-        click.option("--lora", multiple=True, metavar="NAME=DIR",
-                     help="Serve a LoRA adapter (PEFT directory) under NAME (repeatable)."),
-        click.option("--max-loras", default=4, show_default=True, type=click.IntRange(min=1),
-                     help="Device slots for adapters; more adapters are loaded on demand (LRU)."),
-        click.option("--lora-kernel", type=click.Choice(KERNELS), default="gather", show_default=True,
-                     help="How each row applies its adapter: gather its own A and B, or multiply by every "
-                          "slot's and mask the others (see BENCHMARKS.md)."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
+    return option("Connection", "--timeout", default=default, show_default=True,
+                  type=click.FloatRange(min=0, min_open=True),
+                  help="Seconds to wait for the server's first answer before giving up.")
 
 
 def service_config(engine_kw: dict, **extra):
@@ -148,41 +105,34 @@ def main() -> None:
     """Tandem: an inference server whose GPU never waits for the CPU."""
 
 
-@main.command()
+@main.command(cls=GroupedCommand)
 @click.argument("prompt", required=False)
+@option("Request", "--raw", is_flag=True, help="Send PROMPT as plain text, without the chat template.")
+@option("Request", "--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+        help="An image file for a vision-language model (repeatable). Placed before the prompt's text, or "
+             "at each <image> of a --raw prompt.")
+@option("Request", "--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
+@sampling_options
+@option("Sampling", "--stop", multiple=True, help="Stop string (repeatable); never part of the output.")
+@option("Output", "--grammar", type=click.Choice(["point", "box"]), default=None,
+        help="Constrain the answer to points or boxes (normalised coordinates).")
+@option("Output", "--max-objects", default=8, show_default=True, help="With --grammar: the most points or boxes.")
+@option("Output", "--regex", default=None, help="Constrain the answer to a regular expression.")
+@option("Output", "--json-schema", "json_schema", type=click.File("r"), default=None,
+        help="Constrain the answer to a JSON schema (file).")
+@option("Output", "--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
+@option("Output", "--json", "as_json", is_flag=True,
+        help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
+             '--json-schema).')
 @engine_options
 @connect_option(None, "Use a running server (e.g. tcp://127.0.0.1:5557 or 127.0.0.1:5557) instead of "
                       "starting a GPU worker. The engine options (--model aside) belong to that server.")
 @timeout_option(30.0)
-@click.option("--raw", is_flag=True, help="Send PROMPT as plain text, without the chat template.")
-@click.option("--max-tokens", default=256, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True, help="0 = off.")
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable); never part of the output.")
-@click.option("--stop-token-id", multiple=True, type=int, help="Stop token id (repeatable).")
-@click.option("--ignore-eos", is_flag=True)
-@click.option("--grammar", type=click.Choice(["point", "box"]), default=None,
-              help="Constrain the answer to points or boxes (normalised coordinates).")
-@click.option("--max-objects", default=8, show_default=True, help="With --grammar: most items.")
-@click.option("--regex", default=None, help="Constrain the answer to a regular expression.")
-@click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
-              help="Constrain the answer to a JSON schema (file).")
-@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="An image file for a vision-language model (repeatable). Placed before the prompt's text, or "
-                   "at each <image> of a --raw prompt.")
-@click.option("--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
-@click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
-@click.option("--json", "as_json", is_flag=True,
-              help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
-                   '--json-schema).')
 @serve_options.client_key_options
 @log_level_option()
 @click.pass_context
-def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, images, adapter, stream, as_json, server_key,
-             client_key, **engine_kw):
+def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, regex, json_schema, images, adapter, stream,
+             as_json, server_key, client_key, **kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -215,8 +165,9 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
         spec = {"kind": "regex", "pattern": regex}
     elif json_schema is not None:
         spec = {"kind": "json_schema", "schema": json.load(json_schema)}
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                    stop_token_ids=list(stop_token_id), ignore_eos=ignore_eos)
+    sampling = {name: kw.pop(name) for name in SAMPLING_FIELD_NAMES}
+    sampling["stop_token_ids"] = list(sampling["stop_token_ids"])
+    engine_kw = kw
     live = stream and not as_json
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
     if connect:
@@ -337,19 +288,10 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=Non
     return _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"))
 
 
-def _bench_models() -> dict[str, str]:
-    """The benchmark's random-weight models (built in memory by `tandem bench decode`), with a description."""
-    from bench.decode import RANDOM_MODELS
+@main.command(help=f"""List the built-in models, what each is and whether it is prepared.
 
-    return {name: f"random weights, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
-                  f"vocab {c['vocab_size']}, built in memory"
-            for name, c in RANDOM_MODELS.items()}
-
-
-@main.command(help=f"""List the models and whether they are prepared.
-
-Built-in models are converted once into the cache (tandem pull NAME); bench-only
-models are random weights that `tandem bench decode --model NAME` builds in memory.
+Models with files are built or converted once into the cache (tandem pull NAME); the
+benchmarks' random Llamas are built in memory by `tandem bench decode --model NAME`.
 {CACHE_HELP}
 
 \b
@@ -361,10 +303,10 @@ def models() -> None:
     from shared.models import cache_root, list_models
 
     for m in list_models():
-        state = "ready" if m["cached"] else "not prepared (tandem pull NAME)"
-        click.echo(f"{m['name']:14s} {state:34s} {m['description']}")
-    for name, description in _bench_models().items():
-        click.echo(f"{name:14s} {'bench-only (tandem bench decode)':34s} {description}")
+        state = ("ready" if m["cached"] else "not prepared (tandem pull NAME)") if m["files"] else \
+            "in memory (tandem bench decode)"
+        also = f" (also: {', '.join(m['aliases'])})" if m["aliases"] else ""
+        click.echo(f"{m['name']:26s} {state:32s} {m['description']}{also}")
     click.echo(f"cache: {cache_root()}")
 
 
@@ -376,16 +318,17 @@ def models() -> None:
 Example:
   tandem pull smollm2-135m
 """)
-@click.argument("name", default="smollm2-135m")
+@click.argument("name", default=DEFAULT_MODEL)
 @log_level_option()
 def pull(name: str) -> None:
-    from shared.models import BUILTIN, resolve_model
+    from shared.models import resolve_model
 
-    if name in _bench_models():
-        raise click.ClickException(f"{name} is bench-only: `tandem bench decode --model {name}` builds its random "
-                                   "weights in memory; there is nothing to pull")
-    if name not in BUILTIN:
-        raise click.ClickException(f"unknown model {name!r}; built-in: {', '.join(BUILTIN)}")
+    model = builtin(name)
+    if model is None:
+        raise click.ClickException(f"unknown model {name!r}; built-in: {', '.join(REGISTRY)}")
+    if model.build is None:
+        raise click.ClickException(f"{name} is built in memory: `tandem bench decode --model {name}` builds its "
+                                   "random weights; there is nothing to pull")
     click.echo(f"{name}: ready at {resolve_model(name)}")
 
 
@@ -415,24 +358,9 @@ def check_endpoint_free(endpoint: str) -> None:
             raise click.ClickException(f"cannot listen on {endpoint}: {why}") from None
 
 
-@main.command()
+@main.command(cls=GroupedCommand)
 @engine_options
-@click.option("--bind", default="tcp://127.0.0.1:5557", show_default=True, callback=normalize_endpoint,
-              help="ZeroMQ endpoint to listen on (tcp://HOST:PORT, HOST:PORT or ipc://PATH).")
-@click.option("--max-queue", default=1024, show_default=True, help="Requests in flight before 'overloaded'.")
-@click.option("--drain-timeout", default=20.0, show_default=True,
-              help="On SIGTERM/SIGINT: seconds in-flight requests may still finish (new ones get 'overloaded'); "
-                   "a second signal stops at once.")
-@click.option("--exit-on-worker-failure", is_flag=True,
-              help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd).")
-@click.option("--image-slots", type=int, default=None,
-              help="Vision models: shared-memory slots (one tile each) for images on their way to the worker "
-                   "(default: room for one request of 8 of the largest images).")
-@click.option("--encoder-cache-mb", default=256.0, show_default=True,
-              help="Vision models: device memory for image features kept for reuse.")
-@click.option("--image-workers", type=click.IntRange(min=1), default=None,
-              help="Vision models: processes (at nice 19) that decode and tile images (default: the cores "
-                   "less two, 1 to 4).")
+@server_options
 @serve_options.network_options
 @log_level_option()
 def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, image_workers, http,
@@ -442,7 +370,7 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, e
     \b
     Examples:
       tandem serve                                  # smollm2-135m on tcp://127.0.0.1:5557
-      tandem serve --model tiny-random --device cpu --bind ipc:///tmp/tandem.sock
+      tandem serve --model tiny-random-smollm2 --device cpu --bind ipc:///tmp/tandem.sock
       tandem serve --device cuda --max-batch 128 --kv-memory-fraction 0.8
       tandem serve --dtype float32 --bind 0.0.0.0:5557 --insecure     # a trusted network only
       TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
@@ -483,7 +411,7 @@ def _show_worker_progress(msg) -> None:
 
 
 @main.command()
-@connect_option("tcp://127.0.0.1:5557", "The server (tcp://HOST:PORT, HOST:PORT or ipc://PATH).")
+@connect_option(DEFAULT_ENDPOINT, "The server (tcp://HOST:PORT, HOST:PORT or ipc://PATH).")
 @timeout_option(10.0)
 @serve_options.client_key_options
 @log_level_option()
@@ -527,7 +455,7 @@ def bench():
 
     \b
     Examples:
-      tandem bench decode --model tiny-random --device sim:2.6 --streams 1,32
+      tandem bench decode --model tiny-random-llama-vocab4k --device sim:2.6 --streams 1,32
       tandem bench serve --connect tcp://127.0.0.1:5557 --concurrency 1,8,32
     """
 

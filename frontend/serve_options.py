@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from .curve import CurveClient, CurveServer, keygen
+from .options import apply, option
 
 DEFAULT_HTTP = "127.0.0.1:8000"
 
@@ -25,33 +26,29 @@ DEFAULT_HTTP = "127.0.0.1:8000"
 def network_options(fn):
     """The options ``tandem serve`` gains (values arrive as keyword arguments)."""
     opts = [
-        click.option("--http", "http", default=DEFAULT_HTTP, show_default=True,
-                     help="HOST:PORT for the HTTP API (OpenAI, Moondream, /health, /metrics); 'none' turns it off."),
-        click.option("--api-key", envvar="TANDEM_API_KEY", show_envvar=True, default=None,
-                     help="Require this key on every HTTP route but /health (Bearer or X-Moondream-Auth)."),
-        click.option("--curve-secret-key", type=click.Path(dir_okay=False), default=None,
-                     help="ZeroMQ CURVE: the server's .key_secret file (tandem keygen)."),
-        click.option("--curve-clients", type=click.Path(file_okay=False), default=None,
-                     help="ZeroMQ CURVE: directory of the allowed clients' public .key files."),
-        click.option("--insecure", is_flag=True,
-                     help="Allow binding beyond loopback without authentication."),
+        option("Server", "--http", "http", default=DEFAULT_HTTP, show_default=True,
+               help="HOST:PORT for the HTTP API (OpenAI, Moondream, /health, /metrics); 'none' turns it off."),
+        option("Server", "--api-key", envvar="TANDEM_API_KEY", show_envvar=True, default=None,
+               help="Require this key on every HTTP route but /health (Bearer or X-Moondream-Auth)."),
+        option("Server", "--curve-secret-key", type=click.Path(dir_okay=False), default=None,
+               help="ZeroMQ CURVE: the server's .key_secret file (tandem keygen)."),
+        option("Server", "--curve-clients", type=click.Path(file_okay=False), default=None,
+               help="ZeroMQ CURVE: directory of the allowed clients' public .key files."),
+        option("Server", "--insecure", is_flag=True,
+               help="Allow binding beyond loopback without authentication."),
     ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
+    return apply(fn, opts)
 
 
 def client_key_options(fn):
     """CURVE options of commands that ``--connect`` to a server."""
     opts = [
-        click.option("--server-key", type=click.Path(dir_okay=False), default=None,
-                     help="ZeroMQ CURVE: the server's public .key file."),
-        click.option("--client-key", type=click.Path(dir_okay=False), default=None,
-                     help="ZeroMQ CURVE: this client's .key_secret file."),
+        option("Connection", "--server-key", type=click.Path(dir_okay=False), default=None,
+               help="ZeroMQ CURVE: the server's public .key file."),
+        option("Connection", "--client-key", type=click.Path(dir_okay=False), default=None,
+               help="ZeroMQ CURVE: this client's .key_secret file."),
     ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
+    return apply(fn, opts)
 
 
 def client_curve(server_key: str | None, client_key: str | None) -> CurveClient | None:

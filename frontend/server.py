@@ -34,10 +34,12 @@ from typing import Any
 import zmq
 
 from . import protocol as P
+from .client import DEFAULT_ENDPOINT
 from .connections import Connections
 from .curve import CurveServer
 from .grammars import GrammarCompiler, GrammarError
 from .metrics import Metrics
+from .options import MAX_QUEUE
 from .outbox import Outbox, Sent
 from .service import Request, Service
 from .systemd import Notifier
@@ -62,7 +64,7 @@ class ClientRequest:
 
 
 class Server:
-    def __init__(self, service: Service, bind: str = "tcp://127.0.0.1:5557", *, max_queue: int = 1024,
+    def __init__(self, service: Service, bind: str = DEFAULT_ENDPOINT, *, max_queue: int = MAX_QUEUE,
                  limits: P.Limits | None = None, notifier: Notifier | None = None,
                  drain_timeout_s: float = 0.0, curve: CurveServer | None = None) -> None:
         self.service = service

@@ -76,8 +76,6 @@ PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "int
 class ServiceConfig(EngineConfig):
     """The engine's configuration (carried to the worker) plus the frontend's own settings."""
 
-    model: str = "smollm2-135m"
-    device: str = "auto"
     restart: bool = True  # restart a dead worker (False: raise WorkerFailed, e.g. under systemd)
     mask_timeout_s: float = 5.0
     worker_stale_s: float = 5.0

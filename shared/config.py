@@ -1,34 +1,56 @@
 """Engine configuration: one definition for the worker, the frontend that spawns it, and the CLI.
 
 Pure Python, so the frontend can carry it to the worker (as JSON on the
-command line) without importing torch.
+command line) without importing torch. Each field's default is *the* default:
+the command line's options take theirs, and their help, from here
+(``frontend.cli.engine_option``).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
+from typing import Any
+
+from shared.models import DEFAULT_MODEL
+
+
+def _about(default: Any, help: str) -> Any:
+    """A field with its default and one line of help (the command line's)."""
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class EngineConfig:
-    model: str = "tiny-random"
-    device: str = "cpu"  # auto | cpu | cuda | sim:MS
-    pipeline: bool = True
-    max_batch: int = 64
-    max_model_len: int = 2048
+    model: str = _about(DEFAULT_MODEL, "A built-in model or a path to a Hugging Face directory.")
+    device: str = _about("auto", "auto | cpu | cuda | sim:MS (a simulated device, MS per decode step).")
+    pipeline: bool = _about(True, "Blocking decode (the baseline) instead of pipelined.")  # the flag says off
+    max_batch: int = _about(64, "Batch rows (concurrent sequences).")
+    max_model_len: int = _about(2048, "Context length cap (prompt + generated tokens).")
     page_size: int = 16
-    kv_pages: int | None = None
-    kv_memory_fraction: float = 0.5
+    kv_pages: int | None = _about(None, "KV cache pages (default: sized to memory).")
+    kv_memory_fraction: float = _about(0.5, "Fraction of free GPU memory for the KV cache (CUDA, without "
+                                            "--kv-pages).")
     prefill_budget: int = 512
-    prefix_cache: bool = True  # map the cached KV pages of a prompt's shared beginning
-    dtype: str | None = None  # float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU
+    prefix_cache: bool = _about(True, "Compute every prompt in full (no KV pages shared between requests; for "
+                                      "A/B runs).")  # the flag says off
+    dtype: str | None = _about(None, "Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, "
+                                     "else float32).")
     cuda_graphs: bool = True
-    encoder_cache_mb: float = 256.0  # image features kept on the device for reuse (unreferenced ones, LRU)
+    encoder_cache_mb: float = _about(256.0, "Vision models: device memory for image features kept for reuse "
+                                            "(unreferenced ones, LRU).")
     debug: bool = False
-    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> PEFT directory
-    max_loras: int = 4  # device slots for adapters (more adapters are loaded on demand, LRU)
-    lora_kernel: str = "gather"  # how each row meets its slot: gather | masked (gpu_worker.lora.KERNELS)
+    loras: dict[str, str] = _about({}, "Serve a LoRA adapter (PEFT directory) under NAME (repeatable).")
+    max_loras: int = _about(4, "Device slots for adapters; more adapters are loaded on demand (LRU).")
+    lora_kernel: str = _about("gather", "How each row applies its adapter: gather its own A and B, or multiply "
+                                        "by every slot's and mask the others (see BENCHMARKS.md).")
 
     def engine_fields(self) -> dict:
         """Just the EngineConfig fields (also of a subclass such as the frontend's ServiceConfig)."""
         names = {f.name for f in fields(EngineConfig)}
         return {k: v for k, v in asdict(self).items() if k in names}
+
+
+def config_field(name: str, config: type = EngineConfig) -> Field:
+    """The dataclass field ``name`` of ``config``: its default and ``metadata["help"]``."""
+    return {f.name: f for f in fields(config)}[name]

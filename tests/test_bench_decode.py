@@ -128,16 +128,16 @@ def test_runs_without_server_libraries():
 
 
 def test_random_model_configs():
-    """random-135m / random-1b have the published shapes (built on the meta device: no memory)."""
+    """The benchmarks' random Llamas have the published shapes (built on the meta device: no memory)."""
     from gpu_worker.model import Llama, LlamaConfig
+    from shared.models import REGISTRY, builtin
 
-    sizes = {}
-    for name, cfg in decode.RANDOM_MODELS.items():
-        model = Llama(LlamaConfig(**cfg), device="meta")
-        sizes[name] = model.num_params()
-    assert 130e6 < sizes["random-135m"] < 140e6
-    assert 1.1e9 < sizes["random-1b"] < 1.3e9
-    assert sizes["random-tiny"] < 1e6
+    sizes = {name: Llama(LlamaConfig.from_hf_config(m.random_llama), device="meta").num_params()
+             for name, m in REGISTRY.items() if m.random_llama is not None}
+    assert 130e6 < sizes["random-smollm2-135m"] < 140e6
+    assert 1.1e9 < sizes["random-llama-3.2-1b"] < 1.3e9
+    assert sizes["tiny-random-llama-vocab4k"] < 1e6
+    assert builtin("random-1b").name == "random-llama-3.2-1b" and builtin("random-tiny").random_llama is not None
 
 
 def test_gpu_precheck_runs_on_cpu_and_can_fail(monkeypatch, capsys):

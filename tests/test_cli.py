@@ -386,20 +386,54 @@ def test_cache_root_order(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "home" / ".cache" / "tandem" / "models"
 
 
-def test_models_lists_bench_only_models_and_the_cache(monkeypatch, tmp_path):
-    from bench.decode import RANDOM_MODELS
-    from shared.models import BUILTIN
+def test_models_lists_every_builtin_with_its_aliases_and_the_cache(monkeypatch, tmp_path):
+    from shared.models import REGISTRY
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
     res = invoke("models")
     assert res.exit_code == 0, res.output
     lines = {line.split()[0]: line for line in res.stdout.splitlines()}
-    assert set(BUILTIN) | set(RANDOM_MODELS) <= lines.keys()
-    assert all("bench-only" in lines[name] for name in RANDOM_MODELS)
-    assert not any("bench-only" in lines[name] for name in BUILTIN)
+    assert set(REGISTRY) | {"cache:"} == lines.keys()
+    for name, model in REGISTRY.items():
+        assert model.description in lines[name] and all(alias in lines[name] for alias in model.aliases)
+        assert ("in memory (tandem bench decode)" in lines[name]) == (model.build is None), lines[name]
     assert lines["cache:"] == f"cache: {tmp_path / 'models'}"
-    pull = invoke("pull", "random-tiny")
-    assert pull.exit_code == 1 and "bench-only" in pull.stderr, pull.stderr
+    pull = invoke("pull", "random-tiny")  # an alias of a model built in memory only
+    assert pull.exit_code == 1 and "built in memory" in pull.stderr, pull.stderr
+
+
+def test_every_builtin_model_is_listed_under_model_in_the_help():
+    from shared.models import REGISTRY
+
+    for command in ("generate", "serve"):
+        res = invoke(command, "--help")
+        text = " ".join(res.stdout.split()).replace("- ", "-")  # click wraps at hyphens
+        assert all(name in text for name in REGISTRY), text
+
+
+def test_the_generate_help_groups_its_options_and_gives_each_a_line():
+    res = invoke("generate", "--help")
+    sections = [line for line in res.stdout.splitlines() if line.endswith(" options:")]
+    assert sections == ["Request options:", "Sampling options:", "Output options:", "Engine options:",
+                        "Connection options:", "Other options:"], sections
+    ctx = main.commands["generate"].make_context("generate", ["hi"])
+    undocumented = [p.name for p in main.commands["generate"].get_params(ctx)
+                    if isinstance(p, click.Option) and not p.help]
+    assert undocumented == [], undocumented
+
+
+def test_engine_option_defaults_are_the_engine_configs():
+    from shared.config import EngineConfig
+
+    params = main.commands["serve"].make_context("serve", []).params
+    config = EngineConfig()
+    for name in ("model", "device", "max_batch", "max_model_len", "kv_pages", "kv_memory_fraction", "max_loras",
+                 "lora_kernel", "encoder_cache_mb"):
+        assert params[name] == getattr(config, name), name
+    from frontend.service import ServiceConfig
+
+    built = cli.service_config(_engine_kw(main.commands["serve"].make_context("serve", [])))
+    assert built.engine_fields() == ServiceConfig().engine_fields()  # what `serve` without options starts
 
 
 def test_random_builtins_build_from_the_cached_tokenizer_alone(monkeypatch, tmp_path):
@@ -421,7 +455,7 @@ def test_random_builtins_build_from_the_cached_tokenizer_alone(monkeypatch, tmp_
         models.resolve_model("tiny-random", quiet=True)
     shutil.copytree(tokenizer_dir, models.cache_root() / models.TOKENIZER_DIR)
     path = models.resolve_model("tiny-random", quiet=True)
-    assert (path / "model.safetensors").read_bytes() == (tmp_path / "first/models/tiny-random/model.safetensors").read_bytes()
+    assert (path / "model.safetensors").read_bytes() == (tmp_path / "first/models/tiny-random-smollm2/model.safetensors").read_bytes()
     tok = models.load_tokenizer("tiny-random")
     assert tok.eos_token_id == 2 and tok.decode(tok("Paris is nice").input_ids) == "Paris is nice"
 
