@@ -53,14 +53,5 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
 
-    @classmethod
-    def num_pages_for_budget(cls, budget_bytes: int, num_layers: int, page_size: int, num_kv_heads: int,
-                             head_dim: int, dtype: torch.dtype) -> int:
-        """How many pages fit in ``budget_bytes`` (the engine sizes the cache with this)."""
-        return int(budget_bytes // cls.page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype))
-
-    def bytes_per_page(self) -> int:
-        return self.page_bytes(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype)
-
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
