@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shared.arith import ceil_div
 from shared.config import EngineConfig
 from shared.models import resolve_model
 from shared.vision_config import ImageProcessorParams, is_vision_model
@@ -128,7 +129,7 @@ class ModelRunner:
         self.max_rows = max_rows
         self.debug = config.debug
         self.vocab_size = self.config.vocab_size
-        self.mask_words = -(-self.vocab_size // 32)  # int32 words of one token bitmask
+        self.mask_words = ceil_div(self.vocab_size, 32)  # int32 words of one token bitmask
         self.eos_ids = tuple(self.config.eos_token_id)
         if len(self.eos_ids) > MAX_EOS_IDS:
             raise ValueError(f"the model has {len(self.eos_ids)} EOS ids; at most {MAX_EOS_IDS} are supported")
@@ -141,11 +142,11 @@ class ModelRunner:
                 kv_pages = int(free * config.kv_memory_fraction // per_page)
             else:
                 # Enough for every row at full length, capped at 2 GiB of host memory.
-                want = max_rows * -(-self.max_model_len // page_size) + 1
+                want = max_rows * ceil_div(self.max_model_len, page_size) + 1
                 kv_pages = min(want, (2 << 30) // per_page)
         self.num_pages = max(2, int(kv_pages))
         self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.dtype, dev)
-        self.max_pages_per_seq = -(-self.max_model_len // page_size)
+        self.max_pages_per_seq = ceil_div(self.max_model_len, page_size)
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
         self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)
         self.pending[max_rows] = 0
