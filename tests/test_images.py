@@ -34,8 +34,9 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from prerequisites import require
 
-PIL = pytest.importorskip("PIL")
+PIL = require("PIL")
 from PIL import Image  # noqa: E402
 
 from frontend.image_pool import ImagePool  # noqa: E402

@@ -12,9 +12,10 @@ import random
 import numpy as np
 import pytest
 import torch
+from prerequisites import require
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = require("transformers")
+peft = require("peft")
 
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig  # noqa: E402

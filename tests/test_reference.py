@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from prerequisites import require
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 transformers = pytest.importorskip("transformers")
 
 from frontend.service import Service, ServiceConfig  # noqa: E402

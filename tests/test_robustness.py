@@ -4,7 +4,7 @@ the server keep serving, and every resource returns to idle.
 
 What test_http.py, test_http_images.py and test_server.py already cover (malformed msgpack,
 bad fields, disconnects under load, bad images) is not repeated here. One in-process server per
-model (``LiveServer`` from test_server, with an ``HttpListener``), module-scoped.
+model (``live_server.LiveServer``, with an ``HttpListener``), module-scoped.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from frontend import protocol as P
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.outbox import Outbox, Sent
-from test_server import LiveServer, Raw, check_request
+from live_server import LiveServer, Raw, check_request
 
 MSG = [{"role": "user", "content": "Tell me a story."}]
 CHAT = "/v1/chat/completions"

@@ -1,22 +1,14 @@
 """End-to-end tests of the ZeroMQ server over a real socket (``docs/PROTOCOL.md``).
 
-Most tests share one in-process server (a thread running ``Server.serve_forever``
-in front of a real two-process ``Service`` with the tiny model) and talk to it
-with raw DEALER sockets (pyzmq + msgpack only, no Tandem client: the contract
-as any other language sees it) and with ``frontend.client``.  The last tests
-run ``tandem serve`` as a subprocess under a fake systemd ``NOTIFY_SOCKET``.
-
-The ``Service`` is single-threaded: only the server thread may touch it.  To
-read the worker's stats (KV pages, batch rows) the fixture wraps the
-service's ``poll`` so that the server thread runs test callables between two
-loop iterations (``LiveServer.on_server_thread``); nothing in the server is
-changed for the tests.
+Most tests share one in-process server (``live_server.LiveServer``) and talk to it with raw
+DEALER sockets (``live_server.Raw``) and with ``frontend.client``. The last tests run
+``tandem serve`` as a subprocess under a fake systemd ``NOTIFY_SOCKET``; its SIGTERM drain
+runs on the simulated device, so what finishes within the drain does not depend on the CPU.
 """
 from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import random
 import re
 import signal
@@ -26,7 +18,6 @@ import sys
 import threading
 import time
 from collections import defaultdict, deque
-from concurrent.futures import Future
 from pathlib import Path
 
 import msgpack
@@ -34,108 +25,15 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, BadRequest, Client, ConnectionClosed, Overloaded, TooLong
-from frontend.server import Server
-from shared.finish import FinishReason
-from frontend.service import Service, ServiceConfig
 from frontend.tokenization import chat_prompt_ids, text_prompt_ids
+from live_server import MAX_BATCH, TERMINAL, V, LiveServer, Raw, check_request, pack
+from shared.finish import FinishReason
 from shared.models import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-V = b"TANDEM1"
-TERMINAL = ("done", "error")
-FINISH_REASONS = {"stop", "length", "cancelled"}
-ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "overloaded", "worker_failed",
-               "internal"}
-MAX_BATCH = 32
 MAX_MODEL_LEN = 2048  # ServiceConfig default
 VOCAB = 49152  # tiny-random (SmolLM2 tokenizer)
 LONG = 1900  # max_tokens that keeps a request live for the whole test (ignore_eos)
-
-
-def pack(msg) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-# --------------------------------------------------------------------------- the in-process server
-
-
-class LiveServer:
-    """One ``Server`` on a thread, plus a way to run code on that thread."""
-
-    def __init__(self, model: str = "tiny-random", **server_kw) -> None:
-        self.svc = Service(ServiceConfig(model=model, device="cpu", max_batch=MAX_BATCH, kv_pages=1200,
-                                         page_size=8))
-        try:
-            self.server = Server(self.svc, "tcp://127.0.0.1:0", **server_kw)
-        except zmq.ZMQError:  # a libzmq that wants the wildcard form
-            self.server = Server(self.svc, "tcp://127.0.0.1:*", **server_kw)
-        self.endpoint = self.server.endpoint
-        assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", self.endpoint) and not self.endpoint.endswith(":0")
-        self._calls: queue.Queue = queue.Queue()
-        self._in_call = False
-        poll = self.svc.poll
-
-        def poll_and_run_calls(timeout: float = 0.0) -> int:
-            n = poll(timeout)
-            if not self._in_call:
-                self._in_call = True
-                try:
-                    while True:
-                        try:
-                            fn, fut = self._calls.get_nowait()
-                        except queue.Empty:
-                            break
-                        try:
-                            fut.set_result(fn())
-                        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-                            fut.set_exception(e)
-                finally:
-                    self._in_call = False
-            return n
-
-        self.svc.poll = poll_and_run_calls  # instance attribute: the server loop calls it every iteration
-        self.thread = threading.Thread(target=self.server.serve_forever, name="tandem-server", daemon=True)
-        self.thread.start()
-
-    def on_server_thread(self, fn, timeout: float = 30.0):
-        fut: Future = Future()
-        self._calls.put((fn, fut))
-        return fut.result(timeout)
-
-    def wait_idle(self, timeout: float = 30.0, frontend_requests: bool = True) -> dict:
-        """Every request ended and released: nothing live in the server, the worker's KV pages and batch
-        rows all free, every mask row back, and (``frontend_requests``) no request state left in the
-        service. Returns the worker's stats."""
-        server, svc = self.server, self.svc
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.on_server_thread(lambda: (len(server.live), len(svc.unsent),
-                                                   len(svc.free_mask_rows),
-                                                   len(svc.requests) if frontend_requests else 0))
-            stats = self.on_server_thread(svc.stats)
-            worker = (stats["kv_pages_free"] == stats["kv_pages_total"] and stats["rows_free"] == stats["rows_total"]
-                      and stats["waiting"] == 0 and stats["running"] == 0)
-            if state == (0, 0, MAX_BATCH, 0) and worker:
-                return stats
-            assert time.monotonic() < deadline, \
-                f"not idle: server live, waiting for a mask row, free mask rows, service requests = {state}; " \
-                f"worker {stats}"
-            time.sleep(0.05)
-
-    def leftover_requests(self) -> list[tuple]:
-        """Request state still held by the service: (ended, finish_reason, tokens, id)."""
-        return self.on_server_thread(lambda: [(r.ended, r.finish_reason, len(r.token_ids), r.user_data.id)
-                                              for r in self.svc.requests.values()])
-
-    def assert_no_leak(self) -> None:
-        """Everything is idle and no request state is left anywhere."""
-        self.wait_idle(frontend_requests=False)
-        assert self.leftover_requests() == []
-
-    def close(self) -> None:
-        self.server.stop()
-        self.thread.join(60)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -162,118 +60,6 @@ def conn(live, ctx):
     c = Raw(ctx, live.endpoint)
     yield c
     c.close()
-
-
-# --------------------------------------------------------------------------- a raw DEALER client
-
-
-class Raw:
-    """A DEALER connection that speaks the protocol by hand and records everything it receives."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.by_id: dict[str, list[dict]] = defaultdict(list)  # chunk/done/error with an id
-        self.other: deque[dict] = deque()  # pong, info, errors with a nil id
-        self.ended: set[str] = set()  # ids whose terminal message was taken by request()
-        self.after_terminal: list[dict] = []  # contract violations: anything for an ended id
-
-    def send(self, msg) -> None:
-        self.sock.send_multipart([V, pack(msg)])
-
-    def send_frames(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
-
-    def generate(self, rid: str, **fields) -> None:
-        if not any(k in fields for k in ("prompt", "messages", "prompt_token_ids")):
-            fields["prompt"] = "Hello"
-        self.send({"type": "generate", "id": rid, **fields})
-
-    def _recv(self, timeout_s: float) -> bool:
-        if not self.sock.poll(max(0, int(timeout_s * 1000))):
-            return False
-        frames = self.sock.recv_multipart()
-        assert len(frames) == 2 and frames[0] == V, f"not a two-frame TANDEM1 message: {frames[:1]}"
-        msg = msgpack.unpackb(frames[1], raw=False)
-        assert isinstance(msg, dict) and isinstance(msg.get("type"), str), msg
-        if msg["type"] in ("chunk", "done") or (msg["type"] == "error" and msg.get("id") is not None):
-            if msg["id"] in self.ended:
-                self.after_terminal.append(msg)
-            self.by_id[msg["id"]].append(msg)
-        else:
-            self.other.append(msg)
-        return True
-
-    def pump(self, timeout_s: float = 0.0) -> None:
-        """Receive what has arrived (waiting up to timeout_s for the first message)."""
-        if self._recv(timeout_s):
-            while self._recv(0):
-                pass
-
-    def wait_for(self, cond, timeout_s: float = 60.0, what: str = "a condition") -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            left = deadline - time.monotonic()
-            assert left > 0, f"timed out waiting for {what}"
-            self._recv(min(left, 0.5))
-
-    def request(self, rid: str, timeout_s: float = 60.0) -> list[dict]:
-        """All messages of ``rid`` up to and including its terminal one (which must be the last)."""
-        self.wait_for(lambda: any(m["type"] in TERMINAL for m in self.by_id.get(rid, ())), timeout_s,
-                      f"the terminal message of {rid!r}")
-        msgs = self.by_id.pop(rid)
-        assert msgs[-1]["type"] in TERMINAL, f"messages after the terminal one for {rid}: {msgs}"
-        self.ended.add(rid)
-        return msgs
-
-    def reply(self, timeout_s: float = 30.0) -> dict:
-        """The next message not attributed to a request (pong, info, error with a nil id)."""
-        self.wait_for(lambda: bool(self.other), timeout_s, "a reply")
-        return self.other.popleft()
-
-    def ping(self, nonce="sync", timeout_s: float = 30.0) -> None:
-        """Round trip: everything the server sent before the pong has been received."""
-        self.send({"type": "ping", "nonce": nonce})
-        r = self.reply(timeout_s)
-        assert r == {"type": "pong", "nonce": nonce}, r
-
-    def assert_quiet(self, seconds: float = 0.2) -> None:
-        self.pump(seconds)
-        assert not self.after_terminal, f"messages after a terminal message: {self.after_terminal[:3]}"
-        assert not self.other, f"unexpected replies: {list(self.other)[:3]}"
-        assert not any(self.by_id.values()), f"unexpected messages: {dict(self.by_id)}"
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-def check_request(msgs: list[dict], stream: bool = True) -> dict:
-    """Guarantees 1-3 for one request's messages; returns its terminal message."""
-    assert msgs, "no messages"
-    terminals = [m for m in msgs if m["type"] in TERMINAL]
-    assert len(terminals) == 1, f"{len(terminals)} terminal messages: {terminals}"
-    term = msgs[-1]
-    assert term is terminals[0], "the terminal message is not the last one"
-    chunks = msgs[:-1]
-    assert all(m["type"] == "chunk" for m in chunks), [m["type"] for m in chunks]
-    rid = term["id"]
-    assert all(m["id"] == rid for m in msgs)
-    assert [m["seq"] for m in chunks] == list(range(len(chunks))), "chunks out of order or with gaps"
-    if not stream:
-        assert chunks == [], "stream: false must send no chunk"
-    if term["type"] == "error":
-        assert term["code"] in ERROR_CODES and isinstance(term["message"], str), term
-        return term
-    assert term["finish_reason"] in FINISH_REASONS, term
-    assert set(term) >= {"id", "finish_reason", "text", "token_ids", "usage", "metrics"}, term.keys()
-    assert term["usage"]["completion_tokens"] == len(term["token_ids"]), term["usage"]
-    assert isinstance(term["usage"]["prompt_tokens"], int) and term["usage"]["prompt_tokens"] >= 1
-    assert set(term["metrics"]) >= {"ttft_ms", "total_ms"}
-    if stream:
-        assert "".join(m["text"] for m in chunks) == term["text"], "chunk texts do not add up to done.text"
-        assert [t for m in chunks for t in m["token_ids"]] == term["token_ids"]
-    return term
 
 
 # --------------------------------------------------------------------------- info, ping
@@ -1157,7 +943,7 @@ def _free_port() -> int:
 class ServeProcess:
     """``tandem serve`` in a subprocess with a fake systemd notify socket."""
 
-    def __init__(self, tmp_path: Path, bind: str, *extra: str, abstract: bool = False) -> None:
+    def __init__(self, tmp_path: Path, bind: str, *extra: str, abstract: bool = False, device: str = "cpu") -> None:
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         if abstract:
             name = f"tandem-test-{os.getpid()}-{time.monotonic_ns()}"
@@ -1174,8 +960,8 @@ class ServeProcess:
         env = dict(os.environ, NOTIFY_SOCKET=addr, WATCHDOG_USEC="200000", PYTHONUNBUFFERED="1",
                    HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "serve", "--model", "tiny-random", "--device", "cpu",
-             "--bind", bind, "--exit-on-worker-failure", *extra],
+            [sys.executable, "-m", "frontend.cli", "serve", "--model", "tiny-random", "--device", device,
+             "--bind", bind, "--http", f"127.0.0.1:{_free_port()}", "--exit-on-worker-failure", *extra],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._done = threading.Event()
         threading.Thread(target=self._read_stderr, daemon=True).start()
@@ -1347,7 +1133,7 @@ def test_serve_ready_after_warmup_watchdog_and_worker_kill(tmp_path, ctx):
         ready = srv.wait_note("READY=1", 180)
         assert ready == 0, f"something before READY: {srv.states()[:ready]}"  # no WATCHDOG before READY
         assert "STATUS=serving on tcp://127.0.0.1:" in srv.states()[0]
-        assert re.search(r"tandem: worker: loading \S*tiny-random on cpu\n", "".join(srv.stderr))  # start-up progress
+        assert re.search(r"tandem: worker: loading \S*tiny-random\S* on cpu\n", "".join(srv.stderr))  # start-up progress
         # READY means warmed up: the worker exists and a request is served at once.
         deadline = time.monotonic() + 10
         while srv.worker_pid is None:
@@ -1386,19 +1172,26 @@ def test_serve_ready_after_warmup_watchdog_and_worker_kill(tmp_path, ctx):
         srv.close()
 
 
+# The SIGTERM drain runs on the simulated device: a decode step takes at least SIM_STEP_MS, so
+# LONG tokens (38 s) cannot finish within the drain on any CPU, and SHORT tokens (2 s of device
+# time) do on any CPU whose real work for a step of three rows fits in DRAIN_S / SHORT (60 ms).
+SIM_STEP_MS, DRAIN_S, SHORT = 20, 6, 100
+
+
 @pytest.fixture(scope="module")
 def sigterm_run(tmp_path_factory, ctx) -> dict:
-    """SIGTERM to a healthy ``tandem serve`` (drain 3 s) with three requests in flight: two
+    """SIGTERM to a healthy ``tandem serve`` (drain DRAIN_S) with three requests in flight: two
     too long to finish in the drain, one short; and a request sent while draining."""
     tmp = tmp_path_factory.mktemp("sigterm")
-    srv = ServeProcess(tmp, f"ipc://{tmp}/api.sock", "--max-queue", "3", "--drain-timeout", "3", abstract=True)
+    srv = ServeProcess(tmp, f"ipc://{tmp}/api.sock", "--max-queue", "3", "--drain-timeout", str(DRAIN_S),
+                       abstract=True, device=f"sim:{SIM_STEP_MS}")
     c = Raw(ctx, srv.bind)
     try:
         srv.wait_note("READY=1", 180)
         c.generate("a", max_tokens=LONG, ignore_eos=True)
         c.generate("b", max_tokens=LONG, ignore_eos=True, stream=False)
         c.wait_for(lambda: len(c.by_id["a"]) >= 2, what="chunks")
-        c.generate("short", max_tokens=200, ignore_eos=True)
+        c.generate("short", max_tokens=SHORT, ignore_eos=True)
         c.generate("c", max_tokens=2)  # --max-queue 3 is wired through
         overloaded = check_request(c.request("c"))
         c.wait_for(lambda: len(c.by_id["short"]) >= 1, what="a chunk of the short request")
@@ -1450,14 +1243,14 @@ def test_serve_sigterm_drains_in_flight_requests(sigterm_run):
     ones were cut at the drain deadline; a request sent while draining got overloaded."""
     r = sigterm_run
     short = check_request(r["messages"]["short"])
-    assert r["short_chunks_at_term"] < 200 and short["type"] == "done" and short["finish_reason"] == "length"
-    assert len(short["token_ids"]) == 200
+    assert r["short_chunks_at_term"] < SHORT and short["type"] == "done" and short["finish_reason"] == "length"
+    assert len(short["token_ids"]) == SHORT
     for rid in ("a", "b"):
         term = check_request(r["messages"][rid], stream=rid == "a")
         assert term["type"] == "error" and "shutting down" in term["message"], term
     assert r["late"]["type"] == "error" and r["late"]["code"] == "overloaded", r["late"]
     assert "shutting down" in r["late"]["message"]
-    assert 2.5 < r["stopped_after_s"] < 30  # waited for the drain deadline (3 s), not for LONG tokens
+    assert DRAIN_S - 0.5 < r["stopped_after_s"] < DRAIN_S + 25  # waited for the drain deadline, not for LONG tokens
 
 
 def test_serve_sigterm_sends_exactly_one_terminal_per_request(sigterm_run):

