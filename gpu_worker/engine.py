@@ -21,22 +21,9 @@ samples and commits one step (a constrained step is committed by the next
 tick, once its masks have come), so the device idles while the host commits,
 publishes and plans.
 
-Images (DESIGN.md §6a): a request may carry images (``submit(images=...)``).
-At admission each takes a reference to its encoder-cache entry (a hit, or a
-new entry on a miss). A launch encodes only the tiles its prefill chunks reach
-that no launch has enqueued yet (a chunk whose image rows end inside tile t
-needs tiles up to t), on the compute stream, before its text forward (one
-vision forward for all of the launch's tiles), so the prefill budget bounds
-the encoder work too: at most ceil(budget / tokens_per_tile) + 1 tiles per
-chunk. The tiles come from the host tiles of the request whose chunk reaches
-them first; their rows land in the entry's preallocated features, and stream
-order makes them readable by every later launch. A chunk may split an image
-span; the reference keeps the features until the request's last prefill
-chunk has been committed. Host tiles are handed back (``StepResult.tiles_done``)
-once the engine will never read them: every tile the request still needs is
-enqueued (by it or by another request) and no uncommitted launch copies from
-them, checked at admission, when a chunk reaches the image and when a launch
-that copied them commits; or at the request's release.
+Images are one room of their own (``image_prefill.py``): the engine calls it
+once per event (submit, admission, prefill chunk, commit, release, device
+failure) and returns the host tiles it hands back (``tiles_done``).
 
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
@@ -65,15 +52,14 @@ from shared.sampling import SamplingParams
 
 from .allocator import Allocator
 from .device import Device, DeviceError
-from .encoder_cache import EncoderCache
+from .image_prefill import ImageInput, ImagePrefill, LaunchImages
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
 from .prefix_cache import ROOT, chain
 from .sampler import FLAG_STOP
 from .scheduler import Plan, Scheduler
-from .sequence import ImageInput, SeqImage, Sequence
-from .vision import image_rows_in_chunk
+from .sequence import Sequence
 
 log = logging.getLogger("tandem.engine")
 
@@ -96,8 +82,7 @@ class Launch:
     constrained: np.ndarray | None = None  # sampling rows still waiting for their masks
     copy_done: object = None  # the device->host copy's event: what the commit waits on
     dropped: bool = False  # discarded after a device failure
-    encoded: list = field(default_factory=list)  # (SeqImage, tiles) encoded from its host tiles by this launch
-    prefill_ended: list[Sequence] = field(default_factory=list)  # sequences whose last prefill chunk is in it
+    images: LaunchImages | None = None  # its image work (image_prefill.py), if a chunk has images
 
 
 @dataclass
@@ -138,10 +123,6 @@ class EngineStats:
     failed: int = 0
     prefix_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
-    encoder_launches: int = 0  # vision forwards (one per launch that encodes tiles)
-    encoded_images: int = 0  # images whose last missing tile was enqueued
-    encoded_tiles: int = 0
-    image_tokens: int = 0  # prompt positions filled by image features
 
 
 class Engine:
@@ -162,7 +143,8 @@ class Engine:
         self.launches: deque[Launch] = deque()  # launched, not yet committed, in step order
         self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
         self.stats_ = EngineStats()
-        self.encoder_cache = EncoderCache(int(cfg.encoder_cache_mb * (1 << 20)))
+        self.images = ImagePrefill(self.runner.vision, self.runner.image_params, self.runner.feature_row_bytes,
+                                   int(cfg.encoder_cache_mb * (1 << 20)))
         # monotonic time the host began waiting for a launch (None: not waiting). A long
         # prefill (an image on a CPU) is a wait, not a hang: the worker reads this to keep beating.
         self.device_wait_since: float | None = None
@@ -177,7 +159,7 @@ class Engine:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field.
 
         ``images``: one per image of the prompt, in prompt order; its ``<image>``
-        tokens (``num_tiles * tokens_per_tile`` each) take their features."""
+        tokens (as many as the image has feature rows) take their features."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_ids]
@@ -192,7 +174,7 @@ class Engine:
         if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
-        seq_images, positions = self._check_images(prompt, images or [])
+        seq_images, positions, whole_spans = self.images.check(prompt, images or [])
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
                              f"{', '.join(self.adapters) or 'none'}")
@@ -201,34 +183,10 @@ class Engine:
                 seq_id = self._next_id
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, seq_images, positions,
-                           adapter)
+            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, images=seq_images,
+                           image_positions=positions, whole_spans=whole_spans, adapter=adapter)
             self._inbox.append((None, seq))
         return seq
-
-    def _check_images(self, prompt: list[int], images: list[ImageInput]) -> tuple[list[SeqImage], np.ndarray | None]:
-        vision, ip = self.runner.vision, self.runner.image_params
-        if vision is None:
-            if images:
-                raise ValueError("images: this model takes no images")
-            return [], None
-        positions = np.flatnonzero(np.asarray(prompt) == ip.image_token_id)
-        side = ip.tile_size
-        seq_images, row = [], 0
-        for i, image in enumerate(images):
-            for block in image.tiles:
-                if block.dtype != np.uint8 or block.ndim != 4 or block.shape[1:] != (3, side, side):
-                    raise ValueError(f"images[{i}]: tiles must be uint8 [n, 3, {side}, {side}], "
-                                     f"got {block.dtype} {list(block.shape)}")
-            if image.num_tiles < 1:
-                raise ValueError(f"images[{i}]: no tiles")
-            rows = image.num_tiles * vision.tokens_per_tile
-            seq_images.append(SeqImage(image, row, rows))
-            row += rows
-        if row != len(positions):
-            raise ValueError(f"images: the prompt has {len(positions)} image tokens but the images have {row} "
-                             "feature rows")
-        return seq_images, (positions if images else None)
 
     def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request early (thread-safe): cancellation, or a stop the frontend saw."""
@@ -296,12 +254,13 @@ class Engine:
             "graph_capture_s": self.runner.graph_capture_s,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
-            **self.encoder_cache.stats(),
+            **self.images.stats(),
             **self.lora_stats(),
         }
 
     def reset_stats(self) -> None:
         self.stats_ = EngineStats()
+        self.images.reset_stats()
         self.device.reset_meter()
 
     def close(self) -> None:
@@ -353,6 +312,7 @@ class Engine:
         if not (launched or finished_launch or result.step is not None or result.released
                 or result.dropped_steps):
             self.device.reset_chain()  # idle: the next gap is not a bubble
+        result.tiles_done = self.images.take_handed_back()
         self.stats_.host_s += (time.perf_counter() - t0) - (self.stats_.wait_s - wait0)
         self._result = None
         return result
@@ -365,7 +325,6 @@ class Engine:
         for reason, seq in items:
             if reason is None:
                 self.scheduler.add(seq)
-                self.stats_.image_tokens += seq.image_tokens
             elif seq.finalize(reason):
                 self._maybe_release(seq)
 
@@ -376,11 +335,8 @@ class Engine:
             self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
-            for image in seq.images:
-                if int(seq.image_positions[image.row_end - 1]) < seq.cached_tokens:
-                    self._tiles_done(image)  # wholly in the prefix-cache hit: its KV is there already
-                else:
-                    self._acquire_features(seq, image)
+            if seq.images:
+                self.images.admit(seq)
         if not plan:
             return None
         step, slot = self.pipeline.launch()
@@ -400,64 +356,6 @@ class Engine:
         self.launches.append(launch)
         return launch
 
-    def _acquire_features(self, seq: Sequence, image: SeqImage) -> None:
-        """Admission: a reference to the image's cache entry; a hit on features
-        already computed (or enqueued) never reads this request's tiles."""
-        num_tiles = image.input.num_tiles
-        image.entry, _hit = self.encoder_cache.acquire(image.input.hash, self.runner.feature_bytes(num_tiles),
-                                                       num_tiles)
-        # A prefix-cache hit may end inside the image: its earlier tiles are never read.
-        first_row = int(np.searchsorted(seq.image_positions, seq.cached_tokens)) - image.row_start
-        image.first_tile = max(first_row, 0) // self.runner.vision.tokens_per_tile
-        self._maybe_tiles_done(image)
-
-    def _maybe_tiles_done(self, image: SeqImage) -> None:
-        """Hand the tiles back if every tile the request still needs is enqueued
-        and no uncommitted launch copies from them."""
-        if not image.copies and (image.entry is None or image.entry.complete(image.first_tile)):
-            self._tiles_done(image)
-
-    def _tiles_done(self, image: SeqImage) -> None:
-        if image.holds_tiles:
-            image.holds_tiles = False
-            self._result.tiles_done.append(image.input)
-
-    def _release_features(self, seq: Sequence) -> None:
-        for image in seq.images:
-            if image.entry is not None:
-                self.encoder_cache.release(image.entry)
-                image.entry = None
-
-    def _image_inputs(self, seq: Sequence, start: int, length: int, offset: int, launch: Launch, encode: list,
-                      index: list, segments: list) -> None:
-        """A prefill chunk's image rows: encode the tiles they need that nobody has
-        enqueued yet, say where each row's features are."""
-        offsets, rows = image_rows_in_chunk(seq.image_positions, start, length)
-        if not len(rows):
-            return
-        lo, hi = int(rows[0]), int(rows[-1]) + 1  # a chunk's image rows are contiguous
-        index.append(offsets + offset)
-        per_tile = self.runner.vision.tokens_per_tile
-        for image in seq.images:
-            if image.row_end <= lo or image.row_start >= hi:
-                continue
-            entry = image.entry
-            first, end = max(lo, image.row_start) - image.row_start, min(hi, image.row_end) - image.row_start
-            missing = entry.missing(first // per_tile, -(-end // per_tile))
-            if len(missing):
-                assert image.holds_tiles, "tiles to encode without the host tiles"
-                entry.enqueued[missing] = True
-                entry.pending += len(missing)
-                image.copies += 1
-                launch.encoded.append((image, len(missing)))
-                for run in np.split(missing, np.flatnonzero(np.diff(missing) > 1) + 1):  # contiguous runs
-                    a, b = int(run[0]), int(run[-1]) + 1
-                    encode.append((image.input.tile_blocks(a, b), entry.holder, a, entry.num_tiles))
-                self.stats_.encoded_tiles += len(missing)
-                self.stats_.encoded_images += entry.complete()
-            self._maybe_tiles_done(image)  # e.g. another request enqueued the rest
-            segments.append((entry.holder, first, end))
-
     def _inputs(self, plan: Plan, launch: Launch) -> tuple[LaunchInputs, list[Sequence]]:
         """Host metadata of a launch, and the counters it advances."""
         decode = plan.decode
@@ -468,19 +366,17 @@ class Engine:
         sample_pos = list(decode_pos + 1)  # the position of the token each row samples
         logits_index = list(range(len(decode)))
         prefill_ids, chunks = [], []
-        encode, image_index, image_segments = [], [], []
         offset = len(decode)
         for c in plan.prefill:
             seq = c.seq
             chunks.append((c.start, c.length, seq.pages))
             prefill_ids.extend(seq.prompt_ids[c.start:c.start + c.length])
             if seq.images:
-                self._image_inputs(seq, c.start, c.length, offset, launch, encode, image_index, image_segments)
+                launch.images = self.images.add_chunk(launch.images, c, offset)
             offset += c.length
             seq.num_prefilled += c.length
             self.stats_.prefill_tokens += c.length
             if c.final:
-                launch.prefill_ended.append(seq)
                 logits_index.append(offset - 1)
                 sample_seqs.append(seq)
                 sample_pos.append(seq.prompt_len)
@@ -497,13 +393,9 @@ class Engine:
             any_random=any(p.temperature > 0 for p in params),
             any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
-            encode=encode,
-            image_index=np.concatenate(image_index) if image_index else None,
-            image_segments=image_segments,
             token_lora=self._token_lora(plan),
+            **(launch.images.inputs() if launch.images else {}),
         )
-        if encode:
-            self.stats_.encoder_launches += 1
         return inp, sample_seqs
 
     def _token_lora(self, plan: Plan) -> np.ndarray | None:
@@ -587,13 +479,8 @@ class Engine:
             return
         self.device.account(launch.marks, launch.copy_done)
         self._count(launch)
-        for image, tiles in launch.encoded:  # the host-to-device copies of their tiles are done
-            image.copies -= 1
-            if image.entry is not None:
-                image.entry.pending -= tiles
-            self._maybe_tiles_done(image)
-        for seq in launch.prefill_ended:  # no later launch reads their features
-            self._release_features(seq)
+        if launch.images:
+            self.images.committed(launch.images)
         n = len(launch.sample_seqs)
         tokens, flags, logprobs = self.runner.read_step(slot, n)
         live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
@@ -676,9 +563,8 @@ class Engine:
         if seq.released or not seq.finalized or seq.inflight_refs:
             return
         seq.released = True
-        for image in seq.images:
-            self._tiles_done(image)
-        self._release_features(seq)
+        if seq.images:
+            self.images.release(seq)
         if seq.admitted:
             self.alloc.release(seq.row, seq.pages)
             if seq.lora_slot:
@@ -720,13 +606,7 @@ class Engine:
             self.pipeline.release(s)
             self._result.dropped_steps.append(s)
         self.device.recover()
-        # Features whose encode never completed are garbage: forget them, and fail every
-        # request that would read them (a request admitted later hit on them).
-        broken = {e for e in self.encoder_cache.entries.values() if e.pending}
-        for entry in broken:
-            self.encoder_cache.invalidate(entry)
-        if broken:
-            victims += [s for s in self.scheduler.running if any(i.entry in broken for i in s.images)]
+        victims += self.images.device_failed(self.scheduler.running)
         for seq in victims:
             self._fail(seq, "internal", f"device error: {error}")
         for seq in victims:

@@ -34,7 +34,8 @@ from shared.messages import (Cancel, ImagesCopied, Progress, Ready, Released, Re
 from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
 from .engine import Engine, StepResult
-from .sequence import ImageInput, Sequence
+from .image_prefill import ImageInput
+from .sequence import Sequence
 
 log = logging.getLogger("tandem.worker")
 
