@@ -2,19 +2,22 @@
 
 ``Engine.step(...)`` is one tick. Its inputs are explicit arguments (the
 masks of the constrained rows it samples, the host arrays its device copies
-write sampled ids into); its output is a ``StepResult`` (the committed step's
+write sampled ids into); its output is a ``Tick`` (the ``CommittedStep``'s
 tokens and finish reasons, the sequences released) that the caller publishes.
 The engine never calls back into its caller.
 
-One tick, pipelined (docs/DESIGN.md §4.1):
-    1. sample the constrained rows of the step launched last tick, with the
-       masks the caller brought (built after the last commit), and copy that
-       step's ids to the host
-    2. launch forward t+1   (inputs gathered on the device from pending tokens)
-    3. commit step t        (the only host wait: step t's ids copied to host)
-    4. sample the unconstrained rows of t+1 at once; if it has constrained rows,
-       return them as ``mask_requests`` (step 1 of the next tick samples them),
-       else copy its ids now
+One tick, pipelined (docs/DESIGN.md §4.1), each phase a method that returns
+what it produced:
+    1. ``_sample_constrained``: sample the constrained rows of the step launched
+       last tick, with the masks the caller brought (built after the last
+       commit), and copy that step's ids to the host
+    2. ``_launch``: launch forward t+1 (inputs gathered on the device from
+       pending tokens)
+    3. ``_commit``: commit step t (the only host wait: step t's ids copied to host)
+    4. ``_sample_unconstrained``: sample the rows of t+1 that need no mask at
+       once; if it has constrained rows, it is the launch awaiting masks (their
+       sequences go out as ``mask_requests``; phase 1 of the next tick samples
+       them), else copy its ids now
 The device sees [fwd t][sample t][copy t][fwd t+1]...; the host is one forward
 ahead. Blocking is the same code with ``pipeline=False``: a tick launches,
 samples and commits one step (a constrained step is committed by the next
@@ -40,7 +43,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -70,42 +72,49 @@ MaskFn = Callable[[list[Sequence], int], tuple[np.ndarray, "np.ndarray | None"]]
 
 @dataclass
 class Launch:
-    """One launched step, from launch to commit."""
-    step: int
-    slot: int
+    """One launched step, from launch to commit (the pipeline holds it meanwhile)."""
     prefill: bool  # the launch holds prefill chunks (else pure decode)
     seqs: list[Sequence]  # every sequence in the launch
     kv_ends: list[int]  # per sequence of ``seqs``: the end of the positions whose KV this launch writes
-    sample_seqs: list[Sequence]  # one per logits row, in row order
-    inputs: LaunchInputs
+    step: int = -1  # its step number and pipeline slot, from ``Pipeline.launch``
+    slot: int = -1
+    sample_seqs: list[Sequence] = field(default_factory=list)  # one per logits row, in row order
+    inputs: LaunchInputs | None = None
     marks: list = field(default_factory=list)  # compute-stream marks: forward begin/end, sampling begin/end
     constrained: np.ndarray | None = None  # sampling rows still waiting for their masks
+    copy_into: np.ndarray | None = None  # the caller's host array its ids were also copied into
     copy_done: object = None  # the device->host copy's event: what the commit waits on
     dropped: bool = False  # discarded after a device failure
     images: LaunchImages | None = None  # its image work (image_prefill.py), if a chunk has images
 
 
 @dataclass
-class StepResult:
-    """What one tick produced. Row arrays are aligned with ``seqs``."""
-    step: int | None = None  # the committed step; None when this tick committed nothing
-    prefill: bool = False
-    seqs: list[Sequence] = field(default_factory=list)  # one per sampled row
-    tokens: np.ndarray | None = None  # int32
-    finish: np.ndarray | None = None  # uint8 FinishReason of the row's token (NONE: the request runs on)
-    live: np.ndarray | None = None  # bool; False = a zombie row (its request ended before this commit)
-    cached: np.ndarray | None = None  # int32: on a request's first token, its prompt tokens from the prefix cache
-    logprobs: np.ndarray | None = None  # float32, when any row asked for them
+class CommittedStep:
+    """A launched step after its commit (phase 3). Row arrays are aligned with ``seqs``."""
+    step: int
+    prefill: bool
+    seqs: list[Sequence]  # one per sampled row
+    tokens: np.ndarray  # int32
+    finish: np.ndarray  # uint8 FinishReason of the row's token (NONE: the request runs on)
+    live: np.ndarray  # bool; False = a zombie row (its request ended before this commit)
+    cached: np.ndarray  # int32: on a request's first token, its prompt tokens from the prefix cache
+    logprobs: np.ndarray | None  # float32, when any row asked for them
+
+    @property
+    def rows(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class Tick:
+    """What one ``Engine.step`` produced, for its caller to publish."""
+    committed: CommittedStep | None = None  # None when this tick committed nothing
     released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
     copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
     dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
     mask_requests: list[Sequence] = field(default_factory=list)  # the next step() must bring their masks
     mask_step: int | None = None  # the step those masks are for
     tiles_done: list[ImageInput] = field(default_factory=list)  # host tiles never read again (free their memory)
-
-    @property
-    def rows(self) -> int:
-        return len(self.seqs)
 
 
 @dataclass
@@ -138,9 +147,8 @@ class Engine:
         # LoRA adapters (None without --lora): device slots, referenced by sequences like their KV pages.
         self.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora) if self.runner.lora else None
         self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
-        self.pipeline = Pipeline(NUM_SLOTS)
+        self.pipeline = Pipeline(NUM_SLOTS)  # holds each Launch from launch to commit
         self.pipelined = cfg.pipeline
-        self.launches: deque[Launch] = deque()  # launched, not yet committed, in step order
         self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
         self.stats_ = EngineStats()
         self.images = ImagePrefill(self.runner.vision, self.runner.image_params, self.runner.feature_row_bytes,
@@ -206,13 +214,13 @@ class Engine:
         (without it they are sampled unconstrained)."""
         words = missing = None
         while self.has_work:
-            result = self.step(masks=words, masks_missing=missing)
+            tick = self.step(masks=words, masks_missing=missing)
             words = missing = None
-            if result.mask_requests:
+            if tick.mask_requests:
                 if masks is not None:
-                    words, missing = masks(result.mask_requests, result.mask_step)
+                    words, missing = masks(tick.mask_requests, tick.mask_step)
                 else:
-                    words = np.full((len(result.mask_requests), self.runner.mask_words), -1, dtype=np.int32)
+                    words = np.full((len(tick.mask_requests), self.runner.mask_words), -1, dtype=np.int32)
 
     @property
     def has_work(self) -> bool:
@@ -271,62 +279,67 @@ class Engine:
 
     # ------------------------------------------------------------------ the tick
     def step(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,
-             copy_into: list[np.ndarray] | None = None) -> StepResult:
+             copy_into: list[np.ndarray] | None = None) -> Tick:
         """One tick.
 
         Inputs:
         - ``masks``: int32 bitmask words, one row per sequence of the previous
-          result's ``mask_requests`` (built after that result's commit);
+          tick's ``mask_requests`` (built after that tick's commit);
           ``masks_missing`` (bool per row) fails the rows whose mask never came.
         - ``copy_into``: int32 host arrays (``max_batch`` long or more) that the
           tick's device->host copies also write sampled ids into, used in order
           (at most two per tick): the worker passes reserved token-ring entries,
           so sampled ids land in shared memory with no host copy.
-          ``result.copied_steps`` says which step used which.
+          ``tick.copied_steps`` says which step used which.
         """
         t0 = time.perf_counter()
         wait0 = self.stats_.wait_s
-        result = StepResult()
-        self._result = result
-        self._copy_into = list(copy_into or ())
-        self._drain_inbox()
-        finished_launch = False
-        if self.awaiting_masks is not None:
-            self._sample_constrained(self.awaiting_masks, masks, masks_missing)
-            finished_launch = True
+        targets = list(copy_into or ())
+        tick = Tick(released=self._take_inbox())
+        finished = launched = commit = None
+        if self.awaiting_masks is not None:  # 1.
+            finished = self._sample_constrained(masks, masks_missing, targets)
         if self.pipelined:
-            launched = self._launch() if self.pipeline.can_launch() else None
-            if self.pipeline.in_flight > (1 if launched else 0):
-                self._commit()
+            launched = self._launch() if self.pipeline.can_launch() else None  # 2.
+            if self.pipeline.in_flight > (launched is not None):
+                commit = self._commit()  # 3.
             if launched is not None and not launched.dropped:
-                self._sample_unconstrained(launched)
-        elif finished_launch:  # blocking: the constrained step is committed now, the next launch waits a tick
-            self._commit()
-            launched = None
+                self.awaiting_masks = self._sample_unconstrained(launched, targets)  # 4.
+        elif finished is not None:  # blocking: the constrained step is committed now, the next launch waits a tick
+            commit = self._commit()
         else:
             launched = self._launch() if self.pipeline.can_launch() else None
             if launched is not None:
-                self._sample_unconstrained(launched)
+                self.awaiting_masks = self._sample_unconstrained(launched, targets)
                 if self.awaiting_masks is None:
-                    self._commit()
-        if not (launched or finished_launch or result.step is not None or result.released
-                or result.dropped_steps):
+                    commit = self._commit()
+        if commit is not None:
+            tick.committed, released, tick.dropped_steps = commit
+            tick.released += released
+        tick.copied_steps = [launch.step for launch in (finished, launched)
+                             if launch is not None and launch.copy_into is not None]
+        if self.awaiting_masks is not None:
+            tick.mask_requests = [self.awaiting_masks.sample_seqs[i] for i in self.awaiting_masks.constrained]
+            tick.mask_step = self.awaiting_masks.step
+        tick.tiles_done = self.images.take_handed_back()
+        if not (finished or launched or tick.committed or tick.released or tick.dropped_steps):
             self.device.reset_chain()  # idle: the next gap is not a bubble
-        result.tiles_done = self.images.take_handed_back()
         self.stats_.host_s += (time.perf_counter() - t0) - (self.stats_.wait_s - wait0)
-        self._result = None
-        return result
+        return tick
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> list[Sequence]:
+        """Submits join the queue; ends are applied. Returns the sequences released by them."""
         if not self._inbox:
-            return
+            return []
         with self._lock:
             items, self._inbox = self._inbox, []
+        released = []
         for reason, seq in items:
             if reason is None:
                 self.scheduler.add(seq)
-            elif seq.finalize(reason):
-                self._maybe_release(seq)
+            elif seq.finalize(reason) and self._release_if_done(seq):
+                released.append(seq)
+        return released
 
     # ------------------------------------------------------------------ launch
     def _launch(self) -> Launch | None:
@@ -339,11 +352,11 @@ class Engine:
                 self.images.admit(seq)
         if not plan:
             return None
-        step, slot = self.pipeline.launch()
-        launch = Launch(step, slot, bool(plan.prefill), [], [], [], None)
-        launch.inputs, launch.sample_seqs = inp, sample_seqs = self._inputs(plan, launch)
-        launch.seqs = seqs = plan.decode + [c.seq for c in plan.prefill]
+        seqs = plan.decode + [c.seq for c in plan.prefill]
+        launch = Launch(bool(plan.prefill), seqs, [])
+        launch.inputs, launch.sample_seqs = inp, _ = self._inputs(plan, launch)
         launch.kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
+        launch.step, launch.slot = self.pipeline.launch(launch)
         for seq in seqs:
             seq.inflight_refs += 1
         if self.lora_slots is not None:
@@ -351,9 +364,8 @@ class Engine:
         if self.config.debug:
             self._check_exclusive(seqs, inp.decode_pos, plan)
         launch.marks.append(self.device.mark())
-        self.runner.enqueue_forward(slot, launch.inputs)
+        self.runner.enqueue_forward(launch.slot, inp)
         launch.marks.append(self.device.mark())
-        self.launches.append(launch)
         return launch
 
     def _inputs(self, plan: Plan, launch: Launch) -> tuple[LaunchInputs, list[Sequence]]:
@@ -408,32 +420,11 @@ class Engine:
         return np.repeat(np.asarray(slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
 
     # ------------------------------------------------------------------ sampling
-    def _sample_unconstrained(self, launch: Launch) -> None:
-        """Sample the rows that need no mask now; constrained rows wait for the caller's masks."""
-        if not launch.sample_seqs:  # a launch of non-final prefill chunks samples nothing
-            launch.copy_done = launch.marks[-1]
-            return
-        # Zombie rows (already finalized) never wait for a mask.
-        constrained = np.fromiter((i for i, s in enumerate(launch.sample_seqs) if s.constrained and not s.finalized),
-                                  np.int64)
-        launch.marks.append(self.device.mark())
-        if not len(constrained):
-            self.runner.enqueue_sample(launch.slot, launch.inputs)
-            launch.marks.append(self.device.mark())
-            self._enqueue_copy(launch)
-            return
-        free = np.setdiff1d(np.arange(len(launch.sample_seqs)), constrained)
-        if len(free):
-            self.runner.enqueue_sample(launch.slot, launch.inputs, free)
-        launch.marks.append(self.device.mark())
-        launch.constrained = constrained
-        self.awaiting_masks = launch
-        self._result.mask_requests = [launch.sample_seqs[i] for i in constrained]
-        self._result.mask_step = launch.step
-
-    def _sample_constrained(self, launch: Launch, words: np.ndarray | None, missing: np.ndarray | None) -> None:
-        """Sample the rows that waited for masks (built after the previous commit), then copy the step."""
-        self.awaiting_masks = None
+    def _sample_constrained(self, words: np.ndarray | None, missing: np.ndarray | None,
+                            targets: list[np.ndarray]) -> Launch:
+        """Phase 1: sample the rows of the launch awaiting masks (built after the previous
+        commit), then copy its step. Returns that launch."""
+        launch, self.awaiting_masks = self.awaiting_masks, None
         rows = launch.constrained
         if words is None or len(words) != len(rows):
             raise ValueError(f"step {launch.step} needs masks for {len(rows)} constrained rows")
@@ -445,20 +436,43 @@ class Engine:
         launch.marks.append(self.device.mark())
         self.runner.enqueue_sample(launch.slot, launch.inputs, rows, np.ascontiguousarray(words, dtype=np.int32))
         launch.marks.append(self.device.mark())
-        self._enqueue_copy(launch)
+        self._enqueue_copy(launch, targets)
+        return launch
 
-    def _enqueue_copy(self, launch: Launch) -> None:
-        dest = None
-        if self._copy_into:
-            dest = self._copy_into.pop(0)
-            self._result.copied_steps.append(launch.step)
-        launch.copy_done = self.runner.enqueue_copy(launch.slot, launch.inputs, dest)
+    def _sample_unconstrained(self, launch: Launch, targets: list[np.ndarray]) -> Launch | None:
+        """Phase 4: sample the rows that need no mask now and, if none waits for a mask, copy the
+        step. Returns the launch if some of its rows await the caller's masks, else None."""
+        if not launch.sample_seqs:  # a launch of non-final prefill chunks samples nothing
+            launch.copy_done = launch.marks[-1]
+            return None
+        # Zombie rows (already finalized) never wait for a mask.
+        constrained = np.fromiter((i for i, s in enumerate(launch.sample_seqs) if s.constrained and not s.finalized),
+                                  np.int64)
+        launch.marks.append(self.device.mark())
+        if not len(constrained):
+            self.runner.enqueue_sample(launch.slot, launch.inputs)
+            launch.marks.append(self.device.mark())
+            self._enqueue_copy(launch, targets)
+            return None
+        free = np.setdiff1d(np.arange(len(launch.sample_seqs)), constrained)
+        if len(free):
+            self.runner.enqueue_sample(launch.slot, launch.inputs, free)
+        launch.marks.append(self.device.mark())
+        launch.constrained = constrained
+        return launch
+
+    def _enqueue_copy(self, launch: Launch, targets: list[np.ndarray]) -> None:
+        """The step's ids to the host, and into the caller's next host array if one is left."""
+        launch.copy_into = targets.pop(0) if targets else None
+        launch.copy_done = self.runner.enqueue_copy(launch.slot, launch.inputs, launch.copy_into)
 
     # ------------------------------------------------------------------ commit
-    def _commit(self) -> None:
+    def _commit(self) -> tuple[CommittedStep | None, list[Sequence], list[int]]:
+        """Phase 3: commit the oldest launched step. Returns it (None if its device work failed),
+        the sequences released, and the steps dropped after a device failure."""
         step, slot = self.pipeline.pop_commit()
-        launch = self.launches.popleft()
-        assert launch.step == step and launch.copy_done is not None, (launch.step, step)
+        launch = self.pipeline.item(step)
+        assert launch.copy_done is not None, step
         t = time.perf_counter()
         self.device_wait_since = time.monotonic()
         try:
@@ -469,14 +483,9 @@ class Engine:
         finally:
             self.device_wait_since = None
         self.stats_.wait_s += time.perf_counter() - t
-        for seq in launch.seqs:
-            seq.inflight_refs -= 1
-            assert seq.inflight_refs >= 0, "inflight_refs underflow"
-        if self.lora_slots is not None:
-            self.lora_slots.committed(s.lora_slot for s in launch.seqs)
+        self._unref(launch)
         if error is not None:
-            self._device_failed(launch, error)
-            return
+            return (None, *self._device_failed(launch, error))
         self.device.account(launch.marks, launch.copy_done)
         self._count(launch)
         if launch.images:
@@ -484,17 +493,25 @@ class Engine:
         n = len(launch.sample_seqs)
         tokens, flags, logprobs = self.runner.read_step(slot, n)
         live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
-        r = self._result
-        r.step, r.prefill, r.seqs, r.live, r.finish = step, launch.prefill, launch.sample_seqs, live, finish
-        r.cached = cached
-        r.tokens = tokens.astype(np.int32)
-        r.logprobs = logprobs.astype(np.float32) if launch.inputs.want_logprobs else None
+        committed = CommittedStep(step, launch.prefill, launch.sample_seqs, tokens.astype(np.int32), finish, live,
+                                  cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None)
+        released = []
         for seq, end in zip(launch.seqs, launch.kv_ends):
             seq.kv_committed = max(seq.kv_committed, end)
             if self.alloc.pages.caching:
                 self._register_full_pages(seq)
-            self._maybe_release(seq)
+            if self._release_if_done(seq):
+                released.append(seq)
         self.pipeline.release(step)
+        return committed, released, []
+
+    def _unref(self, launch: Launch) -> None:
+        """The launch is committed or dropped: it no longer references its sequences or LoRA slots."""
+        for seq in launch.seqs:
+            seq.inflight_refs -= 1
+            assert seq.inflight_refs >= 0, "inflight_refs underflow"
+        if self.lora_slots is not None:
+            self.lora_slots.committed(s.lora_slot for s in launch.seqs)
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Name the sequence's pages whose KV is complete and committed (prompt and generated
@@ -558,10 +575,11 @@ class Engine:
         return live, finish, cached
 
     # ------------------------------------------------------------------ release and failure
-    def _maybe_release(self, seq: Sequence) -> None:
-        """Release a finalized sequence once no launched step references it (exactly once)."""
+    def _release_if_done(self, seq: Sequence) -> bool:
+        """Release a finalized sequence once no launched step references it (exactly once).
+        Returns whether it was released now."""
         if seq.released or not seq.finalized or seq.inflight_refs:
-            return
+            return False
         seq.released = True
         if seq.images:
             self.images.release(seq)
@@ -575,22 +593,23 @@ class Engine:
             self.scheduler.drop_waiting(seq)
         if seq.error is None:
             self.stats_.finished += 1
-        self._result.released.append(seq)
+        return True
 
     def _fail(self, seq: Sequence, code: str, message: str) -> None:
         if seq.finalize(FinishReason.ERROR, f"{code}: {message}"):
             self.stats_.failed += 1
             log.warning("request %d failed: %s: %s", seq.seq_id, code, message)
 
-    def _device_failed(self, launch: Launch, error: BaseException) -> None:
-        """Device work failed: fail the requests of every outstanding step, keep serving."""
+    def _device_failed(self, launch: Launch, error: BaseException) -> tuple[list[Sequence], list[int]]:
+        """Device work failed: fail the requests of every outstanding step, keep serving.
+        Returns the sequences released and the steps dropped."""
         log.error("device work failed at step %d: %r", launch.step, error)
-        victims = list(launch.seqs)
-        self._result.dropped_steps.append(launch.step)
+        victims, dropped = list(launch.seqs), [launch.step]
         self.pipeline.release(launch.step)
         self.awaiting_masks = None
-        while self.launches:  # later steps ran on a failed stream: drop them too
-            later = self.launches.popleft()
+        while self.pipeline.in_flight:  # later steps ran on a failed stream: drop them too
+            step, _ = self.pipeline.pop_commit()
+            later = self.pipeline.item(step)
             later.dropped = True
             victims += later.seqs
             if later.copy_done is not None:
@@ -598,16 +617,11 @@ class Engine:
                     later.copy_done.synchronize()
                 except DeviceError:
                     pass
-            s, _ = self.pipeline.pop_commit()
-            for seq in later.seqs:
-                seq.inflight_refs -= 1
-            if self.lora_slots is not None:
-                self.lora_slots.committed(s.lora_slot for s in later.seqs)
-            self.pipeline.release(s)
-            self._result.dropped_steps.append(s)
+            self._unref(later)
+            self.pipeline.release(step)
+            dropped.append(step)
         self.device.recover()
         victims += self.images.device_failed(self.scheduler.running)
         for seq in victims:
             self._fail(seq, "internal", f"device error: {error}")
-        for seq in victims:
-            self._maybe_release(seq)
+        return [seq for seq in victims if self._release_if_done(seq)], dropped
