@@ -162,14 +162,15 @@ class _RingSink:
             views = [self.stage[(self.next + k) % n] for k in range(2)]
             for v in views:
                 v[:] = -1
-            result = self.engine.step(copy_into=self._copy_targets(views))
-            for step, view in zip(result.copied_steps, views):
+            tick = self.engine.step(copy_into=self._copy_targets(views))
+            for step, view in zip(tick.copied_steps, views):
                 self.views[step] = view
                 self.next += 1
-            view = self.views.pop(result.step, None)
-            if view is not None and result.rows:
+            c = tick.committed
+            view = self.views.pop(c.step, None) if c is not None else None
+            if view is not None and c.rows:
                 self.checked += 1
-                self.mismatches += not np.array_equal(view[:result.rows], result.tokens)
+                self.mismatches += not np.array_equal(view[:c.rows], c.tokens)
 
     def _copy_targets(self, views: list) -> list:
         return views  # the arena rows themselves (the test redirects them to prove the check bites)

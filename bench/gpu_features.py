@@ -184,7 +184,7 @@ IMAGE_TEXTS = [f"<|im_start|>User:{before}<image>Describe this image.<end_of_utt
 def _image_requests(vlm: str, image: bytes, n_text: int = 1) -> tuple[list[dict], object]:
     """Two requests with ``image`` (IMAGE_TEXTS), then ``n_text`` text requests; and the prepared image."""
     from frontend.images import image_prompt_ids, prepare_images
-    from gpu_worker.sequence import ImageInput
+    from gpu_worker.image_prefill import ImageInput
     from shared.models import load_tokenizer, resolve_model
     from shared.vision_config import ImageProcessorParams
 

@@ -41,7 +41,7 @@ def run(svc, images: list[bytes], streams: int, window_s: float | None, preproce
     prompt = "<|im_start|>User:<image>Describe this image.<end_of_utterance>\nAssistant:"
     for data in images:
         if preprocess_only:  # the frontend's decode and tiling alone, on the same pool: no worker work
-            svc._image_pool.submit([data], lambda result: ended.append("done" if isinstance(result, list) else
+            svc.images.pool.submit([data], lambda result: ended.append("done" if isinstance(result, list) else
                                                                        "error"))
             continue
         svc.submit_images([data], lambda p: image_prompt_ids(svc.tokenizer, prompt, p, svc.image_params),
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     finally:
         svc.close()
     result = {"model": args.model, "device": args.device, "streams": args.streams, "images": args.images,
-              "image_size": args.image_size, "image_workers": svc._image_pool.workers,
+              "image_size": args.image_size, "image_workers": svc.images.pool.workers,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "load_average": [round(x, 2) for x in os.getloadavg()],
               "with_images": with_images, "preprocessing_only": preprocess_only, "without_images": without,
               "p99_ratio": round(with_images["itl_ms_p99"] / without["itl_ms_p99"], 2),

@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from gpu_worker.engine import Engine, EngineConfig
-    from gpu_worker.sequence import ImageInput
+    from gpu_worker.image_prefill import ImageInput
     from shared.models import resolve_model
     from shared.sampling import SamplingParams
 

@@ -1,6 +1,6 @@
 """The image pool: decoding and tiling in low-priority child processes.
 
-``Service.submit_images`` hands each request's encoded images to this pool;
+``ImageIntake.start`` (``image_intake.py``) hands each request's encoded images to this pool;
 a child process runs ``images.prepare_images`` (decode, validate, resize, tile,
 hash) and sends back the ``PreparedImage`` list (uint8 tiles) or the
 ``ValueError`` that names the bad image. The result reaches the caller's

@@ -22,28 +22,20 @@ Invariants:
   running and new requests wait in ``unsent`` (a failed restart raises
   ``WorkerFailed``: a worker that cannot start is not retried in a loop).
 
-Images (``submit_images``): decoding, resizing and tiling run in child
-processes at nice 19 (``image_pool.py``), so a large image neither takes the
-GIL from this loop nor the CPU from the worker; tokenizing the expanded prompt
-then runs here. The prepared request waits in ``unsent`` until enough image
-slots of the arena are free (a slot is reused only after the worker's
-``ImagesCopied``), then its Submit names the slots. A cancel at any of these
-phases ends it at once (one still queued in the pool never runs); a bad image
-fails only its own request.
+Images (``submit_images``) are one room of their own (``image_intake.py``:
+the image pool, the prompt rendering once the tiling is known, the wait for
+image slots and the hand-over); the service calls it once per event.
 
 Single-threaded: call ``poll()`` from one thread (the server loop); only the
 image pool's helper threads run beside it, and they hand results back through
-``_prepared`` plus an eventfd that is among ``fds()``.
+an eventfd that is among ``fds()``.
 """
 from __future__ import annotations
 
 import logging
-import os
 import select
 import time
 from collections import deque
-from concurrent.futures import CancelledError
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -52,16 +44,14 @@ import numpy as np
 from shared.config import EngineConfig
 from shared.finish import FinishReason
 from shared.lora_config import read_adapters
-from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
-                             SubmitImage)
+from shared.messages import Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
 from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
-from shared.vision_config import ImageProcessorParams, read_config
+from shared.vision_config import read_config
 
 from .detokenizer import IncrementalDetokenizer
-from .image_pool import ImagePool
-from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image
+from .image_intake import ImageIntake, Render, RequestImages
 from .worker_handle import WorkerFailed, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
@@ -105,11 +95,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     mask_row: int = -1  # its row in the shared mask region while it holds one
-    images: list[PreparedImage] | None = None  # tiles waiting to go into image slots (dropped once sent)
-    image_tokens: int = 0  # prompt positions filled by image features
-    preparing: bool = False  # its images are still being decoded in the image pool
-    preparation: Any = None  # that work's Future (cancelled with the request while it waits in the pool)
-    render: Callable | None = None  # prepared images -> prompt ids (submit_images)
+    images: RequestImages | None = None  # submit_images: its images until they are handed to the worker
     submitted: bool = False  # sent to the worker (else waiting for a mask row)
     ended: bool = False
     finish_reason: FinishReason = FinishReason.NONE
@@ -139,10 +125,9 @@ class Service:
         self.free_mask_rows = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
-        self.image_params = ImageProcessorParams.from_model_dir(self.model_path) if self.model.vision else None
-        self._image_pool = ImagePool(self.image_params, cfg.image_workers) if self.image_params else None
-        self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
-        self._prepared_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.images = (ImageIntake(self.model_path, cfg.image_slots, cfg.image_slot_tiles, cfg.image_workers)
+                       if self.model.vision else None)
+        self.image_params = self.images.params if self.images else None
         self.worker: WorkerHandle | None = None
         self.on_progress = on_progress
         self._start_worker()
@@ -154,18 +139,7 @@ class Service:
         """Spawn a worker generation; ``poll`` notices when it is ready."""
         self.generation += 1
         self.worker = WorkerHandle(self.config, self.model, self.generation, on_progress=self._progress,
-                                   image_region=self._image_region())
-
-    def _image_region(self) -> tuple[int, int, int]:
-        """(slots, tiles per slot, tile side) of the arena's image region; no slots for a text model."""
-        if not self.model.vision:
-            return 0, 1, 0
-        params = ImageProcessorParams.from_model_dir(self.model_path)
-        per_slot = max(1, self.config.image_slot_tiles)
-        slots = self.config.image_slots
-        if slots is None:
-            slots = MAX_IMAGES * -(-max_tiles_per_image(params) // per_slot)
-        return slots, per_slot, params.tile_size
+                                   image_region=self.images.region if self.images else (0, 1, 0))
 
     def _progress(self, msg) -> None:
         log.info("worker generation %d: %s%s", self.generation, msg.stage,
@@ -216,91 +190,37 @@ class Service:
         self.requests[seq_id] = req
         return req
 
-    def submit_images(self, images: list[bytes], render: Callable[[list[PreparedImage]], list[int]],
-                      params: SamplingParams | None = None, *, stop=(), constraint=None, logprobs: bool = False,
-                      on_event=None, user_data=None, adapter: str | None = None) -> Request:
+    def submit_images(self, images: list[bytes], render: Render, params: SamplingParams | None = None, *,
+                      stop=(), constraint=None, logprobs: bool = False, on_event=None, user_data=None,
+                      adapter: str | None = None) -> Request:
         """A request with images, decoded and tiled in the image pool; then
         ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
         rendered text) runs on the loop thread (the tokenizer is not shared across threads).
         Bad images (or a ``ValueError`` from ``render``) end the request with
         ``bad_request`` naming the field; ``ValueError`` at once for what needs no decoding."""
-        if self.image_params is None:
+        if self.images is None:
             raise ValueError("images: this model takes no images (it has no vision encoder)")
-        try:
-            check_image_count(len(images))
-        except ValueError as e:
-            raise ValueError(f"images: {e}") from None
+        self.images.check(images)
         req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter)
-        req.preparing = True
-        req.render = render
-        req.preparation = self._image_pool.submit(list(images), lambda result: self._hand_back(req, result))
+        req.images = self.images.start(req, images, render)
         return req
-
-    def _hand_back(self, req: Request, result) -> None:
-        """Pool thread (or the cancelling one): queue the prepared images or the exception for the loop."""
-        self._prepared.append((req, result))
-        os.eventfd_write(self._prepared_fd, 1)
 
     def _take_prepared(self) -> None:
         """Loop thread: requests whose images the pool finished go on to the worker."""
-        try:
-            os.eventfd_read(self._prepared_fd)
-        except BlockingIOError:
-            pass
-        while self._prepared:
-            req, result = self._prepared.popleft()
-            req.preparing, req.preparation = False, None
-            if req.ended or isinstance(result, CancelledError):  # cancelled (or failed) while being prepared
-                self._forget(req)
-                continue
-            error = None
-            if isinstance(result, ValueError):
-                error = ("bad_request", str(result))
-            elif isinstance(result, BrokenProcessPool):
-                log.error("the image pool process preparing request %d died: %s", req.seq_id, result)
-                error = ("internal", "the process preparing the images died (killed, or crashed decoding an "
-                                     "image); retry the request")
-            elif isinstance(result, Exception):
-                log.error("preparing the images of request %d failed: %r", req.seq_id, result)
-                error = ("internal", f"{type(result).__name__}: {result}")
-            else:
-                req.images = result
-                try:
-                    req.prompt_ids = [int(t) for t in req.render(result)]
-                    error = self._check_image_request(req)
-                except ValueError as e:
-                    error = ("bad_request", str(e))
-                except Exception as e:  # noqa: BLE001 - a renderer bug fails its request, never the loop
-                    log.exception("rendering the prompt of request %d failed", req.seq_id)
-                    error = ("internal", f"{type(e).__name__}: {e}")
+        max_len = int(self.worker.info.get("max_model_len", self.config.max_model_len) if self.worker.info
+                      else self.config.max_model_len)
+        for req, error in self.images.take_prepared(max_len, self.worker.images):
             if error is not None:
                 self._end(req, error=error)
                 self._forget(req)
-                continue
-            req.image_tokens = sum(im.num_tiles for im in req.images) * self.image_params.image_seq_len
-            self._start_detokenizer(req)
-            self._ready_to_send(req)
-
-    def _check_image_request(self, req: Request) -> tuple[str, str] | None:
-        max_len = int(self.worker.info.get("max_model_len", self.config.max_model_len) if self.worker.info
-                      else self.config.max_model_len)
-        if len(req.prompt_ids) >= max_len:
-            return ("too_long", f"the prompt has {len(req.prompt_ids)} tokens with its images; the context holds "
-                                f"{max_len} (prompt + at least one generated token)")
-        need = self.worker.images.slots_needed([im.num_tiles for im in req.images])
-        if need > self.worker.images.capacity:
-            return ("bad_request", f"images: {sum(im.num_tiles for im in req.images)} tiles need {need} image "
-                                   f"slots; the server has {self.worker.images.capacity} (--image-slots)")
-        return None
+            else:
+                self._ready_to_send(req)
 
     def _start_detokenizer(self, req: Request) -> None:
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
 
     def _ready_to_send(self, req: Request) -> None:
-        if req.preparing:
-            return
-        if req.detok is None:
-            self._start_detokenizer(req)
+        self._start_detokenizer(req)
         if self._can_send(req):
             self._send_submit(req)
         else:
@@ -310,8 +230,7 @@ class Service:
         """The worker is ready, and a mask row / enough image slots are free if the request needs them."""
         if not self.worker.ready or (req.constraint is not None and not self.free_mask_rows):
             return False
-        return not req.images or (self.worker.images.num_free
-                                  >= self.worker.images.slots_needed([im.num_tiles for im in req.images]))
+        return req.images is None or self.images.fits(req, self.worker.images)
 
     def _send_unsent(self) -> None:
         """Send what waited: everything once the worker is ready, requests needing a mask row
@@ -330,10 +249,7 @@ class Service:
         if req.constraint is not None:
             req.mask_row = self.free_mask_rows.pop()
             self._write_mask(req)  # the initial mask exists before the first token can be sampled
-        images = []
-        for im in req.images or ():  # pixels go through shared memory; the message names the slots
-            images.append(SubmitImage(hash=im.hash, num_tiles=im.num_tiles, slots=self.worker.images.write(im.tiles)))
-        req.images = None
+        images = self.images.hand_over(req, self.worker.images) if req.images else []
         req.submitted = True
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
@@ -345,8 +261,8 @@ class Service:
         if req.ended:
             return
         self._end(req, reason=FinishReason.CANCELLED)
-        if req.preparation is not None:
-            req.preparation.cancel()  # frees its pool place if it has not started (else its result is dropped)
+        if req.images is not None:
+            self.images.cancel(req)
         self._stop_worker_side(req, FinishReason.CANCELLED)
 
     def _stop_worker_side(self, req: Request, reason: FinishReason) -> None:
@@ -364,7 +280,7 @@ class Service:
     # ------------------------------------------------------------------ the loop
     def fds(self) -> list[int]:
         """File descriptors that become readable when poll() has work (for external pollers)."""
-        return [self.worker.tokens.fileno(), self.worker.channel.fileno(), self._prepared_fd]
+        return [self.worker.tokens.fileno(), self.worker.channel.fileno(), *(self.images.fds() if self.images else ())]
 
     def poll(self, timeout: float = 0.0) -> int:
         """Process what the worker sent; wait up to ``timeout`` if there was nothing. Returns entries processed."""
@@ -384,7 +300,8 @@ class Service:
         if why is not None:
             self._worker_died(why)
             return 0
-        self._take_prepared()
+        if self.images is not None:
+            self._take_prepared()
         try:
             self.worker.channel.flush()  # submits the socket could not take at once
         except ConnectionError:
@@ -503,7 +420,7 @@ class Service:
         payload = {"finish_reason": reason.wire, "text": req.text, "token_ids": list(req.token_ids),
                    "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids),
                              "cached_tokens": req.cached_tokens,
-                             **({"image_tokens": req.image_tokens} if self.image_params else {})},
+                             **({"image_tokens": req.images.tokens if req.images else 0} if self.images else {})},
                    "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
         if req.constraint is not None and reason == FinishReason.STOP:
             try:
@@ -539,16 +456,13 @@ class Service:
         return self._stats
 
     def close(self) -> None:
-        if self._image_pool is not None:  # first: no pool thread writes to the eventfd once it is closed
-            self._image_pool.close()
+        if self.images is not None:  # first: no pool thread hands back a result once it is closed
+            self.images.close()
         if self.worker is not None:
             for req in list(self.requests.values()):
                 self._end(req, error=("internal", "the server is shutting down"))
             self.worker.shutdown()
             self.worker = None
-        if self._prepared_fd >= 0:
-            os.close(self._prepared_fd)
-            self._prepared_fd = -1
 
 
 def _ms(t0: float, t1: float | None) -> float | None:

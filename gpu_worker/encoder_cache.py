@@ -1,11 +1,11 @@
 """Image features on the device, keyed by image hash, shared by the requests that use them.
 
 An entry is created when a request is admitted and its image is not cached (a
-miss); the features themselves are computed later, tile by tile, on the
-compute stream: each prefill launch encodes the tiles its chunks reach that
-no launch has enqueued yet (``enqueued``, one flag per tile; the vision
-encoder treats tiles independently, so a tile's rows do not depend on which
-launch computed them). Tiles enqueued but not yet committed are ``pending``;
+miss); the features themselves are computed later on the compute stream, one
+*encode unit* at a time (``image_prefill.py``; Idefics3: a tile): each
+prefill launch encodes the units its chunks reach that no launch has enqueued
+yet (``enqueued``, one flag per unit; a unit's rows do not depend on which
+launch computed them). Units enqueued but not yet committed are ``pending``;
 a device failure makes such an entry garbage (``invalidate``). A request holds
 one reference per image from admission until its prefill has been committed
 (or it is released, whichever comes first), so features never vanish under a
@@ -27,31 +27,31 @@ import numpy as np
 
 @dataclass(eq=False)
 class FeatureHolder:
-    """Filled on the compute stream, a tile's rows at a time; read by later work on the same stream."""
-    features: object = None  # [num_tiles * tokens_per_tile, hidden], allocated by the first encode
+    """Filled on the compute stream, an encode unit's rows at a time; read by later work on the same stream."""
+    features: object = None  # [image rows, hidden], allocated by the first encode
 
 
 @dataclass(eq=False)
 class CacheEntry:
     hash: str
     nbytes: int
-    num_tiles: int
+    num_units: int
     holder: FeatureHolder = field(default_factory=FeatureHolder)
     refs: int = 0
-    enqueued: np.ndarray = None  # [num_tiles] bool: the tile's encode is on the compute stream
-    pending: int = 0  # tiles enqueued by launches not committed yet
+    enqueued: np.ndarray = None  # [num_units] bool: the unit's encode is on the compute stream
+    pending: int = 0  # units enqueued by launches not committed yet
     cached: bool = True  # still in the cache's map (False: evicted or invalidated)
 
     def __post_init__(self) -> None:
         if self.enqueued is None:
-            self.enqueued = np.zeros(self.num_tiles, dtype=bool)
+            self.enqueued = np.zeros(self.num_units, dtype=bool)
 
     def missing(self, first: int, end: int) -> np.ndarray:
-        """Tiles of ``first .. end - 1`` that no launch has enqueued yet (sorted)."""
+        """Units of ``first .. end - 1`` that no launch has enqueued yet (sorted)."""
         return np.flatnonzero(~self.enqueued[first:end]) + first
 
     def complete(self, first: int = 0) -> bool:
-        """Tiles ``first ..`` are all enqueued (nobody needs host tiles for them again)."""
+        """Units ``first ..`` are all enqueued (nobody needs host tiles for them again)."""
         return bool(self.enqueued[first:].all())
 
 
@@ -64,7 +64,7 @@ class EncoderCache:
         self.hits = 0
         self.misses = 0
 
-    def acquire(self, image_hash: str, nbytes: int, num_tiles: int) -> tuple[CacheEntry, bool]:
+    def acquire(self, image_hash: str, nbytes: int, num_units: int) -> tuple[CacheEntry, bool]:
         """A reference to the entry for ``image_hash`` (created on a miss); (entry, hit)."""
         entry = self.entries.get(image_hash)
         hit = entry is not None
@@ -73,7 +73,7 @@ class EncoderCache:
             self.unreferenced.pop(image_hash, None)
         else:
             self.misses += 1
-            entry = self.entries[image_hash] = CacheEntry(image_hash, nbytes, num_tiles)
+            entry = self.entries[image_hash] = CacheEntry(image_hash, nbytes, num_units)
             self.bytes += nbytes
         entry.refs += 1
         self._evict()

@@ -2,41 +2,31 @@
 
 ``Engine.step(...)`` is one tick. Its inputs are explicit arguments (the
 masks of the constrained rows it samples, the host arrays its device copies
-write sampled ids into); its output is a ``StepResult`` (the committed step's
+write sampled ids into); its output is a ``Tick`` (the ``CommittedStep``'s
 tokens and finish reasons, the sequences released) that the caller publishes.
 The engine never calls back into its caller.
 
-One tick, pipelined (docs/DESIGN.md §4.1):
-    1. sample the constrained rows of the step launched last tick, with the
-       masks the caller brought (built after the last commit), and copy that
-       step's ids to the host
-    2. launch forward t+1   (inputs gathered on the device from pending tokens)
-    3. commit step t        (the only host wait: step t's ids copied to host)
-    4. sample the unconstrained rows of t+1 at once; if it has constrained rows,
-       return them as ``mask_requests`` (step 1 of the next tick samples them),
-       else copy its ids now
+One tick, pipelined (docs/DESIGN.md §4.1), each phase a method that returns
+what it produced:
+    1. ``_sample_constrained``: sample the constrained rows of the step launched
+       last tick, with the masks the caller brought (built after the last
+       commit), and copy that step's ids to the host
+    2. ``_launch``: launch forward t+1 (inputs gathered on the device from
+       pending tokens)
+    3. ``_commit``: commit step t (the only host wait: step t's ids copied to host)
+    4. ``_sample_unconstrained``: sample the rows of t+1 that need no mask at
+       once; if it has constrained rows, it is the launch awaiting masks (their
+       sequences go out as ``mask_requests``; phase 1 of the next tick samples
+       them), else copy its ids now
 The device sees [fwd t][sample t][copy t][fwd t+1]...; the host is one forward
 ahead. Blocking is the same code with ``pipeline=False``: a tick launches,
 samples and commits one step (a constrained step is committed by the next
 tick, once its masks have come), so the device idles while the host commits,
 publishes and plans.
 
-Images (DESIGN.md §6a): a request may carry images (``submit(images=...)``).
-At admission each takes a reference to its encoder-cache entry (a hit, or a
-new entry on a miss). A launch encodes only the tiles its prefill chunks reach
-that no launch has enqueued yet (a chunk whose image rows end inside tile t
-needs tiles up to t), on the compute stream, before its text forward (one
-vision forward for all of the launch's tiles), so the prefill budget bounds
-the encoder work too: at most ceil(budget / tokens_per_tile) + 1 tiles per
-chunk. The tiles come from the host tiles of the request whose chunk reaches
-them first; their rows land in the entry's preallocated features, and stream
-order makes them readable by every later launch. A chunk may split an image
-span; the reference keeps the features until the request's last prefill
-chunk has been committed. Host tiles are handed back (``StepResult.tiles_done``)
-once the engine will never read them: every tile the request still needs is
-enqueued (by it or by another request) and no uncommitted launch copies from
-them, checked at admission, when a chunk reaches the image and when a launch
-that copied them commits; or at the request's release.
+Images are one room of their own (``image_prefill.py``): the engine calls it
+once per event (submit, admission, prefill chunk, commit, release, device
+failure) and returns the host tiles it hands back (``tiles_done``).
 
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
@@ -53,7 +43,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,15 +54,14 @@ from shared.sampling import SamplingParams
 
 from .allocator import Allocator
 from .device import Device, DeviceError
-from .encoder_cache import EncoderCache
+from .image_prefill import ImageInput, ImagePrefill, LaunchImages
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
 from .prefix_cache import ROOT, chain
 from .sampler import FLAG_STOP
 from .scheduler import Plan, Scheduler
-from .sequence import ImageInput, SeqImage, Sequence
-from .vision import image_rows_in_chunk
+from .sequence import Sequence
 
 log = logging.getLogger("tandem.engine")
 
@@ -84,43 +72,49 @@ MaskFn = Callable[[list[Sequence], int], tuple[np.ndarray, "np.ndarray | None"]]
 
 @dataclass
 class Launch:
-    """One launched step, from launch to commit."""
-    step: int
-    slot: int
+    """One launched step, from launch to commit (the pipeline holds it meanwhile)."""
     prefill: bool  # the launch holds prefill chunks (else pure decode)
     seqs: list[Sequence]  # every sequence in the launch
     kv_ends: list[int]  # per sequence of ``seqs``: the end of the positions whose KV this launch writes
-    sample_seqs: list[Sequence]  # one per logits row, in row order
-    inputs: LaunchInputs
+    step: int = -1  # its step number and pipeline slot, from ``Pipeline.launch``
+    slot: int = -1
+    sample_seqs: list[Sequence] = field(default_factory=list)  # one per logits row, in row order
+    inputs: LaunchInputs | None = None
     marks: list = field(default_factory=list)  # compute-stream marks: forward begin/end, sampling begin/end
     constrained: np.ndarray | None = None  # sampling rows still waiting for their masks
+    copy_into: np.ndarray | None = None  # the caller's host array its ids were also copied into
     copy_done: object = None  # the device->host copy's event: what the commit waits on
     dropped: bool = False  # discarded after a device failure
-    encoded: list = field(default_factory=list)  # (SeqImage, tiles) encoded from its host tiles by this launch
-    prefill_ended: list[Sequence] = field(default_factory=list)  # sequences whose last prefill chunk is in it
+    images: LaunchImages | None = None  # its image work (image_prefill.py), if a chunk has images
 
 
 @dataclass
-class StepResult:
-    """What one tick produced. Row arrays are aligned with ``seqs``."""
-    step: int | None = None  # the committed step; None when this tick committed nothing
-    prefill: bool = False
-    seqs: list[Sequence] = field(default_factory=list)  # one per sampled row
-    tokens: np.ndarray | None = None  # int32
-    finish: np.ndarray | None = None  # uint8 FinishReason of the row's token (NONE: the request runs on)
-    live: np.ndarray | None = None  # bool; False = a zombie row (its request ended before this commit)
-    cached: np.ndarray | None = None  # int32: on a request's first token, its prompt tokens from the prefix cache
-    logprobs: np.ndarray | None = None  # float32, when any row asked for them
+class CommittedStep:
+    """A launched step after its commit (phase 3). Row arrays are aligned with ``seqs``."""
+    step: int
+    prefill: bool
+    seqs: list[Sequence]  # one per sampled row
+    tokens: np.ndarray  # int32
+    finish: np.ndarray  # uint8 FinishReason of the row's token (NONE: the request runs on)
+    live: np.ndarray  # bool; False = a zombie row (its request ended before this commit)
+    cached: np.ndarray  # int32: on a request's first token, its prompt tokens from the prefix cache
+    logprobs: np.ndarray | None  # float32, when any row asked for them
+
+    @property
+    def rows(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class Tick:
+    """What one ``Engine.step`` produced, for its caller to publish."""
+    committed: CommittedStep | None = None  # None when this tick committed nothing
     released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
     copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
     dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
     mask_requests: list[Sequence] = field(default_factory=list)  # the next step() must bring their masks
     mask_step: int | None = None  # the step those masks are for
     tiles_done: list[ImageInput] = field(default_factory=list)  # host tiles never read again (free their memory)
-
-    @property
-    def rows(self) -> int:
-        return len(self.seqs)
 
 
 @dataclass
@@ -138,10 +132,6 @@ class EngineStats:
     failed: int = 0
     prefix_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
-    encoder_launches: int = 0  # vision forwards (one per launch that encodes tiles)
-    encoded_images: int = 0  # images whose last missing tile was enqueued
-    encoded_tiles: int = 0
-    image_tokens: int = 0  # prompt positions filled by image features
 
 
 class Engine:
@@ -157,12 +147,12 @@ class Engine:
         # LoRA adapters (None without --lora): device slots, referenced by sequences like their KV pages.
         self.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora) if self.runner.lora else None
         self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
-        self.pipeline = Pipeline(NUM_SLOTS)
+        self.pipeline = Pipeline(NUM_SLOTS)  # holds each Launch from launch to commit
         self.pipelined = cfg.pipeline
-        self.launches: deque[Launch] = deque()  # launched, not yet committed, in step order
         self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
         self.stats_ = EngineStats()
-        self.encoder_cache = EncoderCache(int(cfg.encoder_cache_mb * (1 << 20)))
+        self.images = ImagePrefill(self.runner.vision, self.runner.image_params, self.runner.feature_row_bytes,
+                                   int(cfg.encoder_cache_mb * (1 << 20)))
         # monotonic time the host began waiting for a launch (None: not waiting). A long
         # prefill (an image on a CPU) is a wait, not a hang: the worker reads this to keep beating.
         self.device_wait_since: float | None = None
@@ -177,7 +167,7 @@ class Engine:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field.
 
         ``images``: one per image of the prompt, in prompt order; its ``<image>``
-        tokens (``num_tiles * tokens_per_tile`` each) take their features."""
+        tokens (as many as the image has feature rows) take their features."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_ids]
@@ -192,7 +182,7 @@ class Engine:
         if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
-        seq_images, positions = self._check_images(prompt, images or [])
+        seq_images, positions, whole_spans = self.images.check(prompt, images or [])
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
                              f"{', '.join(self.adapters) or 'none'}")
@@ -201,34 +191,10 @@ class Engine:
                 seq_id = self._next_id
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, seq_images, positions,
-                           adapter)
+            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, images=seq_images,
+                           image_positions=positions, whole_spans=whole_spans, adapter=adapter)
             self._inbox.append((None, seq))
         return seq
-
-    def _check_images(self, prompt: list[int], images: list[ImageInput]) -> tuple[list[SeqImage], np.ndarray | None]:
-        vision, ip = self.runner.vision, self.runner.image_params
-        if vision is None:
-            if images:
-                raise ValueError("images: this model takes no images")
-            return [], None
-        positions = np.flatnonzero(np.asarray(prompt) == ip.image_token_id)
-        side = ip.tile_size
-        seq_images, row = [], 0
-        for i, image in enumerate(images):
-            for block in image.tiles:
-                if block.dtype != np.uint8 or block.ndim != 4 or block.shape[1:] != (3, side, side):
-                    raise ValueError(f"images[{i}]: tiles must be uint8 [n, 3, {side}, {side}], "
-                                     f"got {block.dtype} {list(block.shape)}")
-            if image.num_tiles < 1:
-                raise ValueError(f"images[{i}]: no tiles")
-            rows = image.num_tiles * vision.tokens_per_tile
-            seq_images.append(SeqImage(image, row, rows))
-            row += rows
-        if row != len(positions):
-            raise ValueError(f"images: the prompt has {len(positions)} image tokens but the images have {row} "
-                             "feature rows")
-        return seq_images, (positions if images else None)
 
     def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request early (thread-safe): cancellation, or a stop the frontend saw."""
@@ -248,13 +214,13 @@ class Engine:
         (without it they are sampled unconstrained)."""
         words = missing = None
         while self.has_work:
-            result = self.step(masks=words, masks_missing=missing)
+            tick = self.step(masks=words, masks_missing=missing)
             words = missing = None
-            if result.mask_requests:
+            if tick.mask_requests:
                 if masks is not None:
-                    words, missing = masks(result.mask_requests, result.mask_step)
+                    words, missing = masks(tick.mask_requests, tick.mask_step)
                 else:
-                    words = np.full((len(result.mask_requests), self.runner.mask_words), -1, dtype=np.int32)
+                    words = np.full((len(tick.mask_requests), self.runner.mask_words), -1, dtype=np.int32)
 
     @property
     def has_work(self) -> bool:
@@ -296,12 +262,13 @@ class Engine:
             "graph_capture_s": self.runner.graph_capture_s,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
-            **self.encoder_cache.stats(),
+            **self.images.stats(),
             **self.lora_stats(),
         }
 
     def reset_stats(self) -> None:
         self.stats_ = EngineStats()
+        self.images.reset_stats()
         self.device.reset_meter()
 
     def close(self) -> None:
@@ -312,62 +279,67 @@ class Engine:
 
     # ------------------------------------------------------------------ the tick
     def step(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,
-             copy_into: list[np.ndarray] | None = None) -> StepResult:
+             copy_into: list[np.ndarray] | None = None) -> Tick:
         """One tick.
 
         Inputs:
         - ``masks``: int32 bitmask words, one row per sequence of the previous
-          result's ``mask_requests`` (built after that result's commit);
+          tick's ``mask_requests`` (built after that tick's commit);
           ``masks_missing`` (bool per row) fails the rows whose mask never came.
         - ``copy_into``: int32 host arrays (``max_batch`` long or more) that the
           tick's device->host copies also write sampled ids into, used in order
           (at most two per tick): the worker passes reserved token-ring entries,
           so sampled ids land in shared memory with no host copy.
-          ``result.copied_steps`` says which step used which.
+          ``tick.copied_steps`` says which step used which.
         """
         t0 = time.perf_counter()
         wait0 = self.stats_.wait_s
-        result = StepResult()
-        self._result = result
-        self._copy_into = list(copy_into or ())
-        self._drain_inbox()
-        finished_launch = False
-        if self.awaiting_masks is not None:
-            self._sample_constrained(self.awaiting_masks, masks, masks_missing)
-            finished_launch = True
+        targets = list(copy_into or ())
+        tick = Tick(released=self._take_inbox())
+        finished = launched = commit = None
+        if self.awaiting_masks is not None:  # 1.
+            finished = self._sample_constrained(masks, masks_missing, targets)
         if self.pipelined:
-            launched = self._launch() if self.pipeline.can_launch() else None
-            if self.pipeline.in_flight > (1 if launched else 0):
-                self._commit()
+            launched = self._launch() if self.pipeline.can_launch() else None  # 2.
+            if self.pipeline.in_flight > (launched is not None):
+                commit = self._commit()  # 3.
             if launched is not None and not launched.dropped:
-                self._sample_unconstrained(launched)
-        elif finished_launch:  # blocking: the constrained step is committed now, the next launch waits a tick
-            self._commit()
-            launched = None
+                self.awaiting_masks = self._sample_unconstrained(launched, targets)  # 4.
+        elif finished is not None:  # blocking: the constrained step is committed now, the next launch waits a tick
+            commit = self._commit()
         else:
             launched = self._launch() if self.pipeline.can_launch() else None
             if launched is not None:
-                self._sample_unconstrained(launched)
+                self.awaiting_masks = self._sample_unconstrained(launched, targets)
                 if self.awaiting_masks is None:
-                    self._commit()
-        if not (launched or finished_launch or result.step is not None or result.released
-                or result.dropped_steps):
+                    commit = self._commit()
+        if commit is not None:
+            tick.committed, released, tick.dropped_steps = commit
+            tick.released += released
+        tick.copied_steps = [launch.step for launch in (finished, launched)
+                             if launch is not None and launch.copy_into is not None]
+        if self.awaiting_masks is not None:
+            tick.mask_requests = [self.awaiting_masks.sample_seqs[i] for i in self.awaiting_masks.constrained]
+            tick.mask_step = self.awaiting_masks.step
+        tick.tiles_done = self.images.take_handed_back()
+        if not (finished or launched or tick.committed or tick.released or tick.dropped_steps):
             self.device.reset_chain()  # idle: the next gap is not a bubble
         self.stats_.host_s += (time.perf_counter() - t0) - (self.stats_.wait_s - wait0)
-        self._result = None
-        return result
+        return tick
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> list[Sequence]:
+        """Submits join the queue; ends are applied. Returns the sequences released by them."""
         if not self._inbox:
-            return
+            return []
         with self._lock:
             items, self._inbox = self._inbox, []
+        released = []
         for reason, seq in items:
             if reason is None:
                 self.scheduler.add(seq)
-                self.stats_.image_tokens += seq.image_tokens
-            elif seq.finalize(reason):
-                self._maybe_release(seq)
+            elif seq.finalize(reason) and self._release_if_done(seq):
+                released.append(seq)
+        return released
 
     # ------------------------------------------------------------------ launch
     def _launch(self) -> Launch | None:
@@ -376,18 +348,15 @@ class Engine:
             self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
-            for image in seq.images:
-                if int(seq.image_positions[image.row_end - 1]) < seq.cached_tokens:
-                    self._tiles_done(image)  # wholly in the prefix-cache hit: its KV is there already
-                else:
-                    self._acquire_features(seq, image)
+            if seq.images:
+                self.images.admit(seq)
         if not plan:
             return None
-        step, slot = self.pipeline.launch()
-        launch = Launch(step, slot, bool(plan.prefill), [], [], [], None)
-        launch.inputs, launch.sample_seqs = inp, sample_seqs = self._inputs(plan, launch)
-        launch.seqs = seqs = plan.decode + [c.seq for c in plan.prefill]
+        seqs = plan.decode + [c.seq for c in plan.prefill]
+        launch = Launch(bool(plan.prefill), seqs, [])
+        launch.inputs, launch.sample_seqs = inp, _ = self._inputs(plan, launch)
         launch.kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
+        launch.step, launch.slot = self.pipeline.launch(launch)
         for seq in seqs:
             seq.inflight_refs += 1
         if self.lora_slots is not None:
@@ -395,68 +364,9 @@ class Engine:
         if self.config.debug:
             self._check_exclusive(seqs, inp.decode_pos, plan)
         launch.marks.append(self.device.mark())
-        self.runner.enqueue_forward(slot, launch.inputs)
+        self.runner.enqueue_forward(launch.slot, inp)
         launch.marks.append(self.device.mark())
-        self.launches.append(launch)
         return launch
-
-    def _acquire_features(self, seq: Sequence, image: SeqImage) -> None:
-        """Admission: a reference to the image's cache entry; a hit on features
-        already computed (or enqueued) never reads this request's tiles."""
-        num_tiles = image.input.num_tiles
-        image.entry, _hit = self.encoder_cache.acquire(image.input.hash, self.runner.feature_bytes(num_tiles),
-                                                       num_tiles)
-        # A prefix-cache hit may end inside the image: its earlier tiles are never read.
-        first_row = int(np.searchsorted(seq.image_positions, seq.cached_tokens)) - image.row_start
-        image.first_tile = max(first_row, 0) // self.runner.vision.tokens_per_tile
-        self._maybe_tiles_done(image)
-
-    def _maybe_tiles_done(self, image: SeqImage) -> None:
-        """Hand the tiles back if every tile the request still needs is enqueued
-        and no uncommitted launch copies from them."""
-        if not image.copies and (image.entry is None or image.entry.complete(image.first_tile)):
-            self._tiles_done(image)
-
-    def _tiles_done(self, image: SeqImage) -> None:
-        if image.holds_tiles:
-            image.holds_tiles = False
-            self._result.tiles_done.append(image.input)
-
-    def _release_features(self, seq: Sequence) -> None:
-        for image in seq.images:
-            if image.entry is not None:
-                self.encoder_cache.release(image.entry)
-                image.entry = None
-
-    def _image_inputs(self, seq: Sequence, start: int, length: int, offset: int, launch: Launch, encode: list,
-                      index: list, segments: list) -> None:
-        """A prefill chunk's image rows: encode the tiles they need that nobody has
-        enqueued yet, say where each row's features are."""
-        offsets, rows = image_rows_in_chunk(seq.image_positions, start, length)
-        if not len(rows):
-            return
-        lo, hi = int(rows[0]), int(rows[-1]) + 1  # a chunk's image rows are contiguous
-        index.append(offsets + offset)
-        per_tile = self.runner.vision.tokens_per_tile
-        for image in seq.images:
-            if image.row_end <= lo or image.row_start >= hi:
-                continue
-            entry = image.entry
-            first, end = max(lo, image.row_start) - image.row_start, min(hi, image.row_end) - image.row_start
-            missing = entry.missing(first // per_tile, -(-end // per_tile))
-            if len(missing):
-                assert image.holds_tiles, "tiles to encode without the host tiles"
-                entry.enqueued[missing] = True
-                entry.pending += len(missing)
-                image.copies += 1
-                launch.encoded.append((image, len(missing)))
-                for run in np.split(missing, np.flatnonzero(np.diff(missing) > 1) + 1):  # contiguous runs
-                    a, b = int(run[0]), int(run[-1]) + 1
-                    encode.append((image.input.tile_blocks(a, b), entry.holder, a, entry.num_tiles))
-                self.stats_.encoded_tiles += len(missing)
-                self.stats_.encoded_images += entry.complete()
-            self._maybe_tiles_done(image)  # e.g. another request enqueued the rest
-            segments.append((entry.holder, first, end))
 
     def _inputs(self, plan: Plan, launch: Launch) -> tuple[LaunchInputs, list[Sequence]]:
         """Host metadata of a launch, and the counters it advances."""
@@ -468,19 +378,17 @@ class Engine:
         sample_pos = list(decode_pos + 1)  # the position of the token each row samples
         logits_index = list(range(len(decode)))
         prefill_ids, chunks = [], []
-        encode, image_index, image_segments = [], [], []
         offset = len(decode)
         for c in plan.prefill:
             seq = c.seq
             chunks.append((c.start, c.length, seq.pages))
             prefill_ids.extend(seq.prompt_ids[c.start:c.start + c.length])
             if seq.images:
-                self._image_inputs(seq, c.start, c.length, offset, launch, encode, image_index, image_segments)
+                launch.images = self.images.add_chunk(launch.images, c, offset)
             offset += c.length
             seq.num_prefilled += c.length
             self.stats_.prefill_tokens += c.length
             if c.final:
-                launch.prefill_ended.append(seq)
                 logits_index.append(offset - 1)
                 sample_seqs.append(seq)
                 sample_pos.append(seq.prompt_len)
@@ -497,13 +405,9 @@ class Engine:
             any_random=any(p.temperature > 0 for p in params),
             any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
-            encode=encode,
-            image_index=np.concatenate(image_index) if image_index else None,
-            image_segments=image_segments,
             token_lora=self._token_lora(plan),
+            **(launch.images.inputs() if launch.images else {}),
         )
-        if encode:
-            self.stats_.encoder_launches += 1
         return inp, sample_seqs
 
     def _token_lora(self, plan: Plan) -> np.ndarray | None:
@@ -516,32 +420,11 @@ class Engine:
         return np.repeat(np.asarray(slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
 
     # ------------------------------------------------------------------ sampling
-    def _sample_unconstrained(self, launch: Launch) -> None:
-        """Sample the rows that need no mask now; constrained rows wait for the caller's masks."""
-        if not launch.sample_seqs:  # a launch of non-final prefill chunks samples nothing
-            launch.copy_done = launch.marks[-1]
-            return
-        # Zombie rows (already finalized) never wait for a mask.
-        constrained = np.fromiter((i for i, s in enumerate(launch.sample_seqs) if s.constrained and not s.finalized),
-                                  np.int64)
-        launch.marks.append(self.device.mark())
-        if not len(constrained):
-            self.runner.enqueue_sample(launch.slot, launch.inputs)
-            launch.marks.append(self.device.mark())
-            self._enqueue_copy(launch)
-            return
-        free = np.setdiff1d(np.arange(len(launch.sample_seqs)), constrained)
-        if len(free):
-            self.runner.enqueue_sample(launch.slot, launch.inputs, free)
-        launch.marks.append(self.device.mark())
-        launch.constrained = constrained
-        self.awaiting_masks = launch
-        self._result.mask_requests = [launch.sample_seqs[i] for i in constrained]
-        self._result.mask_step = launch.step
-
-    def _sample_constrained(self, launch: Launch, words: np.ndarray | None, missing: np.ndarray | None) -> None:
-        """Sample the rows that waited for masks (built after the previous commit), then copy the step."""
-        self.awaiting_masks = None
+    def _sample_constrained(self, words: np.ndarray | None, missing: np.ndarray | None,
+                            targets: list[np.ndarray]) -> Launch:
+        """Phase 1: sample the rows of the launch awaiting masks (built after the previous
+        commit), then copy its step. Returns that launch."""
+        launch, self.awaiting_masks = self.awaiting_masks, None
         rows = launch.constrained
         if words is None or len(words) != len(rows):
             raise ValueError(f"step {launch.step} needs masks for {len(rows)} constrained rows")
@@ -553,20 +436,43 @@ class Engine:
         launch.marks.append(self.device.mark())
         self.runner.enqueue_sample(launch.slot, launch.inputs, rows, np.ascontiguousarray(words, dtype=np.int32))
         launch.marks.append(self.device.mark())
-        self._enqueue_copy(launch)
+        self._enqueue_copy(launch, targets)
+        return launch
 
-    def _enqueue_copy(self, launch: Launch) -> None:
-        dest = None
-        if self._copy_into:
-            dest = self._copy_into.pop(0)
-            self._result.copied_steps.append(launch.step)
-        launch.copy_done = self.runner.enqueue_copy(launch.slot, launch.inputs, dest)
+    def _sample_unconstrained(self, launch: Launch, targets: list[np.ndarray]) -> Launch | None:
+        """Phase 4: sample the rows that need no mask now and, if none waits for a mask, copy the
+        step. Returns the launch if some of its rows await the caller's masks, else None."""
+        if not launch.sample_seqs:  # a launch of non-final prefill chunks samples nothing
+            launch.copy_done = launch.marks[-1]
+            return None
+        # Zombie rows (already finalized) never wait for a mask.
+        constrained = np.fromiter((i for i, s in enumerate(launch.sample_seqs) if s.constrained and not s.finalized),
+                                  np.int64)
+        launch.marks.append(self.device.mark())
+        if not len(constrained):
+            self.runner.enqueue_sample(launch.slot, launch.inputs)
+            launch.marks.append(self.device.mark())
+            self._enqueue_copy(launch, targets)
+            return None
+        free = np.setdiff1d(np.arange(len(launch.sample_seqs)), constrained)
+        if len(free):
+            self.runner.enqueue_sample(launch.slot, launch.inputs, free)
+        launch.marks.append(self.device.mark())
+        launch.constrained = constrained
+        return launch
+
+    def _enqueue_copy(self, launch: Launch, targets: list[np.ndarray]) -> None:
+        """The step's ids to the host, and into the caller's next host array if one is left."""
+        launch.copy_into = targets.pop(0) if targets else None
+        launch.copy_done = self.runner.enqueue_copy(launch.slot, launch.inputs, launch.copy_into)
 
     # ------------------------------------------------------------------ commit
-    def _commit(self) -> None:
+    def _commit(self) -> tuple[CommittedStep | None, list[Sequence], list[int]]:
+        """Phase 3: commit the oldest launched step. Returns it (None if its device work failed),
+        the sequences released, and the steps dropped after a device failure."""
         step, slot = self.pipeline.pop_commit()
-        launch = self.launches.popleft()
-        assert launch.step == step and launch.copy_done is not None, (launch.step, step)
+        launch = self.pipeline.item(step)
+        assert launch.copy_done is not None, step
         t = time.perf_counter()
         self.device_wait_since = time.monotonic()
         try:
@@ -577,37 +483,35 @@ class Engine:
         finally:
             self.device_wait_since = None
         self.stats_.wait_s += time.perf_counter() - t
+        self._unref(launch)
+        if error is not None:
+            return (None, *self._device_failed(launch, error))
+        self.device.account(launch.marks, launch.copy_done)
+        self._count(launch)
+        if launch.images:
+            self.images.committed(launch.images)
+        n = len(launch.sample_seqs)
+        tokens, flags, logprobs = self.runner.read_step(slot, n)
+        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
+        committed = CommittedStep(step, launch.prefill, launch.sample_seqs, tokens.astype(np.int32), finish, live,
+                                  cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None)
+        released = []
+        for seq, end in zip(launch.seqs, launch.kv_ends):
+            seq.kv_committed = max(seq.kv_committed, end)
+            if self.alloc.pages.caching:
+                self._register_full_pages(seq)
+            if self._release_if_done(seq):
+                released.append(seq)
+        self.pipeline.release(step)
+        return committed, released, []
+
+    def _unref(self, launch: Launch) -> None:
+        """The launch is committed or dropped: it no longer references its sequences or LoRA slots."""
         for seq in launch.seqs:
             seq.inflight_refs -= 1
             assert seq.inflight_refs >= 0, "inflight_refs underflow"
         if self.lora_slots is not None:
             self.lora_slots.committed(s.lora_slot for s in launch.seqs)
-        if error is not None:
-            self._device_failed(launch, error)
-            return
-        self.device.account(launch.marks, launch.copy_done)
-        self._count(launch)
-        for image, tiles in launch.encoded:  # the host-to-device copies of their tiles are done
-            image.copies -= 1
-            if image.entry is not None:
-                image.entry.pending -= tiles
-            self._maybe_tiles_done(image)
-        for seq in launch.prefill_ended:  # no later launch reads their features
-            self._release_features(seq)
-        n = len(launch.sample_seqs)
-        tokens, flags, logprobs = self.runner.read_step(slot, n)
-        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
-        r = self._result
-        r.step, r.prefill, r.seqs, r.live, r.finish = step, launch.prefill, launch.sample_seqs, live, finish
-        r.cached = cached
-        r.tokens = tokens.astype(np.int32)
-        r.logprobs = logprobs.astype(np.float32) if launch.inputs.want_logprobs else None
-        for seq, end in zip(launch.seqs, launch.kv_ends):
-            seq.kv_committed = max(seq.kv_committed, end)
-            if self.alloc.pages.caching:
-                self._register_full_pages(seq)
-            self._maybe_release(seq)
-        self.pipeline.release(step)
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Name the sequence's pages whose KV is complete and committed (prompt and generated
@@ -671,14 +575,14 @@ class Engine:
         return live, finish, cached
 
     # ------------------------------------------------------------------ release and failure
-    def _maybe_release(self, seq: Sequence) -> None:
-        """Release a finalized sequence once no launched step references it (exactly once)."""
+    def _release_if_done(self, seq: Sequence) -> bool:
+        """Release a finalized sequence once no launched step references it (exactly once).
+        Returns whether it was released now."""
         if seq.released or not seq.finalized or seq.inflight_refs:
-            return
+            return False
         seq.released = True
-        for image in seq.images:
-            self._tiles_done(image)
-        self._release_features(seq)
+        if seq.images:
+            self.images.release(seq)
         if seq.admitted:
             self.alloc.release(seq.row, seq.pages)
             if seq.lora_slot:
@@ -689,22 +593,23 @@ class Engine:
             self.scheduler.drop_waiting(seq)
         if seq.error is None:
             self.stats_.finished += 1
-        self._result.released.append(seq)
+        return True
 
     def _fail(self, seq: Sequence, code: str, message: str) -> None:
         if seq.finalize(FinishReason.ERROR, f"{code}: {message}"):
             self.stats_.failed += 1
             log.warning("request %d failed: %s: %s", seq.seq_id, code, message)
 
-    def _device_failed(self, launch: Launch, error: BaseException) -> None:
-        """Device work failed: fail the requests of every outstanding step, keep serving."""
+    def _device_failed(self, launch: Launch, error: BaseException) -> tuple[list[Sequence], list[int]]:
+        """Device work failed: fail the requests of every outstanding step, keep serving.
+        Returns the sequences released and the steps dropped."""
         log.error("device work failed at step %d: %r", launch.step, error)
-        victims = list(launch.seqs)
-        self._result.dropped_steps.append(launch.step)
+        victims, dropped = list(launch.seqs), [launch.step]
         self.pipeline.release(launch.step)
         self.awaiting_masks = None
-        while self.launches:  # later steps ran on a failed stream: drop them too
-            later = self.launches.popleft()
+        while self.pipeline.in_flight:  # later steps ran on a failed stream: drop them too
+            step, _ = self.pipeline.pop_commit()
+            later = self.pipeline.item(step)
             later.dropped = True
             victims += later.seqs
             if later.copy_done is not None:
@@ -712,22 +617,11 @@ class Engine:
                     later.copy_done.synchronize()
                 except DeviceError:
                     pass
-            s, _ = self.pipeline.pop_commit()
-            for seq in later.seqs:
-                seq.inflight_refs -= 1
-            if self.lora_slots is not None:
-                self.lora_slots.committed(s.lora_slot for s in later.seqs)
-            self.pipeline.release(s)
-            self._result.dropped_steps.append(s)
+            self._unref(later)
+            self.pipeline.release(step)
+            dropped.append(step)
         self.device.recover()
-        # Features whose encode never completed are garbage: forget them, and fail every
-        # request that would read them (a request admitted later hit on them).
-        broken = {e for e in self.encoder_cache.entries.values() if e.pending}
-        for entry in broken:
-            self.encoder_cache.invalidate(entry)
-        if broken:
-            victims += [s for s in self.scheduler.running if any(i.entry in broken for i in s.images)]
+        victims += self.images.device_failed(self.scheduler.running)
         for seq in victims:
             self._fail(seq, "internal", f"device error: {error}")
-        for seq in victims:
-            self._maybe_release(seq)
+        return [seq for seq in victims if self._release_if_done(seq)], dropped

@@ -7,11 +7,10 @@ page-locked host buffers the sampled ids are copied into, and on CUDA the
 decode graphs captured for that slot (one per batch-size bucket and page-count
 bucket).
 
-Image prefill: a launch may first encode image tiles (``LaunchInputs.encode``):
-the tiles go host -> device, are normalised and run through the vision encoder
-on the compute stream, and their features land in their images' rows of the
-encoder-cache holders;
-then the text forward replaces the embeddings of the launch's ``<image>``
+Image prefill: a launch may first encode image tiles (``LaunchInputs.encode``,
+built by ``image_prefill.py``): the tiles go host -> device and through the
+vision family's ``encode_runs`` on the compute stream, and their features land
+in their images' rows of the encoder-cache holders; then the text forward replaces the embeddings of the launch's ``<image>``
 tokens (``image_index``) by rows of those holders (``image_segments``).
 
 Nothing here decides *what* to run; ``engine.py`` does. Functions named
@@ -61,8 +60,8 @@ class LaunchInputs:
     any_random: bool
     any_filter: bool
     want_logprobs: bool
-    # Tiles encoded by this launch, before its text forward: (host tile blocks, FeatureHolder,
-    # index of the first of those tiles in their image, the image's number of tiles) per run of tiles.
+    # Encode units of this launch, before its text forward (image_prefill.py): (host tile blocks,
+    # FeatureHolder, first feature row of the run in its image, the image's feature rows) per run.
     encode: list = ()
     # The launch's <image> tokens: packed token index [K], and where their features are,
     # in the same order: (FeatureHolder, first row, end row) runs.
@@ -239,24 +238,20 @@ class ModelRunner:
         self.device.compute.submit(run)
 
     def _encode(self, runs: list) -> None:
-        """Compute-stream work: encode every tile of a launch in one vision forward (the encoder
-        treats tiles independently), and write each run's rows into its image's features."""
+        """Compute-stream work: encode a launch's runs of encode units (one call of the vision
+        family for all of them) and write each run's rows into its image's features."""
         dev = self.device.torch_device
-        blocks = [torch.from_numpy(t).to(dev, non_blocking=True) for tiles, *_ in runs for t in tiles]
-        tiles = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        features = self.vision.encode_images(normalize_tiles(tiles, self.image_params, self.dtype))
-        rows_per_tile, start = self.vision.tokens_per_tile, 0
-        for tiles, holder, first_tile, num_tiles in runs:
-            end = start + sum(len(t) for t in tiles) * rows_per_tile
-            if holder.features is None:  # the image's first tiles: its own storage, so evicting it frees it
-                holder.features = features.new_empty((num_tiles * rows_per_tile, features.shape[1]))
-            first = first_tile * rows_per_tile
-            holder.features[first:first + end - start] = features[start:end]
-            start = end
+        tiles = [[torch.from_numpy(t).to(dev, non_blocking=True) for t in blocks] for blocks, *_ in runs]
+        for (_, holder, first, rows), features in zip(runs, self.vision.encode_runs(tiles, self.image_params,
+                                                                                     self.dtype)):
+            if holder.features is None:  # the image's first units: its own storage, so evicting it frees it
+                holder.features = features.new_empty((rows, features.shape[1]))
+            holder.features[first:first + len(features)] = features
 
-    def feature_bytes(self, num_tiles: int) -> int:
-        """Device bytes of one image's features."""
-        return num_tiles * self.vision.tokens_per_tile * self.config.hidden_size * self.dtype.itemsize
+    @property
+    def feature_row_bytes(self) -> int:
+        """Device bytes of one image feature row."""
+        return self.config.hidden_size * self.dtype.itemsize
 
     def _lora_slots(self, inp: LaunchInputs, graph: "_DecodeGraph | None") -> np.ndarray | None:
         """Each token row's LoRA slot; None when the forward skips LoRA (no adapter in an eager launch).

@@ -1,7 +1,9 @@
 """The pipeline's bookkeeping: two ping-pong slots, as a pure state machine.
 
 A *slot* is one set of per-step buffers (staged metadata, logits, sampled ids,
-the host copy's destination, CUDA graphs); step n uses slot n % NUM_SLOTS.
+the host copy's destination, CUDA graphs); step n uses slot n % NUM_SLOTS. A
+step carries its caller's item (the engine's ``Launch``) from launch to
+release, so the queue of launched steps exists once.
 
 No torch here: this module only decides which slot a launch uses, which step is
 committed next and when a slot may be reused, so it is tested exhaustively on
@@ -44,6 +46,7 @@ class SlotState(Enum):
 class SlotRecord:
     state: SlotState = SlotState.FREE
     step: int | None = None
+    item: object = None  # what the caller launched the step with (the engine: its Launch), until release
 
 
 class Pipeline:
@@ -80,15 +83,27 @@ class Pipeline:
     def oldest_in_flight(self) -> int | None:
         return self._in_flight[0] if self._in_flight else None
 
+    def item(self, step: int) -> object:
+        """What ``step`` was launched with (launched, not yet released)."""
+        rec = self.slots[self.slot_of(step)]
+        if rec.step != step:
+            raise PipelineError(f"step {step} is not outstanding")
+        return rec.item
+
+    @property
+    def in_flight_items(self) -> list:
+        """The items of the steps launched and not yet popped for commit, in launch order."""
+        return [self.slots[self.slot_of(step)].item for step in self._in_flight]
+
     # -- transitions -----------------------------------------------------------
-    def launch(self) -> tuple[int, int]:
-        """Claim the next slot for a new step; returns (step, slot)."""
+    def launch(self, item: object = None) -> tuple[int, int]:
+        """Claim the next slot for a new step that carries ``item``; returns (step, slot)."""
         step = self.next_step
         slot = self.slot_of(step)
         rec = self.slots[slot]
         if rec.state is not SlotState.FREE:
             raise PipelineError(f"slot {slot} is {rec.state.value} (step {rec.step}); cannot launch step {step}")
-        rec.state, rec.step = SlotState.IN_FLIGHT, step
+        rec.state, rec.step, rec.item = SlotState.IN_FLIGHT, step, item
         self._in_flight.append(step)
         self.next_step += 1
         return step, slot
@@ -112,5 +127,5 @@ class Pipeline:
         if self._committing != step:
             raise PipelineError(f"release({step}) but the step being committed is {self._committing}")
         rec = self.slots[self.slot_of(step)]
-        rec.state, rec.step = SlotState.FREE, None
+        rec.state, rec.step, rec.item = SlotState.FREE, None, None
         self._committing = None

@@ -3,7 +3,9 @@
 Every running sequence whose prefill is complete and whose dispatched tokens
 are below its cap decodes in every launch (it joins as soon as its first token
 is sampled on the device, before the host has seen it). Prompts prefill in
-chunks bounded by a per-launch token budget, oldest first. Admission is FIFO
+chunks bounded by a per-launch token budget, oldest first; a chunk never ends
+inside a span the request keeps whole (``Sequence.whole_spans``: it ends before
+the span, or, when the span begins the chunk, after it, over the budget). Admission is FIFO
 and reserves a request's whole KV (prompt + max_tokens) up front, so a running
 sequence never runs out of pages; a request that does not fit waits. The
 leading full pages of a prompt that the prefix cache holds are mapped, not
@@ -100,8 +102,9 @@ class Scheduler:
             if seq.wants_decode:
                 plan.decode.append(seq)
             elif budget > 0 and not seq.finalized and not seq.prefill_done:
-                n = min(budget, seq.prompt_len - seq.num_prefilled)
-                plan.prefill.append(PrefillChunk(seq, seq.num_prefilled, n))
+                start = seq.num_prefilled
+                n = seq.chunk_end(start, start + min(budget, seq.prompt_len - start)) - start
+                plan.prefill.append(PrefillChunk(seq, start, n))
                 budget -= n
         return plan, admitted
 

@@ -8,10 +8,9 @@ Counters, and why there are three:
 - ``len(output_ids)``: tokens committed.
 
 Images: a request's ``<image>`` prompt positions take rows of its images'
-features (``images``, in prompt order; ``image_positions``). Each image holds
-its host tiles (``tiles``) until the engine no longer needs them, and a
-reference to its encoder-cache entry (``entry``) until its prefill has been
-committed; both are dropped exactly once (``engine.py``).
+features (``images``, in prompt order; ``image_positions``); what each image
+holds, and when it lets go, is ``image_prefill.py``'s. A prefill chunk never
+ends inside one of ``whole_spans`` (``chunk_end``).
 
 Zombies: ``finalized`` is set the moment the end is known (EOS, stop, cancel);
 ``inflight_refs`` counts launched-but-uncommitted steps that include the
@@ -23,54 +22,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 
-
-@dataclass(eq=False)
-class ImageInput:
-    """One image of a request, as the engine receives it."""
-    hash: str  # the encoder-cache key (bytes + preprocessing parameters)
-    tiles: list[np.ndarray] | np.ndarray  # uint8 [n, 3, S, S], or a list of such blocks (shared-memory slots)
-    tag: object = None  # the caller's handle, given back in StepResult.tiles_done (the worker: its slot ids)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.tiles, np.ndarray):
-            self.tiles = [self.tiles]
-        self.tiles = list(self.tiles)
-
-    @property
-    def num_tiles(self) -> int:
-        return sum(len(t) for t in self.tiles)
-
-    def tile_blocks(self, first: int, end: int) -> list[np.ndarray]:
-        """Tiles ``first .. end - 1`` as views of the blocks that hold them (no copy)."""
-        out, base = [], 0
-        for block in self.tiles:
-            a, b = max(first - base, 0), min(end - base, len(block))
-            if a < b:
-                out.append(block[a:b])
-            base += len(block)
-        return out
-
-
-@dataclass(eq=False)
-class SeqImage:
-    """An image inside a sequence: its feature rows and what it holds."""
-    input: ImageInput
-    row_start: int  # first of its rows among the sequence's feature rows
-    num_rows: int
-    holds_tiles: bool = True  # the engine may still read input.tiles
-    first_tile: int = 0  # the first tile whose rows this request computes (earlier ones: its prefix-cache hit)
-    copies: int = 0  # launches, not yet committed, that encode some of its tiles (they read input.tiles)
-    entry: object = None  # its EncoderCache entry, from admission until the prefill is committed
-
-    @property
-    def row_end(self) -> int:
-        return self.row_start + self.num_rows
+if TYPE_CHECKING:
+    from .image_prefill import SeqImage
 
 
 @dataclass(eq=False)
@@ -84,6 +44,7 @@ class Sequence:
     logprobs: bool = False
     images: list[SeqImage] = field(default_factory=list)
     image_positions: np.ndarray | None = None  # sorted prompt positions of the <image> tokens
+    whole_spans: list[tuple[int, int]] = field(default_factory=list)  # prompt spans no chunk ends inside
     adapter: str | None = None  # a LoRA adapter's name, None for the base model
 
     row: int = -1
@@ -133,6 +94,14 @@ class Sequence:
             if first <= page < end:
                 salts[page - first] += image.input.hash.encode()
         return salts
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk from ``start`` that would end at ``end`` ends: before a whole span
+        it would split, or after it when the span begins at ``start`` (over the budget)."""
+        for a, b in self.whole_spans:
+            if a < end < b:
+                return a if a > start else b
+        return end
 
     @property
     def image_tokens(self) -> int:

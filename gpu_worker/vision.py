@@ -10,7 +10,9 @@ needed and the position ids are a plain ``arange``). Output: one row per
 
 Row ``k`` of the output replaces the embedding of the ``k``-th ``<image>`` token
 of the prompt (transformers' ``masked_scatter`` order: tile by tile, the global
-view last). :func:`image_rows_in_chunk` says which rows a prefill chunk needs.
+view last). The encoder is Idefics3's ``ImageFamily`` (``image_prefill.py``):
+tiles are independent, so one tile is one encode unit and a chunk may end
+anywhere inside an image.
 
 Weights load from a transformers-saved ``Idefics3ForConditionalGeneration``
 directory (keys ``model.vision_model.*`` and ``model.connector.*``); the text
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -135,6 +136,24 @@ class VisionEncoder(nn.Module):
     def tokens_per_tile(self) -> int:
         return self.config.tokens_per_tile
 
+    # ---- ImageFamily (image_prefill.py) ------------------------------------
+    def encode_unit(self, num_tiles: int) -> tuple[int, int]:
+        """One tile is one encode unit: SigLIP and the connector treat tiles independently."""
+        return 1, self.config.tokens_per_tile
+
+    def whole_span(self, first: int, end: int) -> None:
+        """Text attends to image rows causally: a chunk may split an image span."""
+        return None
+
+    def encode_runs(self, runs: list[list[torch.Tensor]], params: ImageProcessorParams,
+                    dtype: torch.dtype) -> list[torch.Tensor]:
+        """uint8 tile blocks per run of units (on the device) -> each run's feature rows, in one
+        vision forward for all of them."""
+        blocks = [t for run in runs for t in run]
+        tiles = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        features = self.encode_images(normalize_tiles(tiles, params, dtype))
+        return list(features.split([sum(len(t) for t in run) * self.config.tokens_per_tile for run in runs]))
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.encode_images(pixel_values)
 
@@ -224,17 +243,3 @@ def normalize_tiles(tiles: torch.Tensor, params: ImageProcessorParams, dtype: to
     mean = torch.tensor(params.image_mean, dtype=torch.float32, device=tiles.device)[:, None, None]
     std = torch.tensor(params.image_std, dtype=torch.float32, device=tiles.device)[:, None, None]
     return ((tiles.float() * params.rescale_factor - mean) / std).to(dtype)
-
-
-def image_rows_in_chunk(image_positions: np.ndarray, start: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which image feature rows a prefill chunk needs, and where they go.
-
-    image_positions: sorted prompt positions of a request's ``<image>`` tokens (row
-    ``k`` of its features belongs at ``image_positions[k]``). For the chunk covering
-    positions ``start .. start + num_tokens - 1`` returns (offsets within the
-    chunk, feature row indices), both int64; empty when the chunk has no image
-    token. A chunk may start or end inside an image span.
-    """
-    lo, hi = np.searchsorted(image_positions, [start, start + num_tokens])
-    rows = np.arange(lo, hi, dtype=np.int64)
-    return image_positions[lo:hi].astype(np.int64) - start, rows

@@ -33,8 +33,9 @@ from shared.messages import (Cancel, ImagesCopied, Progress, Ready, Released, Re
                              StatsRequest, Submit, to_sampling_params)
 from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
-from .engine import Engine, StepResult
-from .sequence import ImageInput, Sequence
+from .engine import Engine, Tick
+from .image_prefill import ImageInput
+from .sequence import Sequence
 
 log = logging.getLogger("tandem.worker")
 
@@ -252,26 +253,27 @@ class Worker:
         return words, missing
 
     # ------------------------------------------------------------------ outputs
-    def _publish(self, result: StepResult) -> None:
-        """Publish one step's result: its ring entry (token ids already in it when the
+    def _publish(self, tick: Tick) -> None:
+        """Publish one tick: the committed step's ring entry (token ids already in it when the
         device copied them there), then the releases and failures it produced."""
-        for step in result.copied_steps:
+        for step in tick.copied_steps:
             self.entries[step] = self.spare.popleft()
-        for step in result.dropped_steps:  # a device failure: their entries go out empty
+        for step in tick.dropped_steps:  # a device failure: their entries go out empty
             p = self.entries.pop(step, None)
             if p is not None:
                 self.ring.commit(p, step, Kind.DECODE, [], [])
-        if result.step is not None and result.rows:
-            p = self.entries.pop(result.step) if self.direct_copy else self.spare.popleft()
-            flags = np.where(result.live, result.finish.astype(np.uint32) | (result.cached.astype(np.uint32) << CACHED_SHIFT),
+        c = tick.committed
+        if c is not None and c.rows:
+            p = self.entries.pop(c.step) if self.direct_copy else self.spare.popleft()
+            flags = np.where(c.live, c.finish.astype(np.uint32) | (c.cached.astype(np.uint32) << CACHED_SHIFT),
                              np.uint32(TokenFlag.ZOMBIE))
-            seq_ids = np.fromiter((s.seq_id for s in result.seqs), np.uint32, result.rows)
-            self.ring.commit(p, result.step, Kind.PREFILL if result.prefill else Kind.DECODE, seq_ids, flags,
-                             result.logprobs, None if self.direct_copy else result.tokens)
-        self.mask_requests, self.mask_step = result.mask_requests, result.mask_step
-        for image in result.tiles_done:
+            seq_ids = np.fromiter((s.seq_id for s in c.seqs), np.uint32, c.rows)
+            self.ring.commit(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
+                             c.logprobs, None if self.direct_copy else c.tokens)
+        self.mask_requests, self.mask_step = tick.mask_requests, tick.mask_step
+        for image in tick.tiles_done:
             self._copied += image.tag
-        for seq in result.released:
+        for seq in tick.released:
             self.seqs.pop(seq.seq_id, None)
             self.mask_rows.pop(seq.seq_id, None)
             ended_by_frontend = seq.seq_id in self.ended

@@ -184,7 +184,7 @@ def test_cancel_while_preprocessing_and_while_waiting_for_an_image_slot():
         log = Log()
         params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
         preprocessing = submit(svc, log, [BIG], params)
-        assert preprocessing.preparing
+        assert preprocessing.images.preparing
         svc.cancel(preprocessing)  # before the pool has even finished decoding
         assert log.terminal[preprocessing.seq_id][1]["finish_reason"] == "cancelled"
 
@@ -193,7 +193,7 @@ def test_cancel_while_preprocessing_and_while_waiting_for_an_image_slot():
         deadline = time.monotonic() + 30
         # All three decoded (the cancelled one's result is dropped): one poll then sends
         # the first and parks the second.
-        while len(svc._prepared) < 3:
+        while len(svc.images._prepared) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         svc.poll(0)
@@ -499,13 +499,13 @@ def test_cancel_while_queued_in_the_pool_frees_everything():
         reqs = [submit(svc, log, [image], SamplingParams(max_tokens=2)) for _ in range(6)]
         for r in reqs[1:]:  # one child: the first is being decoded, the last ones wait in the pool
             svc.cancel(r)
-        assert reqs[-1].preparation.cancelled()  # non-vacuity: a cancel took work out of the pool
+        assert reqs[-1].images.preparation.cancelled()  # non-vacuity: a cancel took work out of the pool
         assert all(log.terminal[r.seq_id][1]["finish_reason"] == "cancelled" for r in reqs[1:])
         svc.run_until(lambda: reqs[0].seq_id in log.terminal, 60)
         assert log.terminal[reqs[0].seq_id][0] == "done"
         # Those already handed to the child finish there; their results are dropped on arrival.
-        svc.run_until(lambda: not any(r.preparing for r in reqs), 60)
-        assert not svc._prepared and not any(r.preparation for r in reqs)
+        svc.run_until(lambda: not any(r.images.preparing for r in reqs), 60)
+        assert not svc.images._prepared and not any(r.images.preparation for r in reqs)
         assert_idle(svc)
     finally:
         svc.close()
@@ -566,7 +566,7 @@ def test_close_while_images_are_prepared_ends_each_request_once_and_leaves_no_pr
     try:
         image = large_png(4)
         reqs = [submit(svc, log, [image], SamplingParams(max_tokens=2)) for _ in range(4)]
-        assert any(r.preparing for r in reqs)
+        assert any(r.images.preparing for r in reqs)
     finally:
         svc.close()
     assert all(log.terminal[r.seq_id][0] == "error" and "shutting down" in log.terminal[r.seq_id][1]["message"]

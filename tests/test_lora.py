@@ -245,7 +245,7 @@ def _assert_slots_consistent(eng, seqs):
             held[s.lora_slot] += 1
             assert eng.lora_slots.name_of[s.lora_slot] == s.adapter
     assert held[1:] == eng.lora_slots.refs[1:]
-    for launch in eng.launches:
+    for launch in eng.pipeline.in_flight_items:
         for s in launch.seqs:
             if s.lora_slot:
                 assert eng.lora_slots.refs[s.lora_slot] > 0 and eng.lora_slots.inflight[s.lora_slot] > 0

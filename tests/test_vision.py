@@ -31,7 +31,8 @@ from frontend import images as fi  # noqa: E402
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama, LlamaConfig  # noqa: E402
-from gpu_worker.vision import VisionConfig, VisionEncoder, image_rows_in_chunk, normalize_tiles  # noqa: E402
+from gpu_worker.image_prefill import image_rows_in_chunk  # noqa: E402
+from gpu_worker.vision import VisionConfig, VisionEncoder, normalize_tiles  # noqa: E402
 from shared.models import is_vision_model, resolve_model  # noqa: E402
 from shared.vision_config import ImageProcessorParams  # noqa: E402
 
@@ -398,7 +399,7 @@ def test_engine_with_images_matches_the_reference_decode(pipeline, ours, vlm_pat
     same batch): greedy tokens equal the step-by-step reference above (itself checked
     against transformers), and the repeated images are encoded once."""
     from gpu_worker.engine import Engine, EngineConfig
-    from gpu_worker.sequence import ImageInput
+    from gpu_worker.image_prefill import ImageInput
     from shared.sampling import SamplingParams
 
     llama, _ = ours
@@ -454,7 +455,7 @@ def one_image_prompt(hf_processor, params, name: str) -> tuple[list[int], list]:
 
 def own_tiles(prepared) -> list:
     """Each request its own copy of the host tiles (scrambled when handed back)."""
-    from gpu_worker.sequence import ImageInput
+    from gpu_worker.image_prefill import ImageInput
     return [ImageInput(im.hash, im.tiles.copy()) for im in prepared]
 
 
@@ -545,7 +546,7 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         while engine.has_work:
             step()
 
-        assert b.images[0].first_tile > 0 and f.images[0].first_tile > 0  # prefix-cache hits inside an image
+        assert b.images[0].first_unit > 0 and f.images[0].first_unit > 0  # prefix-cache hits inside an image
         assert a.output_ids == b.output_ids == whole_image_tokens["pt"]
         assert f.output_ids == whole_image_tokens["m"] and c.output_ids == whole_image_tokens["text"]
         assert d.output_ids == [] and d.finish_reason == FinishReason.CANCELLED
@@ -553,12 +554,13 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         encoded = Counter()
         for encode, segments, lengths in launches:
             reached = {(id(h), t) for h, first, end in segments for t in range(first // per, -(-end // per))}
-            here = [(id(h), t) for blocks, h, first, n in encode for t in range(first, first + sum(map(len, blocks)))]
+            here = [(id(h), t) for blocks, h, first, _ in encode
+                    for t in range(first // per, first // per + sum(map(len, blocks)))]
             assert set(here) <= reached and len(here) == len(set(here))
             assert len(here) <= sum(-(-n // per) + 1 for n in lengths)
             encoded.update(here)
-        holders = {id(e.holder): e for e in engine.encoder_cache.entries.values()}
-        assert len(holders) == 3 and set(encoded) == {(h, t) for h, e in holders.items() for t in range(e.num_tiles)}
+        holders = {id(e.holder): e for e in engine.images.cache.entries.values()}
+        assert len(holders) == 3 and set(encoded) == {(h, t) for h, e in holders.items() for t in range(e.num_units)}
         assert set(encoded.values()) == {1}  # each tile of each image once
         tiles_per_launch = [sum(sum(map(len, blocks)) for blocks, *_ in e) for e, _, _ in launches]
         assert 0 < max(tiles_per_launch) < len(prepared_m[0].tiles)  # non-vacuity: the images were split
@@ -566,7 +568,7 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         assert sorted(handed_back) == sorted(id(im) for im in submitted) and set(handed_back.values()) == {1}
         stats = engine.stats()
         assert stats["encoder_cache_refs"] == 0 and engine.idle
-        assert all(e.pending == 0 and e.complete() for e in engine.encoder_cache.entries.values())
+        assert all(e.pending == 0 and e.complete() for e in engine.images.cache.entries.values())
     finally:
         engine.close()
 
@@ -601,7 +603,7 @@ def test_a_prefix_hit_inside_an_image_skips_its_tiles(ours, vlm_path, params, hf
                 handed_back = steps
             if again in result.released:
                 released = steps
-        skipped = again.images[0].first_tile
+        skipped = again.images[0].first_unit
         assert skipped > 0 and again.cached_tokens > positions[0]
         assert engine.stats()["encoded_tiles"] - tiles_before == len(prepared[0].tiles) - skipped
         assert again.output_ids == whole_image_tokens["m"]
@@ -645,3 +647,29 @@ def test_a_failed_encode_mid_image_forgets_the_entry(pipeline, ours, vlm_path, p
         assert engine.stats()["encoder_cache_refs"] == 0
     finally:
         engine.close()
+
+
+def test_a_prefill_chunk_never_ends_inside_a_whole_span():
+    """A family whose image block attends both ways (Moondream: BOS + 729) keeps it whole: with a
+    budget of 16, chunks end before the span, the span goes whole into one launch (over the
+    budget), and the rest of the prompt is chunked as usual. Without the span the same prompt
+    is cut inside it (non-vacuity)."""
+    from gpu_worker.allocator import Allocator
+    from gpu_worker.scheduler import Scheduler
+    from gpu_worker.sequence import Sequence
+    from shared.sampling import SamplingParams
+
+    def chunks(spans):
+        scheduler = Scheduler(Allocator(64, 16, 4, prefix_cache=False), prefill_budget=16)
+        seq = Sequence(0, list(range(100)), SamplingParams(max_tokens=1), 1, 0, whole_spans=spans)
+        scheduler.add(seq)
+        out = []
+        while not seq.prefill_done:
+            plan, _ = scheduler.plan()
+            (chunk,) = plan.prefill
+            out.append((chunk.start, chunk.start + chunk.length))
+            seq.num_prefilled += chunk.length
+        return out
+
+    assert chunks([(10, 50)]) == [(0, 10), (10, 50), (50, 66), (66, 82), (82, 98), (98, 100)]
+    assert chunks([]) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 80), (80, 96), (96, 100)]
