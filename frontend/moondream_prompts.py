@@ -65,3 +65,29 @@ def point_ids(encode: Encode, obj: str) -> list[int]:
 
 def detect_ids(encode: Encode, obj: str) -> list[int]:
     return DETECT_PREFIX + encode(" " + obj) + [ANSWER_ID]
+
+
+def parse_objects(tokens: Sequence[int], values: Sequence[Sequence[float]], detect: bool) -> list[dict]:
+    """A point/detect output (``coord`` x, ``coord`` y[, ``size`` (w, h)] per object, then eos) with
+    each token's region values (coord, w, h) -> the reference's points or (unclamped) boxes."""
+    out, coords = [], []
+    for tok, (c, w, h) in zip(tokens, values):
+        if tok == COORD_ID:
+            coords.append(c)
+            if not detect and len(coords) == 2:
+                out.append({"x": coords[0], "y": coords[1]})
+                coords = []
+        elif tok == SIZE_ID and detect and len(coords) == 2:
+            x, y = coords
+            out.append({"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2})
+            coords = []
+    return out
+
+
+def split_reasoning(tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A reasoning query's output: the reasoning, the answer token that ends it, the answer."""
+    tokens = list(tokens)
+    if ANSWER_ID not in tokens:
+        return tokens, []
+    i = tokens.index(ANSWER_ID)
+    return tokens[:i], tokens[i + 1:]

@@ -70,7 +70,8 @@ from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
 from .prefix_cache import ROOT, chain
-from .sampler import FLAG_STOP
+from .moondream_skills import DECIDE, SkillTask
+from .sampler import FLAG_LENGTH, FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import ImageInput, SeqImage, Sequence
 from .vision import image_rows_in_chunk
@@ -111,6 +112,7 @@ class StepResult:
     live: np.ndarray | None = None  # bool; False = a zombie row (its request ended before this commit)
     cached: np.ndarray | None = None  # int32: on a request's first token, its prompt tokens from the prefix cache
     logprobs: np.ndarray | None = None  # float32, when any row asked for them
+    values: np.ndarray | None = None  # float32 [rows, 3], Moondream: each token's region values (coord, w, h)
     released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
     copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
     dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
@@ -173,11 +175,13 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, constrained: bool = False,
                logprobs: bool = False, seq_id: int | None = None, adapter: str | None = None,
-               images: list[ImageInput] | None = None) -> Sequence:
+               images: list[ImageInput] | None = None, task: SkillTask | None = None) -> Sequence:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field.
 
         ``images``: one per image of the prompt, in prompt order; its ``<image>``
-        tokens (``num_tiles * tokens_per_tile`` each) take their features."""
+        tokens (``num_tiles * tokens_per_tile`` each) take their features.
+        ``task``: a Moondream model's skill (default: caption/query rules); with an image, the
+        prompt's first ``prefix_len`` positions are the image block (its ids are placeholders)."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_ids]
@@ -192,6 +196,7 @@ class Engine:
         if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
+        task = self._check_task(task, prompt, params)
         seq_images, positions = self._check_images(prompt, images or [])
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
@@ -202,11 +207,45 @@ class Engine:
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, seq_images, positions,
-                           adapter)
+                           adapter, task)
             self._inbox.append((None, seq))
         return seq
 
+    def _check_task(self, task: SkillTask | None, prompt: list[int], params: SamplingParams) -> SkillTask | None:
+        if self.runner.moondream is None:
+            if task is not None:
+                raise ValueError("skill: this model has no skills")
+            return None
+        task = task or SkillTask()
+        if task.phase == DECIDE and params.temperature != 0:
+            raise ValueError("temperature: point and detect are greedy (temperature 0)")
+        for name, values, shape in (("coord", task.prompt_coord, (len(prompt),)),
+                                    ("size", task.prompt_size, (len(prompt), 2))):
+            if values is not None and (values.dtype != np.float32 or values.shape != shape):
+                raise ValueError(f"spatial_refs: {name} values must be float32 {list(shape)}")
+        return task
+
+    def _check_moondream_images(self, prompt: list[int], images: list[ImageInput]):
+        """One image at most, as one "tile" holding its crops; its block is the prompt's first positions."""
+        if not images:
+            return [], None
+        crop = self.runner.moondream.spec.vision.crop_size
+        if len(images) > 1:
+            raise ValueError("images: Moondream takes one image per request")
+        image = images[0]
+        t_h, t_w = image.tiling or (0, 0)
+        want = (1, 1 + t_h * t_w, crop, crop, 3)
+        if (image.tiling is None or len(image.tiles) != 1 or image.tiles[0].dtype != np.uint8
+                or image.tiles[0].shape != want):
+            raise ValueError(f"images[0]: a Moondream image is one uint8 block {list(want)} with its tiling")
+        rows = self.runner.tokens_per_tile
+        if len(prompt) <= rows:
+            raise ValueError(f"prompt: an image prompt starts with the {rows}-position image block")
+        return [SeqImage(image, 0, rows)], np.arange(rows)
+
     def _check_images(self, prompt: list[int], images: list[ImageInput]) -> tuple[list[SeqImage], np.ndarray | None]:
+        if self.runner.moondream is not None:
+            return self._check_moondream_images(prompt, images)
         vision, ip = self.runner.vision, self.runner.image_params
         if vision is None:
             if images:
@@ -373,7 +412,7 @@ class Engine:
     def _launch(self) -> Launch | None:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
-            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
+            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages, seq.task)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
             for image in seq.images:
@@ -408,7 +447,7 @@ class Engine:
                                                        num_tiles)
         # A prefix-cache hit may end inside the image: its earlier tiles are never read.
         first_row = int(np.searchsorted(seq.image_positions, seq.cached_tokens)) - image.row_start
-        image.first_tile = max(first_row, 0) // self.runner.vision.tokens_per_tile
+        image.first_tile = max(first_row, 0) // self.runner.tokens_per_tile
         self._maybe_tiles_done(image)
 
     def _maybe_tiles_done(self, image: SeqImage) -> None:
@@ -437,7 +476,7 @@ class Engine:
             return
         lo, hi = int(rows[0]), int(rows[-1]) + 1  # a chunk's image rows are contiguous
         index.append(offsets + offset)
-        per_tile = self.runner.vision.tokens_per_tile
+        per_tile = self.runner.tokens_per_tile
         for image in seq.images:
             if image.row_end <= lo or image.row_start >= hi:
                 continue
@@ -452,7 +491,8 @@ class Engine:
                 launch.encoded.append((image, len(missing)))
                 for run in np.split(missing, np.flatnonzero(np.diff(missing) > 1) + 1):  # contiguous runs
                     a, b = int(run[0]), int(run[-1]) + 1
-                    encode.append((image.input.tile_blocks(a, b), entry.holder, a, entry.num_tiles))
+                    encode.append((image.input.tile_blocks(a, b), entry.holder, a, entry.num_tiles,
+                                   image.input.tiling))
                 self.stats_.encoded_tiles += len(missing)
                 self.stats_.encoded_images += entry.complete()
             self._maybe_tiles_done(image)  # e.g. another request enqueued the rest
@@ -469,11 +509,15 @@ class Engine:
         logits_index = list(range(len(decode)))
         prefill_ids, chunks = [], []
         encode, image_index, image_segments = [], [], []
+        coord, size = [], []  # Moondream: the prefill tokens' spatial-ref values, when any chunk has some
         offset = len(decode)
         for c in plan.prefill:
             seq = c.seq
             chunks.append((c.start, c.length, seq.pages))
             prefill_ids.extend(seq.prompt_ids[c.start:c.start + c.length])
+            if seq.task is not None and seq.task.prompt_coord is not None:
+                coord.append((len(prefill_ids) - c.length, seq.task.prompt_coord[c.start:c.start + c.length],
+                              seq.task.prompt_size[c.start:c.start + c.length]))
             if seq.images:
                 self._image_inputs(seq, c.start, c.length, offset, launch, encode, image_index, image_segments)
             offset += c.length
@@ -502,6 +546,12 @@ class Engine:
             image_segments=image_segments,
             token_lora=self._token_lora(plan),
         )
+        if coord:
+            inp.prefill_coord = np.zeros(len(prefill_ids), np.float32)
+            inp.prefill_size = np.zeros((len(prefill_ids), 2), np.float32)
+            for start, c_values, s_values in coord:
+                inp.prefill_coord[start:start + len(c_values)] = c_values
+                inp.prefill_size[start:start + len(s_values)] = s_values
         if encode:
             self.stats_.encoder_launches += 1
         return inp, sample_seqs
@@ -595,13 +645,14 @@ class Engine:
         for seq in launch.prefill_ended:  # no later launch reads their features
             self._release_features(seq)
         n = len(launch.sample_seqs)
-        tokens, flags, logprobs = self.runner.read_step(slot, n)
-        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
+        tokens, flags, logprobs, values = self.runner.read_step(slot, n)
+        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs, values)
         r = self._result
         r.step, r.prefill, r.seqs, r.live, r.finish = step, launch.prefill, launch.sample_seqs, live, finish
         r.cached = cached
         r.tokens = tokens.astype(np.int32)
         r.logprobs = logprobs.astype(np.float32) if launch.inputs.want_logprobs else None
+        r.values = values
         for seq, end in zip(launch.seqs, launch.kv_ends):
             seq.kv_committed = max(seq.kv_committed, end)
             if self.alloc.pages.caching:
@@ -613,7 +664,7 @@ class Engine:
         """Name the sequence's pages whose KV is complete and committed (prompt and generated
         tokens alike, so a follow-up turn hits): from now on other requests may map them."""
         size = self.alloc.page_size
-        full = min(seq.kv_committed, seq.prompt_len + len(seq.output_ids)) // size
+        full = min(seq.kv_committed, seq.cacheable_len) // size
         names = seq.page_names
         if len(names) < full:
             tokens = seq.prompt_ids + seq.output_ids
@@ -641,7 +692,7 @@ class Engine:
             s.decode_steps += 1
         s.sample_rows += len(launch.sample_seqs)
 
-    def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs):
+    def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs, values=None):
         """Append each live row's token to its sequence and end it on a stop or its length cap.
         Returns (live, finish reason, cached prompt tokens on first tokens) per row."""
         n = len(seqs)
@@ -657,12 +708,14 @@ class Engine:
             seq.output_ids.append(int(tokens[i]))
             if seq.logprobs:
                 seq.output_logprobs.append(float(logprobs[i]))
+            if values is not None:
+                seq.output_values.append(tuple(float(v) for v in values[i]))
             if seq.t_first_token is None:
                 seq.t_first_token = now
                 cached[i] = seq.cached_tokens
             if flags[i] & FLAG_STOP:
                 seq.finalize(FinishReason.STOP)
-            elif len(seq.output_ids) >= seq.max_tokens:
+            elif flags[i] & FLAG_LENGTH or len(seq.output_ids) >= seq.max_tokens:
                 seq.finalize(FinishReason.LENGTH)
             finish[i] = seq.finish_reason
         zombies = n - int(live.sum())

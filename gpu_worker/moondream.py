@@ -24,13 +24,14 @@ keys (``model.text.blocks.0.attn.qkv.weight`` is ``self.text.blocks[0].attn.qkv.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.moondream_config import COORD_ID, SIZE_ID, MoondreamConfig
+from shared.moondream_config import BOS_ID, COORD_ID, EOS_ID, SIZE_ID, MoondreamConfig
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
@@ -211,12 +212,33 @@ def normalize_crops(crops: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.div_(255.0).sub_(0.5).div_(0.5).to(dtype)
 
 
+@dataclass(frozen=True)
+class EngineShape:
+    """What the engine reads of a model's config, under ``LlamaConfig``'s names."""
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_id: tuple[int, ...] = (EOS_ID,)
+    bos_token_id: int = BOS_ID
+    model_type: str = "moondream"
+
+    @classmethod
+    def of(cls, config: MoondreamConfig) -> "EngineShape":
+        t = config.text
+        return cls(t.vocab_size, t.dim, t.n_layers, t.n_heads, t.n_kv_heads, t.dim // t.n_heads, t.max_context)
+
+
 class Moondream(nn.Module):
     def __init__(self, config: MoondreamConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_model_len: int | None = None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.config = config
+        self.spec = config
+        self.config = EngineShape.of(config)
         self.text = TextModel(config, **kw)
         self.vision = VisionModel(config, **kw)
         self.region = RegionModel(config, **kw)
@@ -226,7 +248,7 @@ class Moondream(nn.Module):
             self._init_rope(device)
 
     def _init_rope(self, device) -> None:
-        t = self.config.text
+        t = self.spec.text
         cos, sin = rope_tables(t.dim // t.n_heads, self.max_model_len)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -262,7 +284,7 @@ class Moondream(nn.Module):
         if prefix_index is not None:
             per_token = batch.positions.index_fill(0, prefix_index, self.prefix_len - 1)
             limit = per_token[batch.query_index]
-        t = self.config.text
+        t = self.spec.text
         mask = attention_mask(batch, kv, t.n_heads // t.n_kv_heads, limit)
         for block in self.text.blocks:
             x = block(x, cos, sin, batch, kv, mask)

@@ -101,6 +101,11 @@ class Scheduler:
                 plan.decode.append(seq)
             elif budget > 0 and not seq.finalized and not seq.prefill_done:
                 n = min(budget, seq.prompt_len - seq.num_prefilled)
+                unsplit = seq.unsplit_end - seq.num_prefilled  # a block that must not be split
+                if unsplit > n:
+                    if budget < self.prefill_budget:  # wait for a launch of its own
+                        continue
+                    n = unsplit  # over the budget rather than never
                 plan.prefill.append(PrefillChunk(seq, seq.num_prefilled, n))
                 budget -= n
         return plan, admitted

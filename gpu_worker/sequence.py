@@ -36,6 +36,7 @@ class ImageInput:
     hash: str  # the encoder-cache key (bytes + preprocessing parameters)
     tiles: list[np.ndarray] | np.ndarray  # uint8 [n, 3, S, S], or a list of such blocks (shared-memory slots)
     tag: object = None  # the caller's handle, given back in StepResult.tiles_done (the worker: its slot ids)
+    tiling: tuple[int, int] | None = None  # Moondream: the crops' (rows, columns); its one "tile" holds them all
 
     def __post_init__(self) -> None:
         if isinstance(self.tiles, np.ndarray):
@@ -85,6 +86,7 @@ class Sequence:
     images: list[SeqImage] = field(default_factory=list)
     image_positions: np.ndarray | None = None  # sorted prompt positions of the <image> tokens
     adapter: str | None = None  # a LoRA adapter's name, None for the base model
+    task: object = None  # Moondream: its moondream_skills.SkillTask (None: plain text rules)
 
     row: int = -1
     lora_slot: int = 0  # its adapter's device slot from admission to release (0: none)
@@ -100,6 +102,7 @@ class Sequence:
     num_dispatched: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_values: list = field(default_factory=list)  # Moondream: (coord, w, h) float32 per output token
 
     admitted: bool = False
     finalized: bool = False
@@ -116,8 +119,26 @@ class Sequence:
 
     @property
     def page_salt(self) -> bytes:
-        """What besides the tokens decides its KV, for the prefix cache's page names: the adapter."""
-        return b"" if self.adapter is None else b"lora:" + self.adapter.encode()
+        """What besides the tokens decides its KV, for the prefix cache's page names: the adapter,
+        and the values of a Moondream prompt's spatial refs."""
+        salt = b"" if self.adapter is None else b"lora:" + self.adapter.encode()
+        if self.task is not None and self.task.prompt_coord is not None:
+            salt += b"refs:" + self.task.prompt_coord.tobytes() + self.task.prompt_size.tobytes()
+        return salt
+
+    @property
+    def unsplit_end(self) -> int:
+        """Prefill never ends a chunk before this position (Moondream's image block attends both ways)."""
+        return len(self.image_positions) if self.task is not None and self.images else 0
+
+    @property
+    def cacheable_len(self) -> int:
+        """Tokens whose KV the prefix cache may name: a Moondream output's coord/size tokens carry
+        values the token ids do not show, so such a sequence shares its prompt only."""
+        n = self.prompt_len + len(self.output_ids)
+        if self.task is not None and self.task.values_in_output:
+            n = self.prompt_len
+        return n
 
     @property
     def prompt_len(self) -> int:

@@ -19,7 +19,7 @@ class Session:
     """One sequence on its own paged cache: feed embeddings chunk by chunk, read the last row."""
 
     def __init__(self, model, max_len: int = 1024):
-        t = model.config.text
+        t = model.spec.text
         self.model = model
         pages = -(-max_len // PAGE)
         self.kv = PagedKVCache(t.n_layers, pages + 1, PAGE, t.n_kv_heads, t.dim // t.n_heads,
@@ -47,11 +47,10 @@ class Session:
         return self.feed([SIZE_ID], size=wh.view(1, 2))
 
 
-@torch.no_grad()
-def start(model, crops=None, tiling=None) -> Session:
+def start(model, prefix: torch.Tensor | None = None) -> Session:
+    """A session with the image block (``model.image_prefix``) prefilled, or an empty one."""
     s = Session(model)
-    if crops is not None:
-        prefix = model.image_prefix(torch.from_numpy(crops), tiling)
+    if prefix is not None:
         s.feed([EOS_ID] * len(prefix), prefix=prefix)
     return s
 

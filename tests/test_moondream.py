@@ -47,6 +47,17 @@ def images():
 
 
 IMAGES = images()
+_PREFIXES: dict[str, torch.Tensor] = {}
+
+
+def image_prefix(model, name: str) -> torch.Tensor:
+    """The image block of a fixture image, computed once: both checkpoints share every weight it
+    depends on (they differ in lm_head.bias only)."""
+    if name not in _PREFIXES:
+        crops, tiling = IMAGES[name]
+        with torch.no_grad():
+            _PREFIXES[name] = model.image_prefix(torch.from_numpy(crops), tiling)
+    return _PREFIXES[name]
 
 
 def test_generator_matches_the_recipe(checkpoints):
@@ -76,14 +87,13 @@ def test_hub_config_is_the_moondream2_defaults():
 
 def run_case(model, encode, case):
     """What the plain greedy loop answers for a fixture case, in the fixture's terms."""
-    crops, tiling = IMAGES[case["image"]] if "image" in case else (None, None)
-    s = greedy.start(model, crops, tiling)
+    s = greedy.start(model, image_prefix(model, case["image"]) if "image" in case else None)
     skill = case["skill"]
     if skill == "caption":
         return {"token_ids": greedy.generate_text(s, prompts.caption_ids(case["length"]), case["max_tokens"])}
     if skill == "query":
         refs = case.get("spatial_refs", ())
-        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image=crops is not None)
+        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image="image" in case)
         if case.get("reasoning"):
             reasoning = greedy.generate_reasoning(s, ids, case["max_tokens"], refs)
             return {"reasoning_token_ids": reasoning,
@@ -109,3 +119,82 @@ def test_greedy_loop_matches_the_reference(models, encode, case):
 def test_greedy_loop_matches_the_reference_eos(models, encode, case):
     got = run_case(models["eos"], encode, case)
     assert got == {k: case[k] for k in got}
+
+
+# ---- through the engine -------------------------------------------------------------------------
+
+def engine_request(case, encode, prefix_len=730):
+    """(prompt ids, sampling params, images, task) of a fixture case, as the frontend sends them."""
+    from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, REASON, SkillTask
+    from gpu_worker.sequence import ImageInput
+    from shared.sampling import SamplingParams
+
+    skill = case["skill"]
+    image = "image" in case
+    refs = case.get("spatial_refs", ())
+    if skill == "caption":
+        ids = prompts.caption_ids(case["length"])
+    elif skill == "query":
+        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image=image)
+    else:
+        ids = (prompts.point_ids if skill == "point" else prompts.detect_ids)(encode, case["object"])
+    prompt = [0] * prefix_len * image + ids
+    coord = size = None
+    if refs:
+        coords, sizes = prompts.spatial_ref_values(refs)
+        coord, size = np.zeros(len(prompt), np.float32), np.zeros((len(prompt), 2), np.float32)
+        at = np.asarray(prompt)
+        coord[at == prompts.COORD_ID], size[at == prompts.SIZE_ID] = coords, sizes
+    if skill in ("point", "detect"):
+        n = case["max_objects"]
+        task = SkillTask(DECIDE, detect=skill == "detect", limit=n)
+        max_tokens = (3 if skill == "detect" else 2) * n + 1
+    elif case.get("reasoning"):
+        task = SkillTask(REASON, limit=case["max_tokens"], answer_limit=case["max_tokens"])
+        max_tokens = 2 * case["max_tokens"] + 1
+    else:
+        task = SkillTask(ANSWER_FIRST, limit=case["max_tokens"])
+        max_tokens = case["max_tokens"]
+    task = SkillTask(task.phase, task.detect, task.limit, task.answer_limit, coord, size)
+    images = None
+    if image:
+        crops, tiling = IMAGES[case["image"]]
+        images = [ImageInput(hash=case["image"], tiles=crops[None], tiling=tiling)]
+    return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), images, task
+
+
+def engine_answer(case, seq):
+    skill = case["skill"]
+    if skill in ("point", "detect"):
+        key = "points" if skill == "point" else "objects"
+        return {key: prompts.parse_objects(seq.output_ids, seq.output_values, skill == "detect")}
+    out = [t for t in seq.output_ids if t != 0]  # the eos that stops is no answer token
+    if case.get("reasoning"):
+        reasoning, answer = prompts.split_reasoning(out)
+        return {"reasoning_token_ids": reasoning, "token_ids": answer}
+    return {"token_ids": out}
+
+
+def make_engine(path, pipeline=True, **kw):
+    from gpu_worker.engine import Engine
+    from shared.config import EngineConfig
+    return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", pipeline=pipeline, max_batch=8,
+                               max_model_len=1024, **kw))
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "blocking"])
+def test_engine_matches_the_reference_batched(checkpoints, encode, pipeline):
+    """Every case at once, pipelined and blocking: batched with each other (text rows, other images)."""
+    for name, cases in (("plain", EXPECTED["cases"]), ("eos", EXPECTED["eos_cases"])):
+        engine = make_engine(checkpoints[name], pipeline)
+        seqs = []
+        for case in cases:
+            prompt, params, images, task = engine_request(case, encode)
+            seqs.append(engine.submit(prompt, params, images=images, task=task))
+        engine.run_until_idle()
+        for case, seq in zip(cases, seqs):
+            assert seq.error is None, seq.error
+            got = engine_answer(case, seq)
+            assert got == {k: case[k] for k in got}, case_id(case)
+        assert engine.idle
+        engine.close()

@@ -552,7 +552,7 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         encoded = Counter()
         for encode, segments, lengths in launches:
             reached = {(id(h), t) for h, first, end in segments for t in range(first // per, -(-end // per))}
-            here = [(id(h), t) for blocks, h, first, n in encode for t in range(first, first + sum(map(len, blocks)))]
+            here = [(id(h), t) for blocks, h, first, n, _tiling in encode for t in range(first, first + sum(map(len, blocks)))]
             assert set(here) <= reached and len(here) == len(set(here))
             assert len(here) <= sum(-(-n // per) + 1 for n in lengths)
             encoded.update(here)
