@@ -9,8 +9,9 @@ resize (the reference's fallback when pyvips is missing, which its fixture used)
 3. the image resized to ``(t_h·266 + 112, t_w·266 + 112)`` gives local crop (i, j) = rows
    ``i·266 …`` and columns ``j·266 …``, 378 px each (zero-padded if short), row-major.
 
-The crops stay uint8 ``[n, 378, 378, 3]`` (HWC) on their way to the worker, which normalises
-them on the device in bfloat16 as the reference does (``gpu_worker.moondream.normalize_crops``).
+The crops stay uint8 ``[n, 3, 378, 378]`` (the layout of every image tile on its way to the
+worker), which normalises them on the device in bfloat16 as the reference does
+(``gpu_worker.moondream.normalize_crops``).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def image_tiling(height: int, width: int) -> tuple[int, int]:
 
 
 def overlap_crops(image: Image.Image | np.ndarray) -> tuple[np.ndarray, tuple[int, int]]:
-    """RGB image -> (uint8 crops [1 + t_h·t_w, 378, 378, 3]: the global crop, then row-major; tiling)."""
+    """RGB image -> (uint8 crops [1 + t_h·t_w, 3, 378, 378]: the global crop, then row-major; tiling)."""
     pil = image if isinstance(image, Image.Image) else Image.fromarray(image)
     pil = pil.convert("RGB")
     t_h, t_w = image_tiling(pil.height, pil.width)
@@ -63,4 +64,4 @@ def overlap_crops(image: Image.Image | np.ndarray) -> tuple[np.ndarray, tuple[in
         for j in range(t_w):
             part = resized[i * WINDOW_PX:i * WINDOW_PX + CROP_SIZE, j * WINDOW_PX:j * WINDOW_PX + CROP_SIZE]
             crops[1 + i * t_w + j, :part.shape[0], :part.shape[1]] = part
-    return crops, (t_h, t_w)
+    return np.ascontiguousarray(crops.transpose(0, 3, 1, 2)), (t_h, t_w)

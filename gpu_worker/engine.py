@@ -226,7 +226,9 @@ class Engine:
         return task
 
     def _check_moondream_images(self, prompt: list[int], images: list[ImageInput]):
-        """One image at most, as one "tile" holding its crops; its block is the prompt's first positions."""
+        """One image at most, its crops uint8 [1 + t_h·t_w, 3, S, S] (in blocks) with its tiling; it is
+        one "tile" of the encoder cache (the crops are encoded together); its block is the prompt's
+        first positions."""
         if not images:
             return [], None
         crop = self.runner.moondream.spec.vision.crop_size
@@ -234,10 +236,10 @@ class Engine:
             raise ValueError("images: Moondream takes one image per request")
         image = images[0]
         t_h, t_w = image.tiling or (0, 0)
-        want = (1, 1 + t_h * t_w, crop, crop, 3)
-        if (image.tiling is None or len(image.tiles) != 1 or image.tiles[0].dtype != np.uint8
-                or image.tiles[0].shape != want):
-            raise ValueError(f"images[0]: a Moondream image is one uint8 block {list(want)} with its tiling")
+        if (image.tiling is None or image.num_tiles != 1 + t_h * t_w
+                or any(b.dtype != np.uint8 or b.shape[1:] != (3, crop, crop) for b in image.tiles)):
+            raise ValueError(f"images[0]: a Moondream image is 1 + rows x columns uint8 crops [3, {crop}, {crop}] "
+                             "with its tiling")
         rows = self.runner.tokens_per_tile
         if len(prompt) <= rows:
             raise ValueError(f"prompt: an image prompt starts with the {rows}-position image block")
@@ -442,7 +444,7 @@ class Engine:
     def _acquire_features(self, seq: Sequence, image: SeqImage) -> None:
         """Admission: a reference to the image's cache entry; a hit on features
         already computed (or enqueued) never reads this request's tiles."""
-        num_tiles = image.input.num_tiles
+        num_tiles = image.input.cache_tiles
         image.entry, _hit = self.encoder_cache.acquire(image.input.hash, self.runner.feature_bytes(num_tiles),
                                                        num_tiles)
         # A prefix-cache hit may end inside the image: its earlier tiles are never read.
@@ -491,8 +493,8 @@ class Engine:
                 launch.encoded.append((image, len(missing)))
                 for run in np.split(missing, np.flatnonzero(np.diff(missing) > 1) + 1):  # contiguous runs
                     a, b = int(run[0]), int(run[-1]) + 1
-                    encode.append((image.input.tile_blocks(a, b), entry.holder, a, entry.num_tiles,
-                                   image.input.tiling))
+                    blocks = image.input.tiles if image.input.tiling else image.input.tile_blocks(a, b)
+                    encode.append((blocks, entry.holder, a, entry.num_tiles, image.input.tiling))
                 self.stats_.encoded_tiles += len(missing)
                 self.stats_.encoded_images += entry.complete()
             self._maybe_tiles_done(image)  # e.g. another request enqueued the rest

@@ -277,8 +277,8 @@ class ModelRunner:
         treats tiles independently), and write each run's rows into its image's features."""
         dev = self.device.torch_device
         if self.moondream is not None:  # one "tile" per image: all its crops, encoded together
-            for tiles, holder, _first, _num, tiling in runs:
-                crops = torch.from_numpy(tiles[0][0]).to(dev, non_blocking=True)
+            for blocks, holder, _first, _num, tiling in runs:
+                crops = torch.cat([torch.from_numpy(b).to(dev, non_blocking=True) for b in blocks])
                 holder.features = self.moondream.image_prefix(crops, tiling)
             return
         blocks = [torch.from_numpy(t).to(dev, non_blocking=True) for tiles, *_ in runs for t in tiles]

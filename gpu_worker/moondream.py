@@ -206,9 +206,9 @@ class RegionModel(nn.Module):
 
 
 def normalize_crops(crops: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 crops [n, S, S, 3] (HWC) -> [n, 3, S, S] in ``dtype``: (x/255 − 0.5)/0.5 computed in
-    bfloat16, each step rounded, as the reference does, then cast."""
-    x = crops.permute(0, 3, 1, 2).to(torch.bfloat16)
+    """uint8 crops [n, 3, S, S] -> ``dtype``: (x/255 − 0.5)/0.5 computed in bfloat16, each step
+    rounded, as the reference does, then cast."""
+    x = crops.to(torch.bfloat16)
     return x.div_(255.0).sub_(0.5).div_(0.5).to(dtype)
 
 
@@ -267,7 +267,7 @@ class Moondream(nn.Module):
         return x
 
     def image_prefix(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
-        """uint8 crops [1 + t_h·t_w, S, S, 3] of one image -> the 730 prefix embeddings [prefix_len, dim]:
+        """uint8 crops [1 + t_h·t_w, 3, S, S] of one image -> the 730 prefix embeddings [prefix_len, dim]:
         wte[BOS] then the image's."""
         features = self.vision.encode(normalize_crops(crops, self.text.wte.dtype))
         return torch.cat([self.text.wte[:1], self.vision.project(features, tiling)])

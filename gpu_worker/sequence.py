@@ -47,6 +47,12 @@ class ImageInput:
     def num_tiles(self) -> int:
         return sum(len(t) for t in self.tiles)
 
+    @property
+    def cache_tiles(self) -> int:
+        """Its tiles in the encoder cache: a Moondream image (``tiling``) is one, its crops being
+        encoded together."""
+        return 1 if self.tiling is not None else self.num_tiles
+
     def tile_blocks(self, first: int, end: int) -> list[np.ndarray]:
         """Tiles ``first .. end - 1`` as views of the blocks that hold them (no copy)."""
         out, base = [], 0

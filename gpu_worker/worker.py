@@ -267,7 +267,7 @@ class Worker:
                              np.uint32(TokenFlag.ZOMBIE))
             seq_ids = np.fromiter((s.seq_id for s in result.seqs), np.uint32, result.rows)
             self.ring.commit(p, result.step, Kind.PREFILL if result.prefill else Kind.DECODE, seq_ids, flags,
-                             result.logprobs, None if self.direct_copy else result.tokens)
+                             result.logprobs, None if self.direct_copy else result.tokens, result.values)
         self.mask_requests, self.mask_step = result.mask_requests, result.mask_step
         for image in result.tiles_done:
             self._copied += image.tag

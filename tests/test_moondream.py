@@ -75,7 +75,7 @@ def test_tiling_examples():
     for name, (crops, tiling) in IMAGES.items():
         case = next(c for c in EXPECTED["cases"] if c.get("image") == name)
         assert list(tiling) == case["tiling"]
-        assert crops.shape == (1 + tiling[0] * tiling[1], 378, 378, 3) and crops.dtype == np.uint8
+        assert crops.shape == (1 + tiling[0] * tiling[1], 3, 378, 378) and crops.dtype == np.uint8
 
 
 def test_hub_config_is_the_moondream2_defaults():
@@ -159,7 +159,7 @@ def engine_request(case, encode, prefix_len=730):
     images = None
     if image:
         crops, tiling = IMAGES[case["image"]]
-        images = [ImageInput(hash=case["image"], tiles=crops[None], tiling=tiling)]
+        images = [ImageInput(hash=case["image"], tiles=[crops[:1], crops[1:]], tiling=tiling)]  # as slots hold them
     return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), images, task
 
 
@@ -198,3 +198,49 @@ def test_engine_matches_the_reference_batched(checkpoints, encode, pipeline):
             assert got == {k: case[k] for k in got}, case_id(case)
         assert engine.idle
         engine.close()
+
+
+def test_engine_one_at_a_time_never_reads_values_back(checkpoints, encode):
+    """Each spatial case alone, blocking and pipelined, while the host copy of the region values is
+    poisoned after every read: the next launch embeds the device's own values, not the host's."""
+    cases = [c for c in EXPECTED["cases"] if c["skill"] in ("point", "detect") or c.get("reasoning")
+             or c.get("spatial_refs")][:4]
+    for pipeline in (True, False):
+        engine = make_engine(checkpoints["plain"], pipeline)
+        runner = engine.runner
+        read_step = runner.read_step
+
+        def poisoned(slot, num):
+            out = read_step(slot, num)
+            runner.slots[slot].values.fill_(float("nan"))
+            return out
+
+        runner.read_step = poisoned
+        for case in cases:
+            prompt, params, images, task = engine_request(case, encode)
+            seq = engine.submit(prompt, params, images=images, task=task)
+            engine.run_until_idle()
+            assert engine_answer(case, seq) == {k: case[k] for k in engine_answer(case, seq)}, case_id(case)
+        assert engine.idle
+        engine.close()
+
+
+def test_engine_refuses_bad_moondream_input(checkpoints, encode):
+    from gpu_worker.moondream_skills import DECIDE, SkillTask
+    from shared.sampling import SamplingParams
+    engine = make_engine(checkpoints["plain"])
+    case = next(c for c in EXPECTED["cases"] if c["skill"] == "detect")
+    prompt, params, images, task = engine_request(case, encode)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.submit(prompt, SamplingParams(temperature=0.5), images=images, task=task)
+    with pytest.raises(ValueError, match="images"):
+        engine.submit(prompt, params, images=images * 2, task=task)
+    with pytest.raises(ValueError, match="spatial_refs"):
+        engine.submit(prompt, params, images=images, task=SkillTask(DECIDE, prompt_coord=np.zeros(3, np.float32),
+                                                                     prompt_size=np.zeros((3, 2), np.float32)))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.submit(prompt[:100], params, images=images, task=task)
+    seq = engine.submit(prompt, params, images=images, task=task)  # and it serves on
+    engine.run_until_idle()
+    assert engine_answer(case, seq)["objects"] == case["objects"]
+    engine.close()
