@@ -141,7 +141,9 @@ class Service:
         self.free_mask_rows = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
-        self.image_params = ImageProcessorParams.from_model_dir(self.model_path) if self.model.vision else None
+        # Idefics3's tiling; a Moondream model's images come with its skill requests (not yet served here).
+        idefics = self.model.family == "idefics3"
+        self.image_params = ImageProcessorParams.from_model_dir(self.model_path) if idefics else None
         self._image_pool = ImagePool(self.image_params, cfg.image_workers) if self.image_params else None
         self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
         self._prepared_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -160,7 +162,7 @@ class Service:
 
     def _image_region(self) -> tuple[int, int, int]:
         """(slots, tiles per slot, tile side) of the arena's image region; no slots for a text model."""
-        if not self.model.vision:
+        if self.image_params is None:
             return 0, 1, 0
         params = ImageProcessorParams.from_model_dir(self.model_path)
         per_slot = max(1, self.config.image_slot_tiles)

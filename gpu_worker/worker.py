@@ -114,7 +114,7 @@ class Worker:
                 "max_batch": self.engine.config.max_batch, "max_model_len": self.engine.max_model_len,
                 "pipeline": self.engine.pipelined, "vocab_size": self.engine.vocab_size,
                 "kv_pages": self.engine.alloc.pages.capacity, "pid": os.getpid(),
-                "vision": self.engine.runner.vision is not None}
+                "vision": self.engine.runner.vision is not None or self.engine.runner.moondream is not None}
         self.channel.send(Ready(generation=self.generation, info=info))
         while self.running:
             words, missing = self._gather_inputs()

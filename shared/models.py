@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.moondream_config import MoondreamConfig, is_moondream
 from shared.vision_config import is_vision_model, read_config
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -56,6 +57,8 @@ BUILTIN = {
                        "plus image tokens, for tests",
     "random-smolvlm-256m": "SmolVLM-256M-Instruct's shapes with random fp32 weights, for memory and timing",
     "random-smollm2-135m": "SmolLM2-135M's shapes with random fp32 weights and its tokenizer, for timing",
+    "tiny-random-moondream": "tiny random Moondream 2 (moondream2 layout, byte-level stand-in tokenizer), "
+                             "for tests and the playground",
 }
 TOKENIZER_DIR = "smollm2-tokenizer"  # in the cache, beside the models
 # Bump when the converted layout changes so stale caches are rebuilt.
@@ -143,9 +146,12 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, quiet: bool =
 
 
 def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path)))
+    path = resolve_model(name_or_path)
+    if is_moondream(path):  # the hub's moondream2 ships a bare tokenizer.json (starmie-v1)
+        return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def list_models() -> list[dict]:
@@ -458,7 +464,13 @@ _BUILDERS = {
     "tiny-random-vlm": lambda out, quiet: _build_random_vlm("tiny-random-vlm", out, quiet),
     "random-smolvlm-256m": lambda out, quiet: _build_random_vlm("random-smolvlm-256m", out, quiet),
     "random-smollm2-135m": lambda out, quiet: _build_random_llama(SMOLLM2_135M_CONFIG, out, quiet),
+    "tiny-random-moondream": lambda out, quiet: _build_random_moondream(out),
 }
+
+
+def _build_random_moondream(out: Path) -> None:
+    from shared.moondream_random import TINY_CONFIG, write_checkpoint
+    write_checkpoint(out, TINY_CONFIG, variant="tiny")
 
 
 @dataclass(frozen=True)
@@ -470,11 +482,16 @@ class ModelInfo:
     max_context: int  # max_position_embeddings
     has_chat_template: bool
     vision: bool  # the model takes images
+    family: str = "llama"  # llama | idefics3 | moondream: who renders the prompt of a skill
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL) -> "ModelInfo":
         """Resolve (building a built-in model once) and read config.json and the tokenizer config."""
         path = resolve_model(name_or_path)
+        if is_moondream(path):
+            t = MoondreamConfig.from_dir(path).text
+            return cls(path=path, vocab_size=t.vocab_size, eos_token_ids=(0,), max_context=t.max_context,
+                       has_chat_template=False, vision=True, family="moondream")
         cfg = read_config(path)
         text = cfg.get("text_config") or cfg  # a vision-language model nests its language model's config
         eos = cfg.get("eos_token_id", text.get("eos_token_id"))
@@ -484,4 +501,5 @@ class ModelInfo:
         return cls(path=path, vocab_size=int(text["vocab_size"]),
                    eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
                    max_context=int(text.get("max_position_embeddings", 4096)),
-                   has_chat_template=bool(template), vision=is_vision_model(path))
+                   has_chat_template=bool(template), vision=is_vision_model(path),
+                   family="idefics3" if is_vision_model(path) else "llama")

@@ -1,6 +1,6 @@
 """Moondream 2 against the reference's own outputs (tests/data/moondream_dev_expected.json).
 
-The checkpoint is rebuilt by ``tests/moondream_checkpoint.py`` from the recipe and must hash to
+The checkpoint is rebuilt by ``shared/moondream_random.py`` from the recipe and must hash to
 the fixture's sha256; every case (caption ×3, query, point, detect on three images, a reasoning
 query, spatial refs, a text-only query, and the eos-biased checkpoint's early stops) must give
 the reference's token ids and float32 values exactly, in float32.
@@ -19,7 +19,7 @@ from frontend.moondream_images import image_tiling, overlap_crops, select_tiling
 from gpu_worker.moondream import Moondream
 from shared.moondream_config import MoondreamConfig, is_moondream
 import moondream_greedy as greedy
-from moondream_checkpoint import make_image, sha256_file, write_checkpoint
+from shared.moondream_random import make_image, sha256_file, write_checkpoint
 
 EXPECTED = json.loads((Path(__file__).parent / "data" / "moondream_dev_expected.json").read_text())
 
@@ -244,3 +244,46 @@ def test_engine_refuses_bad_moondream_input(checkpoints, encode):
     engine.run_until_idle()
     assert engine_answer(case, seq)["objects"] == case["objects"]
     engine.close()
+
+
+def test_service_serves_a_moondream_directory(checkpoints, encode):
+    """The whole path (service, worker process, token ring) on the fixture checkpoint: the text-only
+    query, a raw prompt under Moondream's default rules, answers as the reference."""
+    from frontend.service import Service, ServiceConfig
+    case = next(c for c in EXPECTED["cases"] if c["skill"] == "query" and "image" not in c)
+    svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=4,
+                                max_model_len=512))
+    try:
+        assert svc.model.family == "moondream" and svc.model.vision and svc.info["vision"]
+        from shared.sampling import SamplingParams
+        req = svc.submit(prompts.query_ids(encode, case["question"], image=False),
+                         SamplingParams(temperature=0.0, max_tokens=case["max_tokens"]))
+        svc.run_until(lambda: req.ended, 120)
+        assert req.error is None and req.token_ids == case["token_ids"]
+        assert req.text == ""  # the stand-in tokenizer has no text for these ids: nothing, never an error
+        svc.run_until(svc.idle, 60)
+    finally:
+        svc.close()
+
+
+def test_tiny_random_moondream_is_built_in():
+    """The registry's random Moondream loads and answers a detect on an image of any size."""
+    from shared.models import ModelInfo
+    info = ModelInfo.load("tiny-random-moondream")
+    assert info.family == "moondream" and info.vision and info.vocab_size == 51200
+    engine = make_engine("tiny-random-moondream")
+    crops, tiling = overlap_crops(make_image(500, 700, 9))
+    case = {"skill": "detect", "object": "dog", "image": "x", "max_objects": 2}
+    IMAGES["x"] = (crops, tiling)
+    try:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(info.path / "tokenizer.json"))
+        prompt, params, images, task = engine_request(case, lambda t: tok.encode(t, add_special_tokens=False).ids)
+        seq = engine.submit(prompt, params, images=images, task=task)
+        engine.run_until_idle()
+        objects = engine_answer(case, seq)["objects"]
+        assert seq.error is None and len(objects) <= 2 and seq.output_ids[-1] == 0
+        assert all(set(o) == {"x_min", "y_min", "x_max", "y_max"} for o in objects)
+    finally:
+        del IMAGES["x"]
+        engine.close()

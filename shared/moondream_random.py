@@ -1,6 +1,9 @@
-"""A small random Moondream 2 checkpoint in the real layout, built deterministically (test helper).
+"""Random Moondream 2 checkpoints in the real layout, built deterministically (torch-free).
 
-The recipe (MOONDREAM.md §6): every tensor of the moondream2 layout is drawn from its own numpy
+Used by the built-in ``tiny-random-moondream`` (``shared/models.py``) and by the tests, whose
+"dev" variant must match the reference's fixture bit for bit.
+
+The recipe: every tensor of the moondream2 layout is drawn from its own numpy
 PCG64 generator seeded with the first 8 bytes (little-endian) of sha256(b"<variant>:" + key), key
 without the ``model.`` prefix, then scaled by its kind. The weights therefore depend on nothing but
 the key, the shape and the variant; ``tests/data/moondream_dev_expected.json`` holds the sha256 of
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-# The "dev" variant's config, in the reference's override format.
+# The "dev" variant's config, in the reference's override format (the tests' fixture model).
 DEV_CONFIG = {
     "text": {"dim": 128, "ff_dim": 256, "n_layers": 2, "vocab_size": 51200, "max_context": 2048,
              "n_heads": 2, "n_kv_heads": 2, "prefix_attn": 730},
@@ -25,6 +28,15 @@ DEV_CONFIG = {
                "proj_inner_dim": 256},
     "region": {"dim": 128, "coord_feat_dim": 32, "coord_out_dim": 1024, "size_feat_dim": 64,
                "size_out_dim": 2048, "inner_dim": 256},
+}
+
+# tiny-random-moondream: smaller still (4 vision layers would break the reference, whose pooling
+# size is enc_n_layers; this engine pools to the patch grid, so the shape stays servable).
+TINY_CONFIG = {
+    "text": dict(DEV_CONFIG["text"], dim=64, ff_dim=128),
+    "vision": dict(DEV_CONFIG["vision"], enc_dim=32, enc_n_layers=2, enc_ff_dim=64, enc_n_heads=2,
+                   proj_out_dim=64, proj_inner_dim=128),
+    "region": dict(DEV_CONFIG["region"], dim=64, coord_feat_dim=16, size_feat_dim=32, inner_dim=128),
 }
 
 NORMS = ("ln", "ln1", "ln2", "post_ln")
