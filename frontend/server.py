@@ -202,7 +202,7 @@ class Server:
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
                      "grammar_cache_hits": self.grammars.cache_hits, "adapters": list(self.service.adapters),
-                     "vision": self.service.image_params is not None}
+                     "vision": self.service.model.vision, "family": self.service.model.family}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}

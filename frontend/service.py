@@ -125,8 +125,9 @@ class Service:
         self.free_mask_rows = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
+        # Idefics3's image intake; a Moondream model's images come with its skill requests (not yet served here).
         self.images = (ImageIntake(self.model_path, cfg.image_slots, cfg.image_slot_tiles, cfg.image_workers)
-                       if self.model.vision else None)
+                       if self.model.family == "idefics3" else None)
         self.image_params = self.images.params if self.images else None
         self.worker: WorkerHandle | None = None
         self.on_progress = on_progress

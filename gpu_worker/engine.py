@@ -28,6 +28,12 @@ Images are one room of their own (``image_prefill.py``): the engine calls it
 once per event (submit, admission, prefill chunk, commit, release, device
 failure) and returns the host tiles it hands back (``tiles_done``).
 
+A Moondream model's skill state and region values are per-row device state
+(``moondream_skills.py``): set at admission from the request's ``SkillTask``,
+advanced by the sampling phases on the device (no phase waits for the host),
+and copied back with the tokens, so the commit returns them beside the tokens
+(``CommittedStep.values``).
+
 Invariants (tests/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
 - no token of a finalized sequence is delivered (zombie rows are skipped);
@@ -57,9 +63,10 @@ from .device import Device, DeviceError
 from .image_prefill import ImageInput, ImagePrefill, LaunchImages
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
+from .moondream_skills import DECIDE, SkillTask
 from .pipeline import NUM_SLOTS, Pipeline
 from .prefix_cache import ROOT, chain
-from .sampler import FLAG_STOP
+from .sampler import FLAG_LENGTH, FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence
 
@@ -99,6 +106,7 @@ class CommittedStep:
     live: np.ndarray  # bool; False = a zombie row (its request ended before this commit)
     cached: np.ndarray  # int32: on a request's first token, its prompt tokens from the prefix cache
     logprobs: np.ndarray | None  # float32, when any row asked for them
+    values: np.ndarray | None  # float32 [rows, 3], Moondream: each token's region values (coord, w, h)
 
     @property
     def rows(self) -> int:
@@ -163,11 +171,13 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, constrained: bool = False,
                logprobs: bool = False, seq_id: int | None = None, adapter: str | None = None,
-               images: list[ImageInput] | None = None) -> Sequence:
+               images: list[ImageInput] | None = None, task: SkillTask | None = None) -> Sequence:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field.
 
         ``images``: one per image of the prompt, in prompt order; its ``<image>``
-        tokens (as many as the image has feature rows) take their features."""
+        tokens (as many as the image has feature rows) take their features.
+        ``task``: a Moondream model's skill (default: caption/query rules); with an image, the
+        prompt's first positions are the image block (its ids are placeholders)."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_ids]
@@ -182,6 +192,7 @@ class Engine:
         if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
+        task = self._check_task(task, prompt, params)
         seq_images, positions, whole_spans = self.images.check(prompt, images or [])
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
@@ -192,9 +203,23 @@ class Engine:
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, images=seq_images,
-                           image_positions=positions, whole_spans=whole_spans, adapter=adapter)
+                           image_positions=positions, whole_spans=whole_spans, adapter=adapter, task=task)
             self._inbox.append((None, seq))
         return seq
+
+    def _check_task(self, task: SkillTask | None, prompt: list[int], params: SamplingParams) -> SkillTask | None:
+        if self.runner.skills is None:
+            if task is not None:
+                raise ValueError("skill: this model has no skills")
+            return None
+        task = task or SkillTask()
+        if task.phase == DECIDE and params.temperature != 0:
+            raise ValueError("temperature: point and detect are greedy (temperature 0)")
+        for name, values, shape in (("coord", task.prompt_coord, (len(prompt),)),
+                                    ("size", task.prompt_size, (len(prompt), 2))):
+            if values is not None and (values.dtype != np.float32 or values.shape != shape):
+                raise ValueError(f"spatial_refs: {name} values must be float32 {list(shape)}")
+        return task
 
     def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request early (thread-safe): cancellation, or a stop the frontend saw."""
@@ -345,7 +370,7 @@ class Engine:
     def _launch(self) -> Launch | None:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
-            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages)
+            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages, seq.task)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
             if seq.images:
@@ -378,11 +403,15 @@ class Engine:
         sample_pos = list(decode_pos + 1)  # the position of the token each row samples
         logits_index = list(range(len(decode)))
         prefill_ids, chunks = [], []
+        ref_values = []  # Moondream: (first prefill token, coord, size) of the chunks with spatial refs
         offset = len(decode)
         for c in plan.prefill:
             seq = c.seq
             chunks.append((c.start, c.length, seq.pages))
             prefill_ids.extend(seq.prompt_ids[c.start:c.start + c.length])
+            if seq.task is not None and seq.task.prompt_coord is not None:
+                ref_values.append((len(prefill_ids) - c.length, seq.task.prompt_coord[c.start:c.start + c.length],
+                                   seq.task.prompt_size[c.start:c.start + c.length]))
             if seq.images:
                 launch.images = self.images.add_chunk(launch.images, c, offset)
             offset += c.length
@@ -408,6 +437,12 @@ class Engine:
             token_lora=self._token_lora(plan),
             **(launch.images.inputs() if launch.images else {}),
         )
+        if ref_values:
+            inp.prefill_coord = np.zeros(len(prefill_ids), np.float32)
+            inp.prefill_size = np.zeros((len(prefill_ids), 2), np.float32)
+            for start, coord, size in ref_values:
+                inp.prefill_coord[start:start + len(coord)] = coord
+                inp.prefill_size[start:start + len(size)] = size
         return inp, sample_seqs
 
     def _token_lora(self, plan: Plan) -> np.ndarray | None:
@@ -491,10 +526,11 @@ class Engine:
         if launch.images:
             self.images.committed(launch.images)
         n = len(launch.sample_seqs)
-        tokens, flags, logprobs = self.runner.read_step(slot, n)
-        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs)
+        tokens, flags, logprobs, values = self.runner.read_step(slot, n)
+        live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs, values)
         committed = CommittedStep(step, launch.prefill, launch.sample_seqs, tokens.astype(np.int32), finish, live,
-                                  cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None)
+                                  cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None,
+                                  values)
         released = []
         for seq, end in zip(launch.seqs, launch.kv_ends):
             seq.kv_committed = max(seq.kv_committed, end)
@@ -517,7 +553,7 @@ class Engine:
         """Name the sequence's pages whose KV is complete and committed (prompt and generated
         tokens alike, so a follow-up turn hits): from now on other requests may map them."""
         size = self.alloc.page_size
-        full = min(seq.kv_committed, seq.prompt_len + len(seq.output_ids)) // size
+        full = min(seq.kv_committed, seq.cacheable_len) // size
         names = seq.page_names
         if len(names) < full:
             tokens = seq.prompt_ids + seq.output_ids
@@ -545,7 +581,7 @@ class Engine:
             s.decode_steps += 1
         s.sample_rows += len(launch.sample_seqs)
 
-    def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs):
+    def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs, values):
         """Append each live row's token to its sequence and end it on a stop or its length cap.
         Returns (live, finish reason, cached prompt tokens on first tokens) per row."""
         n = len(seqs)
@@ -561,12 +597,14 @@ class Engine:
             seq.output_ids.append(int(tokens[i]))
             if seq.logprobs:
                 seq.output_logprobs.append(float(logprobs[i]))
+            if values is not None:
+                seq.output_values.append(tuple(float(v) for v in values[i]))
             if seq.t_first_token is None:
                 seq.t_first_token = now
                 cached[i] = seq.cached_tokens
             if flags[i] & FLAG_STOP:
                 seq.finalize(FinishReason.STOP)
-            elif len(seq.output_ids) >= seq.max_tokens:
+            elif flags[i] & FLAG_LENGTH or len(seq.output_ids) >= seq.max_tokens:
                 seq.finalize(FinishReason.LENGTH)
             finish[i] = seq.finish_reason
         zombies = n - int(live.sum())

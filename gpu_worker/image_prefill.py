@@ -28,9 +28,11 @@ What happens to one image (docs/DESIGN.md §4.5):
   request's release.
 
 A vision family plugs in through ``ImageFamily`` (``vision.VisionEncoder`` is
-Idefics3's): how many tiles and feature rows make one encode unit, which
-prompt span a chunk must not split, and the device work of encoding runs of
-units. Everything else here is the family's common bookkeeping.
+Idefics3's, ``moondream.Moondream`` Moondream's): its rules for a request's
+images and where their rows go in the prompt, how many tiles and feature rows
+make one encode unit, which prompt span a chunk must not split, and the device
+work of encoding runs of units. Everything else here is the families' common
+bookkeeping.
 """
 from __future__ import annotations
 
@@ -51,11 +53,17 @@ if TYPE_CHECKING:
 class ImageFamily(Protocol):
     """What the room needs from a vision encoder besides its device forward (``encode_runs``)."""
 
+    def image_positions(self, prompt: np.ndarray, images: list[ImageInput],
+                        params: ImageProcessorParams | None) -> np.ndarray:
+        """The family's rules for a request's images (tile shapes, how many; ValueError naming the
+        field) -> the sorted prompt positions their feature rows fill: Idefics3's ``<image>``
+        tokens, Moondream's image block (the prompt's first positions)."""
+
     def encode_unit(self, num_tiles: int) -> tuple[int, int]:
         """(tiles, feature rows) of one encode unit of an image of ``num_tiles`` tiles: the fewest
         tiles whose rows are computed together. Idefics3 encodes tiles independently, (1, 64); a
         family whose rows mix every tile (Moondream's stitched and pooled crops) has one unit,
-        (num_tiles, 729)."""
+        (num_tiles, 730): BOS + 729 rows."""
 
     def whole_span(self, first: int, end: int) -> tuple[int, int] | None:
         """For an image at prompt positions ``first .. end - 1``: the positions a prefill chunk must
@@ -82,6 +90,7 @@ class ImageInput:
     hash: str  # the encoder-cache key (bytes + preprocessing parameters)
     tiles: list[np.ndarray] | np.ndarray  # uint8 [n, 3, S, S], or a list of such blocks (shared-memory slots)
     tag: object = None  # the caller's handle, given back in Tick.tiles_done (the worker: its slot ids)
+    tiling: tuple[int, int] | None = None  # Moondream: its local crops' (rows, columns)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiles, np.ndarray):
@@ -128,7 +137,7 @@ class SeqImage:
 @dataclass
 class LaunchImages:
     """One launch's image work, built chunk by chunk, read by the model runner and at the commit."""
-    encode: list = field(default_factory=list)  # (host tile blocks, FeatureHolder, first row, image rows) per run
+    encode: list = field(default_factory=list)  # (host tile blocks, FeatureHolder, first row, image rows, tiling)
     index: list = field(default_factory=list)  # per chunk: packed token index of its <image> tokens
     segments: list = field(default_factory=list)  # where those tokens' features are: (FeatureHolder, first, end)
     encoded: list = field(default_factory=list)  # (SeqImage, units) encoded from its host tiles by this launch
@@ -169,14 +178,9 @@ class ImagePrefill:
             if images:
                 raise ValueError("images: this model takes no images")
             return [], None, []
-        positions = np.flatnonzero(np.asarray(prompt) == self.params.image_token_id)
-        side = self.params.tile_size
+        positions = self.family.image_positions(np.asarray(prompt), images, self.params)
         seq_images, row = [], 0
         for i, image in enumerate(images):
-            for block in image.tiles:
-                if block.dtype != np.uint8 or block.ndim != 4 or block.shape[1:] != (3, side, side):
-                    raise ValueError(f"images[{i}]: tiles must be uint8 [n, 3, {side}, {side}], "
-                                     f"got {block.dtype} {list(block.shape)}")
             if image.num_tiles < 1:
                 raise ValueError(f"images[{i}]: no tiles")
             unit_tiles, unit_rows = self.family.encode_unit(image.num_tiles)
@@ -240,7 +244,7 @@ class ImagePrefill:
                 for run in np.split(missing, np.flatnonzero(np.diff(missing) > 1) + 1):  # contiguous runs
                     a, b = int(run[0]), int(run[-1]) + 1
                     blocks = image.input.tile_blocks(a * image.unit_tiles, b * image.unit_tiles)
-                    work.encode.append((blocks, entry.holder, a * per, image.num_rows))
+                    work.encode.append((blocks, entry.holder, a * per, image.num_rows, image.input.tiling))
                 self.counts.encoded_tiles += len(missing) * image.unit_tiles
                 self.counts.encoded_images += entry.complete()
             self._maybe_hand_back(image)  # e.g. another request enqueued the rest

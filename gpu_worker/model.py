@@ -152,6 +152,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def attention_mask(batch: Batch, kv: PagedKVCache, group: int, limit: torch.Tensor | None = None) -> torch.Tensor:
+    """The [S, 1, group * Qmax, L] mask of :func:`paged_attention`, shared by all layers: query (s, q)
+    sees key slot j iff j <= limit[s, q], by default its position (causal). Rows are tiled
+    ``group`` times to match the GQA folding (row g * Qmax + q). Slots past the sequence's length
+    are masked out by the same rule, so stale cache contents never leak in."""
+    limit = batch.query_pos if limit is None else limit
+    key_slots = torch.arange(batch.block_tables.shape[1] * kv.k.shape[2], device=limit.device)
+    return (key_slots <= limit.repeat(1, group)[:, :, None])[:, None]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, batch: Batch,
+                    kv: PagedKVCache, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of the packed queries q [T, H, D] over their sequences' cached keys, after
+    writing this forward's k, v [T, Hkv, D] into the cache -> [T, H * D]. ``mask``: see
+    :func:`attention_mask`."""
+    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+    # Write the new K/V into their slots first, so the gather below sees
+    # the whole sequence (cached prefix + this chunk) in one place.
+    page_size = kv.k.shape[2]
+    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
+    k_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+
+    # Gather each sequence's pages into a contiguous [S, L, Hkv, D], L = P * page_size;
+    # key slot j of that layout is position j of the sequence.
+    S, P = batch.block_tables.shape
+    keys = k_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
+    values = v_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
+
+    # Padded queries [S, Qmax, H, D]. For GQA, fold the G = H / Hkv query heads
+    # sharing a kv head into the query-length axis: [S, Hkv, G * Qmax, D].
+    # Keys are then read once per kv head and no repeat_kv copy is needed,
+    # which works with every SDPA backend (enable_gqa does not).
+    Qmax = batch.query_index.shape[1]
+    G = H // Hkv
+    qp = q[batch.query_index].view(S, Qmax, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, G * Qmax, D)
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
+    # Back to [S * Qmax, H * D] (head h = kv_head * G + g, as in HF), then unpad to [T, H * D].
+    out = out.view(S, Hkv, G, Qmax, D).permute(0, 3, 1, 2, 4).reshape(S * Qmax, H * D)
+    return out[batch.token_to_padded]
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int, dtype=None, device=None):
         super().__init__()
@@ -175,30 +217,7 @@ class Attention(nn.Module):
         q, k = qk.split([H, Hkv], dim=1)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
 
-        # Write the new K/V into their slots first, so the gather below sees
-        # the whole sequence (cached prefix + this chunk) in one place.
-        page_size = kv.k.shape[2]
-        k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]  # [pages, page_size, Hkv, D]
-        k_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
-
-        # Gather each sequence's pages into a contiguous [S, L, Hkv, D], L = P * page_size;
-        # key slot j of that layout is position j of the sequence.
-        S, P = batch.block_tables.shape
-        keys = k_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
-        values = v_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
-
-        # Padded queries [S, Qmax, H, D]. For GQA, fold the G = H / Hkv query heads
-        # sharing a kv head into the query-length axis: [S, Hkv, G * Qmax, D].
-        # Keys are then read once per kv head and no repeat_kv copy is needed,
-        # which works with every SDPA backend (enable_gqa does not).
-        Qmax = batch.query_index.shape[1]
-        G = H // Hkv
-        qp = q[batch.query_index].view(S, Qmax, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, G * Qmax, D)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
-        # Back to [S * Qmax, H * D] (head h = kv_head * G + g, as in HF), then unpad to [T, H * D].
-        out = out.view(S, Hkv, G, Qmax, D).permute(0, 3, 1, 2, 4).reshape(S * Qmax, H * D)
-        return self.o_proj(out[batch.token_to_padded])
+        return self.o_proj(paged_attention(q, k, v, self.layer_idx, batch, kv, mask))
 
 
 class MLP(nn.Module):
@@ -267,13 +286,7 @@ class Llama(nn.Module):
         cos = self.rope_cos[batch.positions].to(x.dtype)
         sin = self.rope_sin[batch.positions].to(x.dtype)
 
-        # Causal mask, shared by all layers: query (s, q) sees key slot j iff
-        # j <= its position. Rows are tiled G times to match the GQA folding in
-        # Attention (row g * Qmax + q). Slots past the sequence's length are
-        # masked out by the same rule, so stale cache contents never leak in.
-        G = self.config.num_attention_heads // self.config.num_key_value_heads
-        key_slots = torch.arange(batch.block_tables.shape[1] * kv.k.shape[2], device=input_ids.device)
-        mask = (key_slots <= batch.query_pos.repeat(1, G)[:, :, None])[:, None]  # [S, 1, G*Qmax, L]
+        mask = attention_mask(batch, kv, self.config.num_attention_heads // self.config.num_key_value_heads)
 
         for layer in self.layers:
             x = layer(x, cos, sin, batch, kv, mask)

@@ -5,7 +5,9 @@ the next forward gathers without the host ever seeing it) and the row's
 sampling parameters. Per pipeline slot (``pipeline.py``) it keeps the
 page-locked host buffers the sampled ids are copied into, and on CUDA the
 decode graphs captured for that slot (one per batch-size bucket and page-count
-bucket).
+bucket). A Moondream row also keeps its skill state and pending region values
+on the device (``moondream_skills.SkillRows``): sampling advances them, the
+next forward embeds them, and the values are copied back with the ids.
 
 Image prefill: a launch may first encode image tiles (``LaunchInputs.encode``,
 built by ``image_prefill.py``): the tiles go host -> device and through the
@@ -29,6 +31,7 @@ import torch
 from shared.arith import ceil_div
 from shared.config import EngineConfig
 from shared.models import resolve_model
+from shared.moondream_config import is_moondream
 from shared.vision_config import ImageProcessorParams, is_vision_model
 
 from .device import Device
@@ -36,6 +39,8 @@ from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
 from .model import Llama, LlamaConfig
+from .moondream import Moondream
+from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
 from .vision import VisionEncoder, normalize_tiles
@@ -61,13 +66,17 @@ class LaunchInputs:
     any_filter: bool
     want_logprobs: bool
     # Encode units of this launch, before its text forward (image_prefill.py): (host tile blocks,
-    # FeatureHolder, first feature row of the run in its image, the image's feature rows) per run.
+    # FeatureHolder, first feature row of the run in its image, the image's feature rows, its
+    # ImageInput.tiling) per run.
     encode: list = ()
     # The launch's <image> tokens: packed token index [K], and where their features are,
     # in the same order: (FeatureHolder, first row, end row) runs.
     image_index: np.ndarray | None = None
     image_segments: list = ()
     token_lora: np.ndarray | None = None  # [T] LoRA slot of each token row; None: no adapter in the launch
+    # Moondream: the values of the prefill tokens (spatial refs), float32 [Tp] and [Tp, 2]; None: all zero.
+    prefill_coord: np.ndarray | None = None
+    prefill_size: np.ndarray | None = None
 
 
 class SlotBuffers:
@@ -77,7 +86,9 @@ class SlotBuffers:
         self.tokens = device.pinned_empty((max_rows,), torch.int64)
         self.flags = device.pinned_empty((max_rows,), torch.int32)
         self.logprobs = device.pinned_empty((max_rows,), torch.float32)
+        self.values = device.pinned_empty((max_rows, VALUES), torch.float32)  # Moondream's region values
         self.logits: torch.Tensor | None = None  # the forward's output, read by sampling
+        self.hidden: torch.Tensor | None = None  # Moondream: the sampled rows' pre-post_ln hidden states
         self.out: tuple | None = None  # the step's sampled ids, flags, logprobs, filled part by part
         self.keep: list = []  # device tensors that must live until the step's copy is done
 
@@ -112,15 +123,22 @@ class ModelRunner:
         max_model_len, page_size, max_rows = config.max_model_len, config.page_size, config.max_batch
         if llama is None:
             path = resolve_model(config.model)
-            max_model_len = min(max_model_len, LlamaConfig.from_pretrained(path).max_position_embeddings)
-            llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
+            if is_moondream(path):
+                llama = Moondream.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
+            else:
+                max_model_len = min(max_model_len, LlamaConfig.from_pretrained(path).max_position_embeddings)
+                llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
             if is_vision_model(path):
                 vision = VisionEncoder.from_pretrained(path, dtype=self.dtype, device=dev)
                 image_params = ImageProcessorParams.from_model_dir(path)
-        self.vision = vision  # None: a text-only model
-        self.image_params = image_params
         self.model = llama.eval()
         self.config = llama.config
+        # Moondream: its region heads and per-row skill state (moondream_skills.py); None otherwise.
+        self.moondream = llama if isinstance(llama, Moondream) else None
+        self.skills = SkillRows(max_rows + 1, dev) if self.moondream is not None else None
+        # The image family (image_prefill.ImageFamily): Moondream encodes its own images; None: a text-only model.
+        self.vision = self.moondream if self.moondream is not None else vision
+        self.image_params = image_params
         # LoRA: wraps the targeted linear layers (before any graph is captured).
         self.lora = LoraPool(self.model, config.loras, config.max_loras, config.lora_kernel) if config.loras else None
         self.max_model_len = min(max_model_len, llama.max_model_len)
@@ -160,11 +178,14 @@ class ModelRunner:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     # -- rows -----------------------------------------------------------------
-    def set_row(self, row: int, params, seed: int, pages: list[int]) -> None:
-        """Admission: the row's page table (host) and sampling parameters (device, on the compute stream)."""
+    def set_row(self, row: int, params, seed: int, pages: list[int], task=None) -> None:
+        """Admission: the row's page table (host) and sampling parameters (device, on the compute stream);
+        a Moondream row's skill task (``moondream_skills.SkillTask``)."""
         self.block_tables[row, :len(pages)] = pages
         self.block_tables[row, len(pages):] = 0
         self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids))
+        if self.skills is not None:
+            self.device.compute.submit(lambda: self.skills.set_row(row, task or SkillTask()))
 
     def load_lora(self, slot: int, name: str) -> None:
         """Write adapter ``name`` into LoRA slot ``slot``, after every step launched before."""
@@ -221,7 +242,9 @@ class ModelRunner:
                 dev_fields = self._upload(fields)
                 lora_slots = dev_fields.pop() if lora is not None else None
                 if graph is not None:
-                    buf.logits = graph.replay(Batch(*dev_fields[:6]), dev_fields[6], lora_slots)[:num_decode]
+                    logits, hidden = graph.replay(Batch(*dev_fields[:6]), dev_fields[6], lora_slots)
+                    buf.logits = logits[:num_decode]
+                    buf.hidden = hidden[:num_decode] if hidden is not None else None
                 else:
                     batch = Batch(*dev_fields[:6])
                     rows, prefill_ids, logits_index = dev_fields[6:9]
@@ -232,18 +255,35 @@ class ModelRunner:
                         image = (dev_fields[9], features)
                     if self.lora is not None:
                         self.lora.token_slots = lora_slots
-                    buf.logits = self.model(ids, batch, self.kv, logits_index, image_features=image)
+                    buf.logits, buf.hidden = self._forward(ids, rows, batch, logits_index, image, inp)
             self.device.pad_forward(t0)
 
         self.device.compute.submit(run)
+
+    def _forward(self, ids, rows, batch, logits_index, image=None, inp: LaunchInputs | None = None):
+        """The text forward -> (logits, Moondream's hidden states or None). A Moondream decode row's
+        input embeds its pending region values (branch-free); prefill tokens take the launch's."""
+        if self.moondream is None:
+            return self.model(ids, batch, self.kv, logits_index, image_features=image), None
+        n_prefill = ids.shape[0] - rows.shape[0]
+        coord, size = self.skills.coord[rows], self.skills.size[rows]
+        if n_prefill:
+            dev = ids.device
+            pc = (torch.zeros(n_prefill, device=dev) if inp is None or inp.prefill_coord is None
+                  else torch.from_numpy(inp.prefill_coord).to(dev))
+            ps = (torch.zeros(n_prefill, 2, device=dev) if inp is None or inp.prefill_size is None
+                  else torch.from_numpy(inp.prefill_size).to(dev))
+            coord, size = torch.cat([coord, pc]), torch.cat([size, ps])
+        return self.model(ids, batch, self.kv, logits_index, image, coord, size)
 
     def _encode(self, runs: list) -> None:
         """Compute-stream work: encode a launch's runs of encode units (one call of the vision
         family for all of them) and write each run's rows into its image's features."""
         dev = self.device.torch_device
-        tiles = [[torch.from_numpy(t).to(dev, non_blocking=True) for t in blocks] for blocks, *_ in runs]
-        for (_, holder, first, rows), features in zip(runs, self.vision.encode_runs(tiles, self.image_params,
-                                                                                     self.dtype)):
+        on_device = [([torch.from_numpy(t).to(dev, non_blocking=True) for t in blocks], tiling)
+                     for blocks, _holder, _first, _rows, tiling in runs]
+        encoded = self.vision.encode_runs(on_device, self.image_params, self.dtype)
+        for (_, holder, first, rows, _), features in zip(runs, encoded):
             if holder.features is None:  # the image's first units: its own storage, so evicting it frees it
                 holder.features = features.new_empty((rows, features.shape[1]))
             holder.features[first:first + len(features)] = features
@@ -303,16 +343,24 @@ class ModelRunner:
             rows, pos = dev_meta[0], dev_meta[1]
             with torch.inference_mode():
                 logits, idx = buf.logits, None
+                hidden = buf.hidden
                 if buf.out is None:  # the step's first part: full-size outputs
                     buf.out = (torch.empty(num, dtype=torch.int64, device=logits.device),
                                torch.empty(num, dtype=torch.int32, device=logits.device),
-                               torch.empty(num, dtype=torch.float32, device=logits.device))
+                               torch.empty(num, dtype=torch.float32, device=logits.device),
+                               torch.zeros(num, VALUES, dtype=torch.float32, device=logits.device))
                 if part is not None:
                     idx = dev_meta[2]
                     logits, rows, pos = logits[idx], rows[idx], pos[idx]
+                    hidden = hidden[idx] if hidden is not None else None
                 if masks is not None:
                     logits = apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
+                if self.skills is not None:
+                    logits = self.skills.suppress(logits, rows)
                 sampled = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter, inp.want_logprobs)
+                if self.skills is not None:  # the phase decides what is emitted; values stay on the device
+                    tokens, flags, values = self.skills.advance(self.moondream.region, hidden, rows, *sampled[:2])
+                    sampled = (tokens, flags, sampled[2], values)
                 self.pending.index_copy_(0, rows, sampled[0])
                 for out, values in zip(buf.out, sampled):  # tokens, flags, logprobs (None unless asked)
                     if values is not None:
@@ -330,32 +378,38 @@ class ModelRunner:
         want_lp = inp.want_logprobs
 
         def release() -> None:
-            tokens, flags, logprobs = buf.out
+            tokens, flags, logprobs, values = buf.out
             buf.keep = [tokens, flags, logprobs if want_lp else None,
-                        tokens.to(torch.int32) if dest is not None else None]
+                        tokens.to(torch.int32) if dest is not None else None,
+                        values if self.skills is not None else None]
             buf.out = None
-            buf.logits = None
+            buf.logits = buf.hidden = None
 
         self.device.compute.submit(release)
         self.device.copy.wait(self.device.compute.record())  # after sampling and release()
 
         def copy() -> None:
-            tokens, flags, logprobs, tokens32 = buf.keep
+            tokens, flags, logprobs, tokens32, values = buf.keep
             if dest is not None:
                 torch.from_numpy(dest[:num]).copy_(tokens32, non_blocking=True)
             buf.tokens[:num].copy_(tokens, non_blocking=True)
             buf.flags[:num].copy_(flags, non_blocking=True)
             if logprobs is not None:
                 buf.logprobs[:num].copy_(logprobs, non_blocking=True)
+            if values is not None:
+                buf.values[:num].copy_(values, non_blocking=True)
 
         self.device.copy.submit(copy)
         return self.device.copy.record()
 
-    def read_step(self, slot: int, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The committed step's sampled ids, flags and logprobs (after the copy event)."""
+    def read_step(self, slot: int, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The committed step's sampled ids, flags, logprobs and Moondream's region values [num, 3]
+        (None for other models), after the copy event."""
         buf = self.slots[slot]
         buf.keep = []
-        return buf.tokens[:num].numpy().copy(), buf.flags[:num].numpy().copy(), buf.logprobs[:num].numpy().copy()
+        values = buf.values[:num].numpy().copy() if self.skills is not None else None
+        return (buf.tokens[:num].numpy().copy(), buf.flags[:num].numpy().copy(), buf.logprobs[:num].numpy().copy(),
+                values)
 
     # -- CUDA graphs ----------------------------------------------------------------
     def _graph_for(self, slot: int, batch: int, pages: int) -> "_DecodeGraph | None":
@@ -407,19 +461,20 @@ class _DecodeGraph:
         side = torch.cuda.Stream(dev)
         with torch.inference_mode(), torch.cuda.stream(side):
             for _ in range(2):
-                runner.model(runner.pending[self.rows], self.batch, runner.kv, self.logits_index)
+                runner._forward(runner.pending[self.rows], self.rows, self.batch, self.logits_index)
         side.synchronize()
         with torch.inference_mode():
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.logits = runner.model(runner.pending[self.rows], self.batch, runner.kv, self.logits_index)
+                self.out = runner._forward(runner.pending[self.rows], self.rows, self.batch, self.logits_index)
         if runner.lora is not None:
             runner.lora.token_slots = None
 
-    def replay(self, batch: Batch, rows: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def replay(self, batch: Batch, rows: torch.Tensor, lora_slots: torch.Tensor | None = None) -> tuple:
+        """-> (logits, hidden or None), the graph's static outputs."""
         self.batch.copy_from(batch)
         self.rows.copy_(rows)
         if lora_slots is not None:
             self.lora_slots.copy_(lora_slots)
         self.graph.replay()
-        return self.logits
+        return self.out

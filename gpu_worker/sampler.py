@@ -20,6 +20,7 @@ MAX_STOP_IDS = MAX_EOS_IDS + MAX_STOP_TOKEN_IDS  # stop ids per row kept on devi
 NO_TOKEN = -1
 
 FLAG_STOP = 1  # sampled token is EOS or a stop token id
+FLAG_LENGTH = 2  # the row's device-side limit is reached with this token (Moondream skills)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ class Sequence:
     image_positions: np.ndarray | None = None  # sorted prompt positions of the <image> tokens
     whole_spans: list[tuple[int, int]] = field(default_factory=list)  # prompt spans no chunk ends inside
     adapter: str | None = None  # a LoRA adapter's name, None for the base model
+    task: object = None  # Moondream: its moondream_skills.SkillTask (None: plain text rules)
 
     row: int = -1
     lora_slot: int = 0  # its adapter's device slot from admission to release (0: none)
@@ -61,6 +62,7 @@ class Sequence:
     num_dispatched: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_values: list = field(default_factory=list)  # Moondream: (coord, w, h) float32 per output token
 
     admitted: bool = False
     finalized: bool = False
@@ -77,8 +79,21 @@ class Sequence:
 
     @property
     def page_salt(self) -> bytes:
-        """What besides the tokens decides its KV, for the prefix cache's page names: the adapter."""
-        return b"" if self.adapter is None else b"lora:" + self.adapter.encode()
+        """What besides the tokens decides its KV, for the prefix cache's page names: the adapter,
+        and the values of a Moondream prompt's spatial refs."""
+        salt = b"" if self.adapter is None else b"lora:" + self.adapter.encode()
+        if self.task is not None and self.task.prompt_coord is not None:
+            salt += b"refs:" + self.task.prompt_coord.tobytes() + self.task.prompt_size.tobytes()
+        return salt
+
+    @property
+    def cacheable_len(self) -> int:
+        """Tokens whose KV the prefix cache may name: a Moondream output's coord/size tokens carry
+        values the token ids do not show, so such a sequence shares its prompt only."""
+        n = self.prompt_len + len(self.output_ids)
+        if self.task is not None and self.task.values_in_output:
+            n = self.prompt_len
+        return n
 
     @property
     def prompt_len(self) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -137,6 +138,16 @@ class VisionEncoder(nn.Module):
         return self.config.tokens_per_tile
 
     # ---- ImageFamily (image_prefill.py) ------------------------------------
+    def image_positions(self, prompt: np.ndarray, images: list, params: ImageProcessorParams) -> np.ndarray:
+        """Tiles of the processor's side; their rows fill the prompt's ``<image>`` tokens."""
+        side = params.tile_size
+        for i, image in enumerate(images):
+            for block in image.tiles:
+                if block.dtype != np.uint8 or block.ndim != 4 or block.shape[1:] != (3, side, side):
+                    raise ValueError(f"images[{i}]: tiles must be uint8 [n, 3, {side}, {side}], "
+                                     f"got {block.dtype} {list(block.shape)}")
+        return np.flatnonzero(prompt == params.image_token_id)
+
     def encode_unit(self, num_tiles: int) -> tuple[int, int]:
         """One tile is one encode unit: SigLIP and the connector treat tiles independently."""
         return 1, self.config.tokens_per_tile
@@ -145,14 +156,14 @@ class VisionEncoder(nn.Module):
         """Text attends to image rows causally: a chunk may split an image span."""
         return None
 
-    def encode_runs(self, runs: list[list[torch.Tensor]], params: ImageProcessorParams,
+    def encode_runs(self, runs: list[tuple[list[torch.Tensor], None]], params: ImageProcessorParams,
                     dtype: torch.dtype) -> list[torch.Tensor]:
-        """uint8 tile blocks per run of units (on the device) -> each run's feature rows, in one
-        vision forward for all of them."""
-        blocks = [t for run in runs for t in run]
+        """(uint8 tile blocks on the device, tiling: unused) per run of units -> each run's feature
+        rows, in one vision forward for all of them."""
+        blocks = [t for run, _tiling in runs for t in run]
         tiles = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         features = self.encode_images(normalize_tiles(tiles, params, dtype))
-        return list(features.split([sum(len(t) for t in run) * self.config.tokens_per_tile for run in runs]))
+        return list(features.split([sum(len(t) for t in run) * self.config.tokens_per_tile for run, _ in runs]))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.encode_images(pixel_values)

@@ -269,7 +269,7 @@ class Worker:
                              np.uint32(TokenFlag.ZOMBIE))
             seq_ids = np.fromiter((s.seq_id for s in c.seqs), np.uint32, c.rows)
             self.ring.commit(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
-                             c.logprobs, None if self.direct_copy else c.tokens)
+                             c.logprobs, None if self.direct_copy else c.tokens, c.values)
         self.mask_requests, self.mask_step = tick.mask_requests, tick.mask_step
         for image in tick.tiles_done:
             self._copied += image.tag

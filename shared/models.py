@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from shared.moondream_config import MoondreamConfig, is_moondream
 from shared.vision_config import is_vision_model, read_config
 
 # numpy is imported where weights are built or converted: the command line imports this
@@ -159,11 +160,12 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, quiet: bool =
 
 
 def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path)))
-
-
+    path = resolve_model(name_or_path)
+    if is_moondream(path):  # the hub's moondream2 ships a bare tokenizer.json (starmie-v1)
+        return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def _build_atomically(target: Path, builder, quiet: bool) -> None:
@@ -466,6 +468,11 @@ def _build_random_vlm(name: str, out: Path, quiet: bool) -> None:
     }, indent=2))
 
 
+def _build_random_moondream(out: Path) -> None:
+    from shared.moondream_random import TINY_CONFIG, write_checkpoint
+    write_checkpoint(out, TINY_CONFIG, variant="tiny")
+
+
 @dataclass(frozen=True)
 class Builtin:
     """One built-in model: its name, what it is, and how it is made."""
@@ -500,6 +507,8 @@ REGISTRY = _builtins(
             build=lambda out, quiet: _build_random_vlm("random-smolvlm-256m", out, quiet)),
     Builtin("random-llama-3.2-1b", "Llama-3.2-1B's shapes (1.24 B parameters), random weights, no tokenizer, "
             "in memory: the decode benchmark on a GPU", aliases=("random-1b",), random_llama=LLAMA_3_2_1B_CONFIG),
+    Builtin("tiny-random-moondream", "tiny Moondream 2 (moondream2 layout), random weights, a byte-level stand-in "
+            "tokenizer: for tests and the playground", build=lambda out, quiet: _build_random_moondream(out)),
 )
 _ALIASES = {alias: m for m in REGISTRY.values() for alias in m.aliases}
 
@@ -523,11 +532,16 @@ class ModelInfo:
     max_context: int  # max_position_embeddings
     has_chat_template: bool
     vision: bool  # the model takes images
+    family: str = "llama"  # llama | idefics3 | moondream: who renders the prompt of a skill
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL) -> "ModelInfo":
         """Resolve (building a built-in model once) and read config.json and the tokenizer config."""
         path = resolve_model(name_or_path)
+        if is_moondream(path):
+            t = MoondreamConfig.from_dir(path).text
+            return cls(path=path, vocab_size=t.vocab_size, eos_token_ids=(0,), max_context=t.max_context,
+                       has_chat_template=False, vision=True, family="moondream")
         cfg = read_config(path)
         text = cfg.get("text_config") or cfg  # a vision-language model nests its language model's config
         eos = cfg.get("eos_token_id", text.get("eos_token_id"))
@@ -537,4 +551,5 @@ class ModelInfo:
         return cls(path=path, vocab_size=int(text["vocab_size"]),
                    eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
                    max_context=int(text.get("max_position_embeddings", 4096)),
-                   has_chat_template=bool(template), vision=is_vision_model(path))
+                   has_chat_template=bool(template), vision=is_vision_model(path),
+                   family="idefics3" if is_vision_model(path) else "llama")

@@ -121,6 +121,28 @@ def test_publish_poll_roundtrip_and_64bit_step(arena):
     assert r.poll().seq_ids.size == 0  # empty entries are fine
 
 
+def test_entries_carry_region_values_beside_their_tokens(arena):
+    """Moondream rows: (coordinate, width, height) float32 per row, bit-exact, with or without
+    logprobs; an entry without them reads as None; a wrong shape is refused before any slot is used."""
+    w, r = arena.token_writer(), arena.token_reader()
+    values = np.array([[0.5, 0.25, 1e-3], [np.float32(0.1), 0.0, 2.0 ** -10]], np.float32)
+    p = w.reserve()
+    p.token_ids[:2] = [5, 6]
+    w.commit(p, 1, Kind.DECODE, [3, 4], [0, 0], None, None, values)
+    e = r.poll()
+    assert e.token_ids.tolist() == [5, 6] and e.logprobs is None
+    assert e.values.dtype == np.float32 and np.array_equal(e.values.view(np.uint32), values.view(np.uint32))
+    w.publish(2, Kind.DECODE, [3], [7], [0], np.array([-0.5]))
+    e = r.poll()
+    assert e.values is None and e.logprobs.tolist() == [-0.5]
+    p = w.reserve()
+    with pytest.raises(ValueError, match="values must have shape"):
+        w.commit(p, 3, Kind.DECODE, [3], [0], None, [9], np.zeros((1, 2), np.float32))
+    w.commit(p, 3, Kind.DECODE, [3], [0], np.array([-1.0]), [9], values[:1])
+    e = r.poll()
+    assert e.logprobs.tolist() == [-1.0] and np.array_equal(e.values, values[:1])
+
+
 def test_reserve_commit_device_path(arena):
     """The staging view is where a device copy lands; commit stamps the tags."""
     w, r = arena.token_writer(), arena.token_reader()

@@ -554,7 +554,7 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         encoded = Counter()
         for encode, segments, lengths in launches:
             reached = {(id(h), t) for h, first, end in segments for t in range(first // per, -(-end // per))}
-            here = [(id(h), t) for blocks, h, first, _ in encode
+            here = [(id(h), t) for blocks, h, first, *_ in encode
                     for t in range(first // per, first // per + sum(map(len, blocks)))]
             assert set(here) <= reached and len(here) == len(set(here))
             assert len(here) <= sum(-(-n // per) + 1 for n in lengths)

@@ -10,7 +10,7 @@ from enum import IntEnum, IntFlag
 import numpy as np
 
 MAGIC = int.from_bytes(b"TANDEMAR", "little")
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4  # 4: token-ring rows carry region values
 CACHE_LINE = 64
 
 
@@ -50,9 +50,11 @@ _HEADER_BYTES = 512
 
 # Token-ring meta words per slot (one cache line per slot).
 _M_STEP_LO, _M_STEP_HI, _M_COMMIT = 0, 1, 2
-# commit payload: nrows in bits 0-23, kind in 24-27, has-logprobs in bit 28.
-# Row columns of a slot (one (4, rows) block so an entry is one vectorised op).
-_C_SEQ, _C_TOK, _C_FLAGS, _C_LOGP, _NCOLS = 0, 1, 2, 3, 4
+# commit payload: nrows in bits 0-23, kind in 24-27, has-logprobs in bit 28, has-values in bit 29.
+# Row columns of a slot (one (7, rows) block so an entry is one vectorised op); the last three
+# are a Moondream row's region values (coordinate, width, height; float32).
+_C_SEQ, _C_TOK, _C_FLAGS, _C_LOGP, _C_VALUES, _NCOLS = 0, 1, 2, 3, 4, 7
+NUM_VALUES = _NCOLS - _C_VALUES
 _MAX_ROWS_LIMIT = 1 << 24
 
 
@@ -96,7 +98,7 @@ class Layout:
         u64, i32 = np.dtype(np.uint64), np.dtype(np.int32)
         specs = [
             ("ring_meta", (r, 8), u64),
-            ("ring_rows", (r, _NCOLS, rows), u64),  # columns: seq, token, flags, logprob
+            ("ring_rows", (r, _NCOLS, rows), u64),  # columns: seq, token, flags, logprob, 3 values
             ("ring_stage", (r, rows), i32),   # raw token ids from device copies
             ("ack_events", (a, 2), u64),
             ("mask_stamp", (b,), u64),

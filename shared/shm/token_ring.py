@@ -12,7 +12,8 @@ import numpy as np
 
 from .errors import RingCorrupt, RingTimeout
 from .layout import (
-    _C_FLAGS, _C_LOGP, _C_SEQ, _C_TOK, _H_CONSUMED, _M_COMMIT, _M_STEP_HI, _M_STEP_LO, _NCOLS, Kind,
+    _C_FLAGS, _C_LOGP, _C_SEQ, _C_TOK, _C_VALUES, _H_CONSUMED, _M_COMMIT, _M_STEP_HI, _M_STEP_LO, _NCOLS,
+    NUM_VALUES, Kind,
 )
 from .tags import _U32, _TornClock, _prev_tag, _tag, _tagged, _tags_ok
 from .wake import AbortFn, _drain, _signal, _Waiter
@@ -30,6 +31,7 @@ class Entry(NamedTuple):
     token_ids: np.ndarray         # int32
     flags: np.ndarray             # uint32 (TokenFlag bits)
     logprobs: Optional[np.ndarray]  # float32 or None
+    values: Optional[np.ndarray] = None  # float32 [rows, 3]: Moondream's region values, or None
 
 
 @dataclass
@@ -107,42 +109,49 @@ class TokenRingWriter:
         return self.try_reserve()
 
     def commit(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, logprobs=None,
-               token_ids=None) -> int:
+               token_ids=None, values=None) -> int:
         """Fill a reserved entry with one step's rows and publish it. Token ids
         come from ``token_ids`` if given, else from the first rows of
         ``p.token_ids`` (the staging row a device copy wrote: that copy must
-        have completed, e.g. after ``event.synchronize()``). Returns the ring
-        position."""
+        have completed, e.g. after ``event.synchronize()``). ``values``: float32 [rows, 3]
+        region values (Moondream). Returns the ring position."""
         if p.position != self._commit_next:
             raise ValueError(f"commit out of order: got position {p.position}, expected {self._commit_next}")
-        return self._write(p, *self._validate(step, kind, seq_ids, flags, token_ids, logprobs))
+        return self._write(p, *self._validate(step, kind, seq_ids, flags, token_ids, logprobs, values))
 
-    def _validate(self, step: int, kind: Kind, seq_ids, flags, token_ids, logprobs) -> tuple:
-        """(step, kind, seq_ids u32, flags u32, token_ids i32 | None, logprobs f32 | None), checked."""
+    def _validate(self, step: int, kind: Kind, seq_ids, flags, token_ids, logprobs, values=None) -> tuple:
+        """(step, kind, seq_ids u32, flags u32, token_ids i32 | None, logprobs f32 | None,
+        values f32 [n, 3] | None), checked."""
         n = len(seq_ids)
         if not 0 <= n <= self._max_rows:
             raise ValueError(f"an entry holds 0..{self._max_rows} rows (nrows), got {n}")
         if not 0 <= step < 1 << 64:
             raise ValueError(f"step must be a uint64, got {step}")
-        return (step, Kind(kind), *_normalize_rows(n, seq_ids, flags, token_ids, logprobs))
+        if values is not None:
+            values = np.asarray(values, dtype=np.float32)
+            if values.shape != (n, NUM_VALUES):
+                raise ValueError(f"values must have shape ({n}, {NUM_VALUES}), got {values.shape}")
+        return (step, Kind(kind), *_normalize_rows(n, seq_ids, flags, token_ids, logprobs), values)
 
-    def _write(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, tok, lp) -> int:
+    def _write(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, tok, lp, values=None) -> int:
         tag, slot, n = _tag(p.position), p.slot, len(seq_ids)
         if tok is None:
             tok = p.token_ids[:n]
-        has_lp = lp is not None
-        ncols = _NCOLS if has_lp else _C_LOGP
-        payload = np.empty((ncols, n), np.uint32)
+        has_lp, has_values = lp is not None, values is not None
+        ncols = _NCOLS if has_values else _C_VALUES if has_lp else _C_LOGP
+        payload = np.zeros((ncols, n), np.uint32)
         payload[_C_SEQ], payload[_C_TOK], payload[_C_FLAGS] = seq_ids, tok.view(np.uint32), flags
         if has_lp:
             payload[_C_LOGP] = lp.view(np.uint32)
+        if has_values:
+            payload[_C_VALUES:] = np.ascontiguousarray(values.T).view(np.uint32)
         # Payload words first ...
         _tagged(tag, payload, self._rows[slot, :ncols, :n])
         meta, hi = self._meta[slot], tag << 32
         meta[_M_STEP_LO] = hi | (step & _U32)
         meta[_M_STEP_HI] = hi | (step >> 32)
         # ... the commit word last: readers key on it.
-        meta[_M_COMMIT] = hi | n | (int(kind) << 24) | (int(has_lp) << 28)
+        meta[_M_COMMIT] = hi | n | (int(kind) << 24) | (int(has_lp) << 28) | (int(has_values) << 29)
         self._commit_next += 1
         _signal(self._a.wake.tokens)
         return p.position
@@ -245,12 +254,12 @@ class TokenRingReader:
                 return None
             raise RingCorrupt(f"token ring slot {slot}: commit tag {ctag:#x} is neither the "
                               f"expected {tag:#x} (position {pos}) nor the previous {prev:#x}")
-        n, kind_v, has_lp = commit & 0xFFFFFF, (commit >> 24) & 0xF, (commit >> 28) & 1
-        if n > self._max_rows or kind_v not in (Kind.PREFILL, Kind.DECODE) or commit >> 29 & 0x7:
+        n, kind_v, has_lp, has_values = commit & 0xFFFFFF, (commit >> 24) & 0xF, (commit >> 28) & 1, (commit >> 29) & 1
+        if n > self._max_rows or kind_v not in (Kind.PREFILL, Kind.DECODE) or commit >> 30 & 0x3:
             raise RingCorrupt(f"token ring slot {slot}: invalid commit word {commit:#018x}")
         # Copy first, then validate the copy. Load order does not matter: a
         # step or row word read "too early" carries an older tag and fails.
-        rows = self._rows[slot, :_NCOLS if has_lp else _C_LOGP, :n].copy()
+        rows = self._rows[slot, :_NCOLS if has_values else _C_VALUES if has_lp else _C_LOGP, :n].copy()
         if not ((step_lo >> 32) == (step_hi >> 32) == tag and _tags_ok(rows, tag)):
             if self._torn.expired(pos):
                 raise RingCorrupt(f"token ring slot {slot} (position {pos}) has been published "
@@ -261,7 +270,8 @@ class TokenRingReader:
         low = rows.astype(np.uint32)  # truncation keeps exactly the payload half
         return Entry(pos, (step_lo & _U32) | (step_hi & _U32) << 32, Kind(kind_v), low[_C_SEQ],
                      low[_C_TOK].view(np.int32), low[_C_FLAGS],
-                     low[_C_LOGP].view(np.float32) if has_lp else None)
+                     low[_C_LOGP].view(np.float32) if has_lp else None,
+                     np.ascontiguousarray(low[_C_VALUES:].view(np.float32).T) if has_values else None)
 
     def wait(self, timeout: Optional[float] = None, abort: AbortFn = None) -> bool:
         """Block until the next entry's commit word is visible (spin ``spin_s``,

@@ -1,0 +1,118 @@
+"""A plain greedy loop over :class:`gpu_worker.moondream.Moondream`, batch of one (test helper).
+
+The decoding rules of MOONDREAM.md §4 written as directly as possible, one forward per token,
+so the model can be checked against the reference's figures before any engine is involved.
+"""
+from __future__ import annotations
+
+import torch
+
+from frontend import moondream_prompts as prompts
+from gpu_worker.batch import Batch
+from gpu_worker.kv_cache import PagedKVCache
+from shared.moondream_config import ANSWER_ID, COORD_ID, EOS_ID, SIZE_ID
+
+PAGE = 16
+
+
+class Session:
+    """One sequence on its own paged cache: feed embeddings chunk by chunk, read the last row."""
+
+    def __init__(self, model, max_len: int = 1024):
+        t = model.spec.text
+        self.model = model
+        pages = -(-max_len // PAGE)
+        self.kv = PagedKVCache(t.n_layers, pages + 1, PAGE, t.n_kv_heads, t.dim // t.n_heads,
+                               model.text.wte.dtype)
+        self.table = list(range(1, pages + 1))
+        self.pos = 0
+
+    @torch.no_grad()
+    def feed(self, ids: list[int], coord=None, size=None, prefix=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] (with per-token coord [T] / size [T, 2] values, or the image prefix embeddings
+        in place of the first rows) -> (logits [vocab], pre-post_ln hidden [dim]) of the last token."""
+        n = len(ids)
+        batch = Batch.build([(self.pos, n, self.table)], PAGE)
+        image = None
+        if prefix is not None:
+            image = (torch.arange(len(prefix)), prefix)
+        logits, hidden = self.model(torch.tensor(ids), batch, self.kv, torch.tensor([n - 1]), image, coord, size)
+        self.pos += n
+        return logits[0].clone(), hidden[0].clone()
+
+    def feed_coord(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.feed([COORD_ID], coord=x.view(1))
+
+    def feed_size(self, wh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.feed([SIZE_ID], size=wh.view(1, 2))
+
+
+def start(model, prefix: torch.Tensor | None = None) -> Session:
+    """A session with the image block (``model.image_prefix``) prefilled, or an empty one."""
+    s = Session(model)
+    if prefix is not None:
+        s.feed([EOS_ID] * len(prefix), prefix=prefix)
+    return s
+
+
+def prompt_values(ids: list[int], refs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not refs:
+        return None, None
+    coords, sizes = prompts.spatial_ref_values(refs)
+    coord = torch.zeros(len(ids))
+    size = torch.zeros(len(ids), 2)
+    ids_t = torch.tensor(ids)
+    coord[ids_t == COORD_ID] = torch.tensor(coords, dtype=torch.float32)
+    if sizes:
+        size[ids_t == SIZE_ID] = torch.tensor(sizes, dtype=torch.float32)
+    return coord, size
+
+
+def generate_text(s: Session, ids: list[int], max_tokens: int, refs=()) -> list[int]:
+    """Caption / query answer: the first token unsuppressed, then the answer token banned; stop at eos."""
+    logits, _ = s.feed(ids, *prompt_values(ids, refs))
+    out = []
+    tok = int(logits.argmax())
+    while tok != EOS_ID and len(out) < max_tokens:
+        out.append(tok)
+        logits, _ = s.feed([tok])
+        logits[ANSWER_ID] = float("-inf")
+        tok = int(logits.argmax())
+    return out
+
+
+def generate_reasoning(s: Session, ids: list[int], max_tokens: int, refs=()) -> list[int]:
+    """Reasoning: stop at the answer token (not fed); eos and size banned; a coord token feeds its value."""
+    logits, hidden = s.feed(ids, *prompt_values(ids, refs))
+    out = []
+    tok = int(logits.argmax())
+    while tok != ANSWER_ID and len(out) < max_tokens:
+        out.append(tok)
+        if tok == COORD_ID:
+            logits, hidden = s.feed_coord(s.model.region.coord(hidden[None]))
+        else:
+            logits, hidden = s.feed([tok])
+        logits[EOS_ID] = logits[SIZE_ID] = float("-inf")
+        tok = int(logits.argmax())
+    return out
+
+
+def generate_objects(s: Session, ids: list[int], max_objects: int, size: bool) -> list[dict]:
+    """Point / detect: while the full-vocabulary argmax is not eos, x, y (and size) are forced steps."""
+    logits, hidden = s.feed(ids)
+    region = s.model.region
+    out = []
+    while int(logits.argmax()) != EOS_ID and len(out) < max_objects:
+        x = region.coord(hidden[None])
+        _, hidden = s.feed_coord(x)
+        y = region.coord(hidden[None])
+        logits, hidden = s.feed_coord(y)
+        if size:
+            wh = region.size(hidden[None])[0]
+            logits, hidden = s.feed_size(wh)
+            w, h = float(wh[0]), float(wh[1])
+            out.append({"x_min": float(x) - w / 2, "y_min": float(y) - h / 2,
+                        "x_max": float(x) + w / 2, "y_max": float(y) + h / 2})
+        else:
+            out.append({"x": float(x), "y": float(y)})
+    return out

@@ -1,0 +1,289 @@
+"""Moondream 2 against the reference's own outputs (tests/data/moondream_dev_expected.json).
+
+The checkpoint is rebuilt by ``shared/moondream_random.py`` from the recipe and must hash to
+the fixture's sha256; every case (caption ×3, query, point, detect on three images, a reasoning
+query, spatial refs, a text-only query, and the eos-biased checkpoint's early stops) must give
+the reference's token ids and float32 values exactly, in float32.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from frontend import moondream_prompts as prompts
+from frontend.moondream_images import image_tiling, overlap_crops, select_tiling
+from gpu_worker.moondream import Moondream
+from shared.moondream_config import MoondreamConfig, is_moondream
+import moondream_greedy as greedy
+from shared.moondream_random import make_image, sha256_file, write_checkpoint
+
+EXPECTED = json.loads((Path(__file__).parent / "data" / "moondream_dev_expected.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moondream")
+    return {"plain": write_checkpoint(root / "dev"), "eos": write_checkpoint(root / "dev-eos", eos_bias=EXPECTED["eos_bias"])}
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    return {k: Moondream.from_pretrained(p) for k, p in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def encode(checkpoints):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(checkpoints["plain"] / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def images():
+    return {name: overlap_crops(make_image(h, w, salt)) for name, (h, w, salt) in EXPECTED["images"].items()}
+
+
+IMAGES = images()
+_PREFIXES: dict[str, torch.Tensor] = {}
+
+
+def image_prefix(model, name: str) -> torch.Tensor:
+    """The image block of a fixture image, computed once: both checkpoints share every weight it
+    depends on (they differ in lm_head.bias only)."""
+    if name not in _PREFIXES:
+        crops, tiling = IMAGES[name]
+        with torch.no_grad():
+            _PREFIXES[name] = model.image_prefix(torch.from_numpy(crops), tiling)
+    return _PREFIXES[name]
+
+
+def test_generator_matches_the_recipe(checkpoints):
+    assert sha256_file(checkpoints["plain"] / "model.safetensors") == EXPECTED["checkpoint_sha256"]
+    assert sha256_file(checkpoints["eos"] / "model.safetensors") == EXPECTED["eos_checkpoint_sha256"]
+    assert is_moondream(checkpoints["plain"])
+
+
+def test_tiling_examples():
+    # MOONDREAM.md §2: (H, W) -> tiling.
+    for (h, w), want in {(378, 378): (1, 1), (644, 644): (3, 3), (910, 910): (3, 3), (800, 1200): (2, 4),
+                         (1080, 1920): (2, 4)}.items():
+        assert image_tiling(h, w) == want, (h, w)
+    assert select_tiling(266 * 20, 266 * 20) == (3, 3)  # more than 12 minimum tiles: scaled down
+    for name, (crops, tiling) in IMAGES.items():
+        case = next(c for c in EXPECTED["cases"] if c.get("image") == name)
+        assert list(tiling) == case["tiling"]
+        assert crops.shape == (1 + tiling[0] * tiling[1], 3, 378, 378) and crops.dtype == np.uint8
+
+
+def test_hub_config_is_the_moondream2_defaults():
+    cfg = MoondreamConfig.from_dict({"model_type": "moondream1", "auto_map": {}, "torch_dtype": "bfloat16"})
+    assert (cfg.text.dim, cfg.text.n_layers, cfg.vision.enc_dim, cfg.region.inner_dim) == (2048, 24, 1152, 8192)
+    with pytest.raises(ValueError, match="unknown"):
+        MoondreamConfig.from_dict({"text": {"dims": 3}, "vision": {}, "region": {}})
+
+
+def run_case(model, encode, case):
+    """What the plain greedy loop answers for a fixture case, in the fixture's terms."""
+    s = greedy.start(model, image_prefix(model, case["image"]) if "image" in case else None)
+    skill = case["skill"]
+    if skill == "caption":
+        return {"token_ids": greedy.generate_text(s, prompts.caption_ids(case["length"]), case["max_tokens"])}
+    if skill == "query":
+        refs = case.get("spatial_refs", ())
+        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image="image" in case)
+        if case.get("reasoning"):
+            reasoning = greedy.generate_reasoning(s, ids, case["max_tokens"], refs)
+            return {"reasoning_token_ids": reasoning,
+                    "token_ids": greedy.generate_text(s, [prompts.ANSWER_ID], case["max_tokens"])}
+        return {"token_ids": greedy.generate_text(s, ids, case["max_tokens"], refs)}
+    ids = (prompts.point_ids if skill == "point" else prompts.detect_ids)(encode, case["object"])
+    key = "points" if skill == "point" else "objects"
+    return {key: greedy.generate_objects(s, ids, case["max_objects"], size=skill == "detect")}
+
+
+def case_id(case):
+    return "-".join(str(case[k]) for k in ("skill", "length", "image", "object") if k in case) + (
+        "-reasoning" if case.get("reasoning") else "") + ("-refs" if case.get("spatial_refs") else "")
+
+
+@pytest.mark.parametrize("case", EXPECTED["cases"], ids=case_id)
+def test_greedy_loop_matches_the_reference(models, encode, case):
+    got = run_case(models["plain"], encode, case)
+    assert got == {k: case[k] for k in got}
+
+
+@pytest.mark.parametrize("case", EXPECTED["eos_cases"], ids=case_id)
+def test_greedy_loop_matches_the_reference_eos(models, encode, case):
+    got = run_case(models["eos"], encode, case)
+    assert got == {k: case[k] for k in got}
+
+
+# ---- through the engine -------------------------------------------------------------------------
+
+def engine_request(case, encode, prefix_len=730):
+    """(prompt ids, sampling params, images, task) of a fixture case, as the frontend sends them."""
+    from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, REASON, SkillTask
+    from gpu_worker.image_prefill import ImageInput
+    from shared.sampling import SamplingParams
+
+    skill = case["skill"]
+    image = "image" in case
+    refs = case.get("spatial_refs", ())
+    if skill == "caption":
+        ids = prompts.caption_ids(case["length"])
+    elif skill == "query":
+        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image=image)
+    else:
+        ids = (prompts.point_ids if skill == "point" else prompts.detect_ids)(encode, case["object"])
+    prompt = [0] * prefix_len * image + ids
+    coord = size = None
+    if refs:
+        coords, sizes = prompts.spatial_ref_values(refs)
+        coord, size = np.zeros(len(prompt), np.float32), np.zeros((len(prompt), 2), np.float32)
+        at = np.asarray(prompt)
+        coord[at == prompts.COORD_ID], size[at == prompts.SIZE_ID] = coords, sizes
+    if skill in ("point", "detect"):
+        n = case["max_objects"]
+        task = SkillTask(DECIDE, detect=skill == "detect", limit=n)
+        max_tokens = (3 if skill == "detect" else 2) * n + 1
+    elif case.get("reasoning"):
+        task = SkillTask(REASON, limit=case["max_tokens"], answer_limit=case["max_tokens"])
+        max_tokens = 2 * case["max_tokens"] + 1
+    else:
+        task = SkillTask(ANSWER_FIRST, limit=case["max_tokens"])
+        max_tokens = case["max_tokens"]
+    task = SkillTask(task.phase, task.detect, task.limit, task.answer_limit, coord, size)
+    images = None
+    if image:
+        crops, tiling = IMAGES[case["image"]]
+        images = [ImageInput(hash=case["image"], tiles=[crops[:1], crops[1:]], tiling=tiling)]  # as slots hold them
+    return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), images, task
+
+
+def engine_answer(case, seq):
+    skill = case["skill"]
+    if skill in ("point", "detect"):
+        key = "points" if skill == "point" else "objects"
+        return {key: prompts.parse_objects(seq.output_ids, seq.output_values, skill == "detect")}
+    out = [t for t in seq.output_ids if t != 0]  # the eos that stops is no answer token
+    if case.get("reasoning"):
+        reasoning, answer = prompts.split_reasoning(out)
+        return {"reasoning_token_ids": reasoning, "token_ids": answer}
+    return {"token_ids": out}
+
+
+def make_engine(path, pipeline=True, **kw):
+    from gpu_worker.engine import Engine
+    from shared.config import EngineConfig
+    return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", pipeline=pipeline, max_batch=8,
+                               max_model_len=1024, **kw))
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "blocking"])
+def test_engine_matches_the_reference_batched(checkpoints, encode, pipeline):
+    """Every case at once, pipelined and blocking: batched with each other (text rows, other images)."""
+    for name, cases in (("plain", EXPECTED["cases"]), ("eos", EXPECTED["eos_cases"])):
+        engine = make_engine(checkpoints[name], pipeline)
+        seqs = []
+        for case in cases:
+            prompt, params, images, task = engine_request(case, encode)
+            seqs.append(engine.submit(prompt, params, images=images, task=task))
+        engine.run_until_idle()
+        for case, seq in zip(cases, seqs):
+            assert seq.error is None, seq.error
+            got = engine_answer(case, seq)
+            assert got == {k: case[k] for k in got}, case_id(case)
+        assert engine.idle
+        engine.close()
+
+
+def test_engine_one_at_a_time_never_reads_values_back(checkpoints, encode):
+    """Each spatial case alone, blocking and pipelined, while the host copy of the region values is
+    poisoned after every read: the next launch embeds the device's own values, not the host's."""
+    cases = [c for c in EXPECTED["cases"] if c["skill"] in ("point", "detect") or c.get("reasoning")
+             or c.get("spatial_refs")][:4]
+    for pipeline in (True, False):
+        engine = make_engine(checkpoints["plain"], pipeline)
+        runner = engine.runner
+        read_step = runner.read_step
+
+        def poisoned(slot, num):
+            out = read_step(slot, num)
+            runner.slots[slot].values.fill_(float("nan"))
+            return out
+
+        runner.read_step = poisoned
+        for case in cases:
+            prompt, params, images, task = engine_request(case, encode)
+            seq = engine.submit(prompt, params, images=images, task=task)
+            engine.run_until_idle()
+            assert engine_answer(case, seq) == {k: case[k] for k in engine_answer(case, seq)}, case_id(case)
+        assert engine.idle
+        engine.close()
+
+
+def test_engine_refuses_bad_moondream_input(checkpoints, encode):
+    from gpu_worker.moondream_skills import DECIDE, SkillTask
+    from shared.sampling import SamplingParams
+    engine = make_engine(checkpoints["plain"])
+    case = next(c for c in EXPECTED["cases"] if c["skill"] == "detect")
+    prompt, params, images, task = engine_request(case, encode)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.submit(prompt, SamplingParams(temperature=0.5), images=images, task=task)
+    with pytest.raises(ValueError, match="images"):
+        engine.submit(prompt, params, images=images * 2, task=task)
+    with pytest.raises(ValueError, match="spatial_refs"):
+        engine.submit(prompt, params, images=images, task=SkillTask(DECIDE, prompt_coord=np.zeros(3, np.float32),
+                                                                     prompt_size=np.zeros((3, 2), np.float32)))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.submit(prompt[:100], params, images=images, task=task)
+    seq = engine.submit(prompt, params, images=images, task=task)  # and it serves on
+    engine.run_until_idle()
+    assert engine_answer(case, seq)["objects"] == case["objects"]
+    engine.close()
+
+
+def test_service_serves_a_moondream_directory(checkpoints, encode):
+    """The whole path (service, worker process, token ring) on the fixture checkpoint: the text-only
+    query, a raw prompt under Moondream's default rules, answers as the reference."""
+    from frontend.service import Service, ServiceConfig
+    case = next(c for c in EXPECTED["cases"] if c["skill"] == "query" and "image" not in c)
+    svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=4,
+                                max_model_len=512))
+    try:
+        assert svc.model.family == "moondream" and svc.model.vision and svc.info["vision"]
+        from shared.sampling import SamplingParams
+        req = svc.submit(prompts.query_ids(encode, case["question"], image=False),
+                         SamplingParams(temperature=0.0, max_tokens=case["max_tokens"]))
+        svc.run_until(lambda: req.ended, 120)
+        assert req.error is None and req.token_ids == case["token_ids"]
+        assert req.text == ""  # the stand-in tokenizer has no text for these ids: nothing, never an error
+        svc.run_until(svc.idle, 60)
+    finally:
+        svc.close()
+
+
+def test_tiny_random_moondream_is_built_in():
+    """The registry's random Moondream loads and answers a detect on an image of any size."""
+    from shared.models import ModelInfo
+    info = ModelInfo.load("tiny-random-moondream")
+    assert info.family == "moondream" and info.vision and info.vocab_size == 51200
+    engine = make_engine("tiny-random-moondream")
+    crops, tiling = overlap_crops(make_image(500, 700, 9))
+    case = {"skill": "detect", "object": "dog", "image": "x", "max_objects": 2}
+    IMAGES["x"] = (crops, tiling)
+    try:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(info.path / "tokenizer.json"))
+        prompt, params, images, task = engine_request(case, lambda t: tok.encode(t, add_special_tokens=False).ids)
+        seq = engine.submit(prompt, params, images=images, task=task)
+        engine.run_until_idle()
+        objects = engine_answer(case, seq)["objects"]
+        assert seq.error is None and len(objects) <= 2 and seq.output_ids[-1] == 0
+        assert all(set(o) == {"x_min", "y_min", "x_max", "y_max"} for o in objects)
+    finally:
+        del IMAGES["x"]
+        engine.close()
