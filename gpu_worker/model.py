@@ -152,6 +152,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` whose matmul reads a copy of the weight prepacked for oneDNN (bf16 on a CPU).
+
+    oneDNN reorders a plain weight into its blocked (AVX512-BF16 / AMX) layout on
+    every call; packed once, a call only multiplies (BENCHMARKS.md "The CPU
+    forward"). ``weight`` stays the plain parameter (tied embeddings, LoRA and
+    checkpoint code read it); the packed copy costs the weights' size once more.
+    """
+
+    packed: torch.Tensor
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed.in_features, packed.out_features = linear.in_features, linear.out_features
+        packed.weight, packed.bias = linear.weight, linear.bias
+        # The batch-size hint picks oneDNN's blocking; decode batches are small.
+        packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        return packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace, in place, every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`;
+    returns how many. fp32 keeps aten's matmul (the float32 reference tests match it exactly),
+    CUDA has no use for it, and a torch without mkldnn packs nothing."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            w = child.weight if type(child) is nn.Linear else None
+            if w is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16:
+                setattr(parent, name, PackedLinear.from_linear(child))
+                count += 1
+    return count
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int, dtype=None, device=None):
         super().__init__()
@@ -183,10 +224,12 @@ class Attention(nn.Module):
         v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
 
         # Gather each sequence's pages into a contiguous [S, L, Hkv, D], L = P * page_size;
-        # key slot j of that layout is position j of the sequence.
+        # key slot j of that layout is position j of the sequence. index_select copies whole
+        # pages (4x faster than k_cache[block_tables] on a CPU, BENCHMARKS.md "The CPU forward").
         S, P = batch.block_tables.shape
-        keys = k_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
-        values = v_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
+        pages = batch.block_tables.view(-1)
+        keys = k_cache.index_select(0, pages).view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
+        values = v_cache.index_select(0, pages).view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
 
         # Padded queries [S, Qmax, H, D]. For GQA, fold the G = H / Hkv query heads
         # sharing a kv head into the query-length axis: [S, Hkv, G * Qmax, D].

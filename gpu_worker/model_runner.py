@@ -35,7 +35,7 @@ from .device import Device
 from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
-from .model import Llama, LlamaConfig
+from .model import Llama, LlamaConfig, pack_linears
 from .pipeline import NUM_SLOTS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
 from .vision import VisionEncoder, normalize_tiles
@@ -121,6 +121,8 @@ class ModelRunner:
         self.image_params = image_params
         self.model = llama.eval()
         self.config = llama.config
+        if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)
+            pack_linears(self.model)
         # LoRA: wraps the targeted linear layers (before any graph is captured).
         self.lora = LoraPool(self.model, config.loras, config.max_loras, config.lora_kernel) if config.loras else None
         self.max_model_len = min(max_model_len, llama.max_model_len)

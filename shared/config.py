@@ -22,6 +22,7 @@ class EngineConfig:
     prefix_cache: bool = True  # map the cached KV pages of a prompt's shared beginning
     dtype: str | None = None  # float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU
     cuda_graphs: bool = True
+    prepack: bool = True  # bf16 on a CPU: matmul weights prepacked for oneDNN (gpu_worker.model.PackedLinear)
     encoder_cache_mb: float = 256.0  # image features kept on the device for reuse (unreferenced ones, LRU)
     debug: bool = False
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> PEFT directory
