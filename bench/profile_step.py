@@ -106,25 +106,32 @@ def profile(args) -> None:
               f"CPU {statistics.median(cpu):.2f} ms; "
               f"first call {first_s:.1f} s; load {os.getloadavg()[0]:.2f}")
         handles = _part_ranges(model)
-        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        on_gpu = dev != "cpu"
+        if on_gpu:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.inference_mode(), torch.profiler.profile(activities=acts) as prof:
             for i in range(args.steps):
                 step(i)
+            if on_gpu:
+                torch.cuda.synchronize()
         for h in handles:
             h.remove()
         events = prof.key_averages()
-        total = sum(e.self_cpu_time_total for e in events if not e.key.startswith("part::"))
-        rows = sorted((e for e in events if not e.key.startswith("part::")), key=lambda e: -e.self_cpu_time_total)
+        # On a GPU an op's time is its kernels' (self device time); on a CPU its self CPU time.
+        own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+        ops = [e for e in events if not e.key.startswith("part::")]
+        total = sum(own(e) for e in ops) or 1
         print(f"{'op':<48} {'share':>6} {'ms/step':>8} {'calls/step':>10}")
-        for e in rows[:args.top]:
-            print(f"{e.key[:48]:<48} {e.self_cpu_time_total / total:6.1%} "
-                  f"{e.self_cpu_time_total / 1e3 / args.steps:8.2f} {e.count / args.steps:10.0f}")
+        for e in sorted(ops, key=lambda e: -own(e))[:args.top]:
+            print(f"{e.key[:48]:<48} {own(e) / total:6.1%} {own(e) / 1e3 / args.steps:8.2f} {e.count / args.steps:10.0f}")
         parts = defaultdict(float)
         for e in events:
             if e.key.startswith("part::"):
                 parts[e.key[6:]] += e.cpu_time_total
         if parts:
             whole = total / 1e3 / args.steps
-            print("parts (ms/step, profiled): " + ", ".join(f"{k} {v / 1e3 / args.steps:.2f}" for k, v in parts.items())
+            print("parts (CPU ms/step, profiled): " + ", ".join(f"{k} {v / 1e3 / args.steps:.2f}" for k, v in parts.items())
                   + f"; all ops {whole:.2f}")
 
 

@@ -169,8 +169,9 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(packed)
         packed.in_features, packed.out_features = linear.in_features, linear.out_features
         packed.weight, packed.bias = linear.weight, linear.bias
-        # The batch-size hint picks oneDNN's blocking; decode batches are small.
-        packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        # The batch-size hint picks oneDNN's blocking: 64 was as fast as 1 or faster at 1, 32
+        # and 512 rows (BENCHMARKS.md "The CPU forward").
+        packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
