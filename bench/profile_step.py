@@ -53,6 +53,30 @@ def _part_ranges(model):
     return handles
 
 
+def compare_pack(packed, plain, step, prefill, steps: int) -> None:
+    """CPU ms of a decode step and of the prefill, packed vs plain linears, alternating call by call
+    (so a noisy neighbour hits both alike)."""
+    import torch
+
+    decode = {"packed": [], "plain": []}
+    fill = {"packed": [], "plain": []}
+    with torch.inference_mode():
+        for i in range(steps):
+            for name, m in (("packed", packed), ("plain", plain))[::1 if i % 2 else -1]:
+                c0 = time.process_time()
+                step(i, m)
+                decode[name].append((time.process_time() - c0) * 1e3)
+                if i < 4:
+                    c0 = time.process_time()
+                    prefill(m)
+                    fill[name].append((time.process_time() - c0) * 1e3)
+    med = {k: statistics.median(v) for k, v in decode.items()}
+    fmed = {k: statistics.median(v) for k, v in fill.items()}
+    print(f"packed vs plain linears, CPU ms (median): decode {med['packed']:.2f} vs {med['plain']:.2f} "
+          f"({med['plain'] / med['packed']:.2f}x); prefill {fmed['packed']:.2f} vs {fmed['plain']:.2f} "
+          f"({fmed['plain'] / fmed['packed']:.2f}x); load {os.getloadavg()[0]:.2f}")
+
+
 def profile(args) -> None:
     import numpy as np
     import torch
@@ -65,6 +89,9 @@ def profile(args) -> None:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     loaded = load_model(args.model, args.device, args.dtype, 0, 2048)
     model, dev = loaded.llama, loaded.torch_device
+    plain = None
+    if args.compare_pack:  # a second, unpacked copy of the weights
+        plain = load_model(args.model, args.device, args.dtype, 0, 2048).llama
     if args.pack:
         pack_linears(model)
     page = 16
@@ -79,18 +106,21 @@ def profile(args) -> None:
         with torch.inference_mode():
             prompt = torch.from_numpy(rng.integers(3, model.config.vocab_size, streams * args.context)).to(dev)
             prefill = Batch.build([(0, args.context, t) for t in tables], page, device=dev)
-            model(prompt, prefill, kv, torch.arange(streams, device=dev) * args.context + args.context - 1)
+            prefill_rows = torch.arange(streams, device=dev) * args.context + args.context - 1
+            model(prompt, prefill, kv, prefill_rows)
         ids = torch.from_numpy(rng.integers(3, model.config.vocab_size, streams)).to(dev)
 
-        def step(i):
+        def step(i, m=model):
             batch = Batch.build([(args.context + i, 1, t) for t in tables], page, device=dev,
                                 num_pages_per_seq=pages_per_seq)
-            return model(ids, batch, kv, torch.arange(streams, device=dev))
+            return m(ids, batch, kv, torch.arange(streams, device=dev))
 
         t0 = time.perf_counter()
         with torch.inference_mode():
             step(0)
         first_s = time.perf_counter() - t0
+        if plain is not None:
+            compare_pack(model, plain, step, lambda m: m(prompt, prefill, kv, prefill_rows), args.steps)
         times, cpu = [], []
         with torch.inference_mode():
             for i in range(args.steps):
@@ -145,6 +175,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", default=20, type=int)
     ap.add_argument("--threads", default=0, type=int, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="plain linears (no oneDNN prepacking)")
+    ap.add_argument("--compare-pack", action="store_true",
+                    help="also time packed vs plain linears, alternating (CPU time, decode and prefill)")
     ap.add_argument("--top", default=14, type=int)
     profile(ap.parse_args(argv))
 
