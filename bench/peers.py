@@ -33,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.serve import WORDS, Work, percentiles, run_level
+from bench.serve import WORDS, Work, run_level
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,7 +244,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--one-requests", type=int, default=8, help="requests at 1 stream")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--requests", type=int, default=64, help="requests at --streams streams")
-    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds an engine may take to start (vLLM compiles)")
+    ap.add_argument("--start-timeout", type=float, default=600.0,
+                    help="seconds an engine may take to start (vLLM compiles)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     if args.llama_server and not args.gguf:

@@ -154,15 +154,16 @@ def profile(args) -> None:
         total = sum(own(e) for e in ops) or 1
         print(f"{'op':<48} {'share':>6} {'ms/step':>8} {'calls/step':>10}")
         for e in sorted(ops, key=lambda e: -own(e))[:args.top]:
-            print(f"{e.key[:48]:<48} {own(e) / total:6.1%} {own(e) / 1e3 / args.steps:8.2f} {e.count / args.steps:10.0f}")
+            ms, calls = own(e) / 1e3 / args.steps, e.count / args.steps
+            print(f"{e.key[:48]:<48} {own(e) / total:6.1%} {ms:8.2f} {calls:10.0f}")
         parts = defaultdict(float)
         for e in events:
             if e.key.startswith("part::"):
                 parts[e.key[6:]] += e.cpu_time_total
         if parts:
             whole = total / 1e3 / args.steps
-            print("parts (CPU ms/step, profiled): " + ", ".join(f"{k} {v / 1e3 / args.steps:.2f}" for k, v in parts.items())
-                  + f"; all ops {whole:.2f}")
+            each = ", ".join(f"{k} {v / 1e3 / args.steps:.2f}" for k, v in parts.items())
+            print(f"parts (CPU ms/step, profiled): {each}; all ops {whole:.2f}")
 
 
 def main(argv=None) -> None:
