@@ -18,7 +18,8 @@
 #    ids copied into a page-locked arena, a failed launch fails only its steps. Stops here if not.
 # 2. Decode table: random-135m and random-1b, bf16, CUDA graphs, 1 and 32 streams,
 #    blocking vs pipelined, device idle from CUDA events, host ms per step, transformers
-#    generate on the same weights; the zombie tax; CUDA-graph capture time.
+#    generate on the same weights; the zombie tax; CUDA-graph capture time. Then one decode
+#    step's profile at 1 and 32 streams (bench/profile_step.py: the page gather, SDPA, matmuls).
 # 3. Feature checks (bench/gpu_features.py): LoRA in CUDA graphs, the prefix cache, images
 #    through the vision encoder and its cache, the two processes; each against a reference.
 # 4. Feature numbers: two-process vs in-process tokens/s (1 and 32 streams), prefix-cache
@@ -111,6 +112,9 @@ for model in $MODELS; do  # random-135m (+ the zombie case) within 90 s, random-
         --tokens "$TOKENS" --repeats "$REPEATS" --mode blocking,pipelined --baseline transformers \
         --json-out "$DIR/decode-$model.json" "${extra[@]}"
 done
+
+stage "2/5 one decode step's profile (the page gather, SDPA, matmuls)" 60 - \
+    "$PY" -m bench.profile_step --model "${MODELS%% *}" --device "$DEVICE" --streams 1,32 --context 111 --steps 10
 
 stage "3/5 feature checks (LoRA, prefix cache, images, two processes)" 150 - \
     "$PY" -m bench.gpu_features --device "$DEVICE" --llm "$LLM" --vlm "$VLM"

@@ -176,10 +176,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
 
     # Gather each sequence's pages into a contiguous [S, L, Hkv, D], L = P * page_size;
-    # key slot j of that layout is position j of the sequence.
+    # key slot j of that layout is position j of the sequence. index_select copies whole
+    # pages (4x faster than k_cache[block_tables] on a CPU, BENCHMARKS.md "The CPU forward").
     S, P = batch.block_tables.shape
-    keys = k_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
-    values = v_cache[batch.block_tables].view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
+    pages = batch.block_tables.view(-1)
+    keys = k_cache.index_select(0, pages).view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
+    values = v_cache.index_select(0, pages).view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
 
     # Padded queries [S, Qmax, H, D]. For GQA, fold the G = H / Hkv query heads
     # sharing a kv head into the query-length axis: [S, Hkv, G * Qmax, D].
@@ -192,6 +194,48 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     # Back to [S * Qmax, H * D] (head h = kv_head * G + g, as in HF), then unpad to [T, H * D].
     out = out.view(S, Hkv, G, Qmax, D).permute(0, 3, 1, 2, 4).reshape(S * Qmax, H * D)
     return out[batch.token_to_padded]
+
+
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` whose matmul reads a copy of the weight prepacked for oneDNN (bf16 on a CPU).
+
+    oneDNN reorders a plain weight into its blocked (AVX512-BF16 / AMX) layout on
+    every call; packed once, a call only multiplies (BENCHMARKS.md "The CPU
+    forward"). ``weight`` stays the plain parameter (tied embeddings, LoRA and
+    checkpoint code read it); the packed copy costs the weights' size once more.
+    """
+
+    packed: torch.Tensor
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed.in_features, packed.out_features = linear.in_features, linear.out_features
+        packed.weight, packed.bias = linear.weight, linear.bias
+        # The batch-size hint picks oneDNN's blocking: 64 was as fast as 1 or faster at 1, 32
+        # and 512 rows (BENCHMARKS.md "The CPU forward").
+        packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
+        return packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace, in place, every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`;
+    returns how many. fp32 keeps aten's matmul (the float32 reference tests match it exactly),
+    CUDA has no use for it, and a torch without mkldnn packs nothing."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            w = child.weight if type(child) is nn.Linear else None
+            if w is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16:
+                setattr(parent, name, PackedLinear.from_linear(child))
+                count += 1
+    return count
 
 
 class Attention(nn.Module):

@@ -38,7 +38,7 @@ from .device import Device
 from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
-from .model import Llama, LlamaConfig
+from .model import Llama, LlamaConfig, pack_linears
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS
@@ -133,6 +133,8 @@ class ModelRunner:
                 image_params = ImageProcessorParams.from_model_dir(path)
         self.model = llama.eval()
         self.config = llama.config
+        if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)
+            pack_linears(self.model)
         # Moondream: its region heads and per-row skill state (moondream_skills.py); None otherwise.
         self.moondream = llama if isinstance(llama, Moondream) else None
         self.skills = SkillRows(max_rows + 1, dev) if self.moondream is not None else None

@@ -37,6 +37,7 @@ class EngineConfig:
     dtype: str | None = _about(None, "Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, "
                                      "else float32).")
     cuda_graphs: bool = True
+    prepack: bool = True  # bf16 on a CPU: matmul weights prepacked for oneDNN (gpu_worker.model.PackedLinear)
     encoder_cache_mb: float = _about(256.0, "Vision models: device memory for image features kept for reuse "
                                             "(unreferenced ones, LRU).")
     debug: bool = False

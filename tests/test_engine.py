@@ -334,3 +334,21 @@ def test_the_protocols_64_stop_token_ids_fit_on_the_device():
     assert many.output_ids == base[:first + 1] and many.finish_reason == FinishReason.STOP
     assert len(mate.output_ids) == 10 and eng.idle
     eng.close()
+
+
+def test_bf16_cpu_weights_are_prepacked_unless_disabled():
+    """bf16 on the CPU runs PackedLinear matmuls (test_pipelined_equals_blocking covers their tokens);
+    float32 and prepack=False keep the plain nn.Linear."""
+    import torch
+
+    from gpu_worker.model import PackedLinear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no mkldnn in this torch")
+    for dtype, prepack, want in (("bfloat16", True, True), ("bfloat16", False, False), ("float32", True, False)):
+        eng = make_engine(dtype=dtype, prepack=prepack)
+        try:
+            kinds = {type(m) for m in eng.runner.model.modules() if isinstance(m, torch.nn.Linear)}
+        finally:
+            eng.close()
+        assert kinds == ({PackedLinear} if want else {torch.nn.Linear}), (dtype, prepack, kinds)

@@ -23,7 +23,7 @@ transformers = require("transformers")
 
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
-from gpu_worker.model import Llama, LlamaConfig  # noqa: E402
+from gpu_worker.model import Llama, LlamaConfig, pack_linears  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -217,6 +217,33 @@ def test_wrong_block_table_changes_logits():
     out_bad = model(ids, Batch.build(bad, PAGE_SIZE), h.kv, torch.arange(2))
     assert (out_good[0] - out_bad[0]).abs().max() > 1e-3
     torch.testing.assert_close(out_good[1], out_bad[1], atol=1e-5, rtol=0)  # other sequence untouched
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no mkldnn in this torch")
+def test_packed_linears_match_plain_bf16():
+    """bf16 on the CPU: the oneDNN-prepacked matmuls give the plain ones' logits (prefill and decode).
+
+    Same math, same bf16 inputs; oneDNN may pick a different blocking for a prepacked
+    weight, so fp32 accumulation order can differ: a tolerance of a few bf16 ulps of
+    the logits' scale. fp32 models are never packed (the transformers tests stay exact)."""
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    assert pack_linears(Llama.random(cfg, seed=5)) == 0  # fp32: nothing packed
+    plain = Llama.random(cfg, seed=5, dtype=torch.bfloat16)
+    packed = Llama.random(cfg, seed=5, dtype=torch.bfloat16)
+    assert pack_linears(packed) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate_up, down per layer; lm_head
+    assert pack_linears(packed) == 0  # idempotent
+    assert packed.lm_head.weight is not None and packed.lm_head.packed is not None
+    outs = []
+    for model in (plain, packed):
+        h = Harness(model, prompts_for(96, [9, 6, 3, 5]), max_new=6, num_pages=24, kv_dtype=torch.bfloat16)
+        h.step([(0, 9), (1, 6), (2, 3), (3, 5)])
+        outs.append(torch.stack([h.seqs[i].logits[p] for i in range(4) for p in range(h.seqs[i].computed)]))
+        decode = [(i, 1) for i in range(4)]
+        outs[-1] = torch.cat([outs[-1], h.step(decode)])
+    scale = outs[0].abs().max().item()
+    assert scale > 0.1  # non-vacuity: real logits, not zeros
+    torch.testing.assert_close(outs[1], outs[0], atol=4 * 2**-8 * scale, rtol=0)
 
 
 def test_logits_only_for_requested_rows():

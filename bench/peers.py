@@ -1,0 +1,262 @@
+"""Tandem against its peers (vLLM-CPU, llama.cpp's server) on one machine, one after another, one client.
+
+    python -m bench.peers                                          # Tandem only
+    python -m bench.peers --vllm-python /work/peers/vllm-venv/bin/python \\
+        --llama-server /work/peers/llama.cpp/build/bin/llama-server --gguf /work/peers/smollm2-135m-bf16.gguf
+
+The workload (issue 24): SmolLM2-135M-Instruct in bf16, a 47-token chat prompt
+(the chat template included), 128 output tokens with EOS ignored, greedy,
+OpenAI chat completions streamed over HTTP, with ``bench/serve.py``'s HTTP client;
+first 1 stream (``--one-requests`` requests one after another), then 32 streams
+(closed-loop clients) over 64 requests. Each engine is started by this command
+(``nice`` 0, on a free port), warmed up with two requests, measured, and stopped
+before the next one starts, so they never share the cores. Per engine and level:
+output tokens/s, ITL p50, TTFT p50, and the server's CPU (utime + stime of its
+process tree, in cores, over the level's wall time); the machine's load average
+is printed with each row (numbers taken on a loaded machine are not comparable).
+
+Prompt: a fixed word sequence whose rendered chat prompt is ``--prompt-tokens``
+tokens with SmolLM2's tokenizer and template (counted once here); each server's
+own count (``usage.prompt_tokens``) is in the table, so a mismatch shows.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.serve import WORDS, Work, run_level
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime (seconds) of ``pid`` and all its descendants still alive."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+        ppid = int(fields[1])
+        children.setdefault(ppid, []).append(int(entry))
+        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo.extend(children.get(p, ()))
+    return total
+
+
+class Server:
+    """One engine's server process (its own process group), up until ``stop``."""
+
+    def __init__(self, name: str, argv: list[str], port: int, env: dict | None = None, log_dir: Path = Path("/tmp")):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log_dir / f"peers-{name}.log"
+        self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> str:
+        """Wait for ``GET /v1/models`` to answer; returns the served model's id."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    return json.loads(r.read())["data"][0]["id"]
+            except (OSError, ValueError, KeyError, IndexError):
+                time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def engines(args) -> list[tuple[str, list[str], dict]]:
+    """(name, argv with {port}, extra environment) of each engine to run."""
+    out = [("tandem", [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model, "--device", "cpu",
+                       "--dtype", "bfloat16", "--bind", "tcp://127.0.0.1:{zmq}", "--http", "127.0.0.1:{port}",
+                       *args.tandem_arg], {})]
+    if args.vllm_python:
+        out.append(("vllm-cpu", [args.vllm_python, str(ROOT / "bench" / "vllm_cpu.py"), "serve", args.hf_dir,
+                                 "--dtype", "bfloat16", "--port", "{port}", "--max-model-len", "2048",
+                                 "--max-num-seqs", "64", "--served-model-name", "smollm2",
+                                 # on the CPU this is the share of host memory vLLM reserves (KV cache and all)
+                                 "--gpu-memory-utilization", "0.2"],
+                    {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}))
+    if args.llama_server:
+        out.append(("llama.cpp", [args.llama_server, "-m", args.gguf, "-t", str(os.cpu_count()), "--port", "{port}",
+                                  "-np", "32", "-c", str(32 * 512), "--no-webui"], {}))
+    return out
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+def prompt_words(hf_dir: str, tokens: int) -> int:
+    """How many words of ``WORDS`` make a chat prompt of ``tokens`` tokens (template included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    for n in range(1, tokens + 1):
+        ids = tok.apply_chat_template([{"role": "user", "content": _text(n)}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if len(ids) >= tokens:
+            return n
+    raise ValueError(f"no word count gives a {tokens}-token prompt")
+
+
+def _text(words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+def level(url: str, model: str, concurrency: int, requests: int, words: int, max_tokens: int, pid: int) -> dict:
+    """One level over HTTP; adds the server's CPU (cores) and the load average."""
+    work = [Work(list(range(words)), max_tokens) for _ in range(requests)]  # Work.text: WORDS in order
+    cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
+    row = asyncio.run(run_level("", concurrency, work, True, True, 600.0, http=(url, model)))
+    wall = time.perf_counter() - t0
+    row["server_cpu_cores"] = round((tree_cpu_s(pid) - cpu0) / wall, 2)
+    row["load"] = round(os.getloadavg()[0], 2)
+    return row
+
+
+def prompt_tokens(url: str, model: str, words: int) -> int | None:
+    """The server's own count of the prompt (``usage.prompt_tokens`` of a short request)."""
+    body = {"model": model, "messages": [{"role": "user", "content": _text(words)}], "max_tokens": 1,
+            "temperature": 0}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read()).get("usage", {}).get("prompt_tokens")
+
+
+def run(args) -> dict:
+    words = prompt_words(args.hf_dir, args.prompt_tokens)
+    results = {"workload": {"prompt_tokens": args.prompt_tokens, "words": words, "max_tokens": args.max_tokens,
+                            "one_stream_requests": args.one_requests, "streams": args.streams,
+                            "requests": args.requests},
+               "machine": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg()[0],
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+               "engines": {}}
+    for name, argv, env in engines(args):
+        port = free_port()
+        argv = [a.format(port=port, zmq=free_port()) for a in argv]
+        print(f"== {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
+        server = Server(name, argv, port, env)
+        try:
+            t0 = time.perf_counter()
+            model = server.wait_ready(args.start_timeout)
+            entry = {"start_s": round(time.perf_counter() - t0, 1), "prompt_tokens": prompt_tokens(server.url, model,
+                                                                                                  words)}
+            level(server.url, model, 1, 2, words, args.max_tokens, server.proc.pid)  # warm-up
+            entry["one"] = level(server.url, model, 1, args.one_requests, words, args.max_tokens, server.proc.pid)
+            entry["many"] = level(server.url, model, args.streams, args.requests, words, args.max_tokens,
+                                  server.proc.pid)
+            results["engines"][name] = entry
+            print(row_text(name, entry), file=sys.stderr, flush=True)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            results["engines"][name] = {"error": str(e)}
+            print(f"!! {name}: {e}", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    return results
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def row_text(name: str, e: dict) -> str:
+    one, many = e["one"], e["many"]
+    return (f"{name}: 1 stream {one['output_tokens_per_s']} tok/s ITL p50 {one['itl_ms']['p50']} ms | "
+            f"{many['concurrency']} streams {many['output_tokens_per_s']} tok/s TTFT p50 {many['ttft_ms']['p50']} ms "
+            f"CPU {many['server_cpu_cores']} | errors {one['errors'] + many['errors']} | load {many['load']}")
+
+
+def table(results: dict) -> str:
+    eng = {k: v for k, v in results["engines"].items() if "error" not in v}
+    base = eng.get("tandem")
+    n = results["workload"]["streams"]
+    lines = [f"| engine | prompt tokens | 1 stream tok/s | ITL p50 ms | {n} streams tok/s | TTFT p50 @{n} ms | "
+             f"server CPU @{n} | errors | load | Tandem / engine (1, {n} streams) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, e in eng.items():
+        one, many = e["one"], e["many"]
+        ratio = "-"
+        if base is not None and name != "tandem":
+            ratio = (f"{base['one']['output_tokens_per_s'] / one['output_tokens_per_s']:.2f}x, "
+                     f"{base['many']['output_tokens_per_s'] / many['output_tokens_per_s']:.2f}x")
+        lines.append(f"| {name} | {e['prompt_tokens']} | {one['output_tokens_per_s']} | {one['itl_ms']['p50']} | "
+                     f"{many['output_tokens_per_s']} | {many['ttft_ms']['p50']} | {many['server_cpu_cores']} | "
+                     f"{one['errors'] + many['errors']} | {one['load']}, {many['load']} | {ratio} |")
+    for name, e in results["engines"].items():
+        if "error" in e:
+            lines.append(f"| {name} | failed: {e['error'][:120]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    from shared.models import resolve_model
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="Tandem's model (a built-in or a HF directory)")
+    ap.add_argument("--hf-dir", default=None, help="the same weights as a HF directory, for vLLM and the "
+                                                   "tokenizer (default: Tandem's converted cache directory)")
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (BENCHMARKS.md Peers)")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    ap.add_argument("--gguf", default=None, help="bf16 GGUF of the same weights, for llama.cpp")
+    ap.add_argument("--tandem-arg", action="append", default=[], help="extra option of tandem serve (repeatable)")
+    ap.add_argument("--prompt-tokens", type=int, default=47)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--one-requests", type=int, default=8, help="requests at 1 stream")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=64, help="requests at --streams streams")
+    ap.add_argument("--start-timeout", type=float, default=600.0,
+                    help="seconds an engine may take to start (vLLM compiles)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    if args.llama_server and not args.gguf:
+        ap.error("--llama-server needs --gguf")
+    args.hf_dir = args.hf_dir or str(resolve_model(args.model))
+    results = run(args)
+    print(table(results))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

