@@ -12,6 +12,7 @@ one commit path, whichever way the answer is produced.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import click
 from click.core import ParameterSource
 
 from frontend import serve_options
-from frontend.cluster import NOT_READY_GRACE_S
+from frontend.cluster import NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 from frontend.metrics import COMPAT
 from shared.lora_config import KERNELS
 
@@ -517,8 +518,11 @@ main.add_command(serve_options.keygen_command())
                    "stopped on exit.")
 @click.option("--not-ready-grace", default=NOT_READY_GRACE_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds a replica's worker may stay not ready (restarting) before Serve replaces the replica.")
+@click.option("--router", type=click.Choice(ROUTERS), default="affinity", show_default=True,
+              help="Session affinity with a load escape valve, or Serve's default (power of two choices; for A/B "
+                   "runs).")
 @click.pass_context
-def cluster(ctx, replicas, address, not_ready_grace, http, api_key, insecure, **serve_kw):
+def cluster(ctx, replicas, address, not_ready_grace, router, http, api_key, insecure, **serve_kw):
     """Serve one HTTP address from N replicas of `tandem serve` on Ray Serve (the tandem[cluster] extra).
 
     Every option of `tandem serve` but --bind and CURVE is passed on to each replica's `tandem serve`;
@@ -533,21 +537,22 @@ def cluster(ctx, replicas, address, not_ready_grace, http, api_key, insecure, **
     http_addr = serve_options.resolve_http(http, api_key, insecure)
     if http_addr is None:
         raise click.UsageError("tandem cluster serves HTTP: --http none is not possible")
-    try:
-        from frontend.cluster.run import run
-    except ImportError as e:
-        raise click.ClickException(f"tandem cluster needs Ray Serve ({e}): pip install 'tandem[cluster]'") from None
-    run(replicas, address, http_addr, {"api_key": api_key, "not_ready_grace_s": not_ready_grace,
+    if importlib.util.find_spec("ray") is None:
+        raise click.ClickException("tandem cluster needs Ray Serve: pip install 'tandem[cluster]'")
+    from frontend.cluster.run import run
+
+    run(replicas, address, http_addr, {"api_key": api_key, "not_ready_grace_s": not_ready_grace, "router": router,
                                        **{k: v for k, v in serve_kw.items() if given(ctx, k)}})
 
 
-cluster.params += [p for p in serve.params if p.name not in ("bind", "curve_secret_key", "curve_clients")]
+cluster.params += [p for p in serve.params if p.name not in SERVE_ONLY]  # serve's own definitions
 
 
 class _LazyGroup(click.Group):
     """Subcommands imported on use, so `tandem --help` stays fast."""
 
-    lazy = {"decode": ("bench.decode", "decode_command"), "serve": ("bench.serve", "serve_command")}
+    lazy = {"decode": ("bench.decode", "decode_command"), "serve": ("bench.serve", "serve_command"),
+            "cluster": ("bench.cluster", "cluster_command")}
 
     def list_commands(self, ctx):
         return sorted(self.lazy)

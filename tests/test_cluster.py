@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +19,7 @@ import psutil
 import pytest
 import yaml
 
+from bench.cluster import LocalCluster
 from frontend.cluster.routing import OVERFLOW_SLACK, Load, choose, owner, session_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,89 +172,18 @@ def test_ray_service_serve_config_validates_and_its_args_are_serve_options():
 # --------------------------------------------------------------------------- one real cluster
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
-        self.proc, self.url, self.log = proc, url, log
-        self.seen: set[int] = set()  # every descendant pid ever seen (the SIGTERM test checks them all)
-
-    def processes(self) -> list[psutil.Process]:
-        try:
-            procs = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        self.seen |= {p.pid for p in procs}
-        return procs
-
-    def replicas(self) -> dict[str, psutil.Process]:
-        """Replica name -> its ``tandem serve`` (the name is in the ipc path the replica chose)."""
-        out = {}
-        for p in self.processes():
-            try:
-                cmd = p.cmdline()
-            except psutil.Error:
-                continue
-            if "serve" in cmd and "--bind" in cmd and p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                endpoint = cmd[cmd.index("--bind") + 1]
-                out[Path(endpoint[len("ipc://"):]).parent.name.split("-")[1]] = p
-        return out
-
-    def endpoint(self, name: str) -> str:
-        cmd = self.replicas()[name].cmdline()
-        return cmd[cmd.index("--bind") + 1]
-
-    def info(self, name: str) -> dict:
-        from frontend.client import Client
-
-        with Client(self.endpoint(name)) as c:
-            return c.info(timeout=10)
-
-    def wait_replicas(self, count: int, exclude: set[str] = frozenset(), timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            reps = {n: p for n, p in self.replicas().items() if n not in exclude}
-            if len(reps) == count and all(self._answers(n) for n in reps):
-                return reps
-            time.sleep(0.5)
-        raise AssertionError(f"not {count} ready replicas (besides {exclude}) after {timeout} s: "
-                             f"{sorted(self.replicas())}\n{self.log.read_text()[-3000:]}")
-
-    def _answers(self, name: str) -> bool:
-        try:
-            return bool(self.info(name).get("worker_ready"))
-        except Exception:  # noqa: BLE001 - not up yet
-            return False
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("cluster") / "cluster.log"
-    cmd = [sys.executable, "-m", "frontend.cli", "cluster", "--replicas", "2", "--model", "tiny-random",
-           "--device", "cpu", "--http", f"127.0.0.1:{port}", "--max-batch", "8", "--kv-pages", "256",
-           "--drain-timeout", "2", "--not-ready-grace", "3"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    c = Cluster(proc, f"http://127.0.0.1:{port}", log)
+    c = LocalCluster(["--replicas", "2", "--model", "tiny-random", "--device", "cpu", "--max-batch", "8",
+                      "--kv-pages", "256", "--drain-timeout", "2", "--not-ready-grace", "3"], log)
     try:
-        deadline = time.monotonic() + 240
-        while "tandem: serving on" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        c.wait_replicas(2)
-        yield c
+        yield c.wait_ready(2, timeout=240)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # only after a failed test: the SIGTERM test stops it cleanly
-            proc.wait()
+        c.kill()  # a no-op unless a test failed: the SIGTERM test stops it cleanly
 
 
-def _chat(c: Cluster, messages, session=None, max_tokens=4, **kw) -> httpx.Response:
+def _chat(c: LocalCluster, messages, session=None, max_tokens=4, **kw) -> httpx.Response:
     headers = {"X-Session-Id": session} if session else {}
     r = httpx.post(f"{c.url}/v1/chat/completions", headers=headers, timeout=60,
                    json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw})
@@ -371,8 +299,7 @@ def test_killed_and_never_ready_replicas_are_replaced(cluster):
 def test_sigterm_leaves_nothing_running(cluster):
     procs = cluster.processes()
     assert any("raylet" in p.name() for p in procs) and len(cluster.replicas()) == 2  # non-vacuity
-    cluster.proc.send_signal(signal.SIGTERM)
-    assert cluster.proc.wait(90) == 0, cluster.log.read_text()[-3000:]
+    assert cluster.stop() == 0, cluster.log.read_text()[-3000:]
     time.sleep(1)
     alive = [p for p in cluster.seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, [psutil.Process(p).cmdline() for p in alive]

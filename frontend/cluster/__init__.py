@@ -13,6 +13,9 @@ only by the modules that need it.
 
 NOT_READY_GRACE_S = 120.0  # how long a replica's worker may stay not ready (a restart warming up) before Serve
                            # replaces the replica (tandem cluster --not-ready-grace, build_app's not_ready_grace_s)
+SERVE_ONLY = ("bind", "curve_secret_key", "curve_clients")  # serve's options a cluster has no use for (its replicas
+                                                          # listen on private ipc:// endpoints)
+ROUTERS = ("affinity", "ray")  # ours (router.py), or Serve's default (power of two choices): for A/B runs
 
 
 def __getattr__(name: str):

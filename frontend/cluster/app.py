@@ -4,7 +4,8 @@
 ``args`` are ``tandem serve``'s options by their Python names (``model``,
 ``device``, ``max_batch``, ``drain_timeout``, ...: what ``tandem serve --help``
 lists, less the network ones), plus ``replicas`` (default 1), ``api_key``
-(default ``$TANDEM_API_KEY``) and ``not_ready_grace_s``. Each replica runs
+(default ``$TANDEM_API_KEY``), ``not_ready_grace_s`` and ``router``
+(``affinity``, or ``ray``: Serve's default, for A/B runs). Each replica runs
 ``tandem serve`` with exactly those options (``serve_argv``: the mapping is
 read from the ``serve`` command itself, so it is never written twice).
 """
@@ -17,15 +18,16 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from . import NOT_READY_GRACE_S
+from . import NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 from .ingress import TandemIngress
 from .replica import TandemReplica
 from .router import AffinityRouter
 
-CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s")
-NOT_FORWARDED = frozenset({"bind", "http", "api_key", "curve_secret_key", "curve_clients", "insecure"})
+CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router")
+NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "api_key", "insecure"})  # the last three are the ingress's
 HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 1.0
+QUIET = {"enable_access_log": False}  # a log line per request and per replica call costs more than the hop
 SHUTDOWN_MARGIN_S = 10.0  # beyond the child's --drain-timeout: its worker stops, its sockets close
 
 
@@ -46,8 +48,8 @@ def serve_argv(options: Mapping[str, Any]) -> list[str]:
             raise ValueError(f"unknown option {name!r}; tandem serve takes {', '.join(sorted(params))} "
                              f"(and the cluster {', '.join(CLUSTER_ARGS)})")
         flag = max(p.opts, key=len)
-        if p.is_flag:
-            argv += [flag] if value else []
+        if p.is_flag:  # (`serve run ... no_pipeline=true` passes a string)
+            argv += [flag] if value is True or str(value).lower() in ("1", "true", "yes") else []
         elif p.multiple:
             argv += [a for v in value for a in (flag, str(v))]
         elif value is not None:
@@ -60,6 +62,9 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
     replicas = int(options.pop("replicas", 1))
     api_key = options.pop("api_key", None) or os.environ.get("TANDEM_API_KEY")
     grace_s = float(options.pop("not_ready_grace_s", NOT_READY_GRACE_S))
+    router = options.pop("router", "affinity")
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
     argv = serve_argv(options)
     defaults = serve_params()
     drain_s = float(options.get("drain_timeout", defaults["drain_timeout"].default))
@@ -69,12 +74,13 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
         max_ongoing_requests=max_queue,  # the child's own queue decides ('overloaded'), not Serve's
         ray_actor_options={"num_cpus": 1, "num_gpus": _gpus(str(options.get("device", "auto")))},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=5.0,
-        graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S,
-        request_router_config=RequestRouterConfig(request_router_class=AffinityRouter,
-                                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-                                                  request_routing_stats_timeout_s=2.0))
+        graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S, logging_config=QUIET,
+        request_router_config=RequestRouterConfig(
+            **({"request_router_class": AffinityRouter} if router == "affinity" else {}),
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=2.0))
     ingress = serve.deployment(TandemIngress, name="TandemIngress", num_replicas=1,
-                               max_ongoing_requests=replicas * max_queue, ray_actor_options={"num_cpus": 0})
+                               max_ongoing_requests=replicas * max_queue, ray_actor_options={"num_cpus": 0},
+                               logging_config=QUIET)
     return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key)
 
 

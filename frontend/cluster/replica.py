@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,8 +74,11 @@ class TandemReplica:
 
     async def _watch_child(self) -> None:
         self._exit_code = await self._child.wait()
-        log.error("replica %s: tandem serve exited with code %s", self.name, self._exit_code)
-        await self._bridge.close("worker_failed", f"replica {self.name}: tandem serve exited (code {self._exit_code})")
+        log.error("%s", self._exited())
+        await self._bridge.close("worker_failed", self._exited())
+
+    def _exited(self) -> str:
+        return f"replica {self.name}: tandem serve exited (code {self._exit_code})"
 
     async def _info(self) -> dict[str, Any] | None:
         try:
@@ -90,8 +92,7 @@ class TandemReplica:
         (``session_key`` is the router's; a cancelled stream cancels the request in the child.)"""
         yield self.name
         if self._exit_code is not None:  # (Serve replaces this replica soon)
-            yield [{"type": "error", "id": None, "code": "worker_failed",
-                    "message": f"replica {self.name}: tandem serve exited (code {self._exit_code})"}]
+            yield [{"type": "error", "id": None, "code": "worker_failed", "message": self._exited()}]
             return
         async for batch in self._bridge.generate(fields).batches():
             yield batch
@@ -106,7 +107,7 @@ class TandemReplica:
     # ------------------------------------------------------------------ Serve's calls
     async def check_health(self) -> None:
         if self._exit_code is not None:
-            raise RuntimeError(f"tandem serve exited with code {self._exit_code}")
+            raise RuntimeError(self._exited())
         info = await self._info()
         if info is None:
             raise RuntimeError("tandem serve does not answer info")
