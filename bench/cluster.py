@@ -10,8 +10,9 @@ child processes, HTTP on loopback, every process with the same
    with the same options run side by side; for each level (``--streams``,
    default 1 and 16) ``bench.serve``'s HTTP client (streamed chat
    completions, ``ignore_eos``) loads the direct server, then the cluster,
-   with the same requests: TTFT p50 and output tokens/s of each, and the
-   cluster's over the direct server's.
+   with the same requests, ``--repeats`` times alternately: the medians of
+   TTFT p50 and output tokens/s of each, and the cluster's over the direct
+   server's.
 2. **Affinity.** ``tandem cluster --replicas 2`` with the affinity router,
    then with Serve's default router (``--router ray``): ``--sessions``
    sessions of ``--turns`` turns (each session its own system prompt and
@@ -31,6 +32,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -172,7 +174,8 @@ class DirectServer:
 # --------------------------------------------------------------------------- the two parts
 
 
-def hop(serve_args: list[str], streams: list[int], requests: int, max_tokens: int, workdir: Path, env: dict) -> list:
+def hop(serve_args: list[str], streams: list[int], requests: int, max_tokens: int, repeats: int, workdir: Path,
+        env: dict) -> list:
     direct = DirectServer(serve_args, workdir / "serve.log", env)
     cluster = LocalCluster(["--replicas", "1", *serve_args], workdir / "cluster-1.log", env)
     try:
@@ -183,11 +186,16 @@ def hop(serve_args: list[str], streams: list[int], requests: int, max_tokens: in
             asyncio.run(run_level("", 2, make_work(4, (16, 16), (4, 4), 1), True, True, 120, http=(target.url, model)))
         for n in streams:
             work = make_work(max(requests, n * 2), (32, 32), (max_tokens, max_tokens), 7)
+            runs: dict[str, list] = {"serve": [], "cluster": []}
+            for _ in range(repeats):  # alternated, so a change in the machine's load hits both alike
+                for name, target in (("serve", direct), ("cluster", cluster)):
+                    level = asyncio.run(run_level("", n, work, True, True, 300, http=(target.url, model)))
+                    assert level["errors"] == 0, level["error_samples"]
+                    runs[name].append(level)
             row = {"streams": n}
-            for name, target in (("serve", direct), ("cluster", cluster)):
-                level = asyncio.run(run_level("", n, work, True, True, 300, http=(target.url, model)))
-                assert level["errors"] == 0, level["error_samples"]
-                row[name] = {"ttft_p50_ms": level["ttft_ms"]["p50"], "tokens_per_s": level["output_tokens_per_s"]}
+            for name, levels in runs.items():
+                row[name] = {"ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] for lv in levels),
+                             "tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels)}
             row["tokens_per_s_ratio"] = round(row["cluster"]["tokens_per_s"] / row["serve"]["tokens_per_s"], 3)
             row["ttft_p50_extra_ms"] = round(row["cluster"]["ttft_p50_ms"] - row["serve"]["ttft_p50_ms"], 2)
             rows.append(row)
@@ -252,12 +260,13 @@ def _get(url: str) -> str:
 @click.option("--streams", default="1,16", show_default=True, help="Concurrency levels of the hop's cost.")
 @click.option("--requests", default=32, show_default=True, help="Requests per level (at least 2 per stream).")
 @click.option("--max-tokens", default=64, show_default=True)
+@click.option("--repeats", default=3, show_default=True, help="Runs of each level per server (medians reported).")
 @click.option("--sessions", default=8, show_default=True)
 @click.option("--turns", default=4, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="OMP_NUM_THREADS of every process (the same for all).")
 @click.option("--part", type=click.Choice(["both", "hop", "affinity"]), default="both", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def cluster_command(model, device, streams, requests, max_tokens, sessions, turns, threads, part, as_json):
+def cluster_command(model, device, streams, requests, max_tokens, repeats, sessions, turns, threads, part, as_json):
     """The Ray hop's cost (tandem cluster --replicas 1 against tandem serve) and the prefix cache hit rate of
     multi-turn sessions with the affinity router against Serve's default over 2 replicas.
 
@@ -272,7 +281,8 @@ def cluster_command(model, device, streams, requests, max_tokens, sessions, turn
               "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-cluster-") as tmp:
         if part in ("both", "hop"):
-            result["hop"] = hop(serve_args, [int(s) for s in streams.split(",")], requests, max_tokens, Path(tmp), env)
+            result["hop"] = hop(serve_args, [int(s) for s in streams.split(",")], requests, max_tokens, repeats,
+                                Path(tmp), env)
         if part in ("both", "affinity"):
             result["affinity"] = affinity(serve_args, sessions, turns, Path(tmp), env)
     result["load_after"] = os.getloadavg()

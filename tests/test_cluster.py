@@ -176,7 +176,8 @@ def test_ray_service_serve_config_validates_and_its_args_are_serve_options():
 def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("cluster") / "cluster.log"
     c = LocalCluster(["--replicas", "2", "--model", "tiny-random", "--device", "cpu", "--max-batch", "8",
-                      "--kv-pages", "256", "--drain-timeout", "2", "--not-ready-grace", "3"], log)
+                      "--kv-pages", "256", "--drain-timeout", "2", "--not-ready-grace", "3",
+                      "--metrics-compat", "vllm"], log)
     try:
         yield c.wait_ready(2, timeout=240)
     finally:
@@ -204,6 +205,9 @@ def test_the_openai_client_streams_through_one_address(cluster):
     assert [m.id for m in client.models.list()] == ["tiny-random"]
     bad = httpx.post(f"{cluster.url}/v1/chat/completions", json={"messages": "nope"}, timeout=30)
     assert bad.status_code == 400 and "messages must be a non-empty array" in bad.text  # serve's own validation
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=30)  # the replicas' serve took --metrics-compat too
+    assert metrics.headers["x-tandem-replica"] in cluster.replicas()
+    assert 'vllm:num_requests_running{model_name="tiny-random"}' in metrics.text
 
 
 def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):

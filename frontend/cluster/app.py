@@ -81,7 +81,7 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
     ingress = serve.deployment(TandemIngress, name="TandemIngress", num_replicas=1,
                                max_ongoing_requests=replicas * max_queue, ray_actor_options={"num_cpus": 0},
                                logging_config=QUIET)
-    return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key)
+    return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key, options.get("metrics_compat"))
 
 
 def _gpus(device: str) -> int:

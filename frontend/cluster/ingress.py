@@ -136,14 +136,15 @@ class ReplicaHeader:
 
 @serve.ingress()
 class TandemIngress:
-    async def __init__(self, replicas, api_key: str | None = None) -> None:
+    async def __init__(self, replicas, api_key: str | None = None, metrics_compat: str | None = None) -> None:
         info = await replicas.info.remote()
         tokenizer = load_tokenizer(info["model"])
         self._bridge = ClusterBridge(replicas, tokenizer)
         self._ctx = Context(bridge=self._bridge, model=info["model"], tokenizer=tokenizer,
                             adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")))
         self._api_key = api_key
+        self._metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
 
     def __serve_build_asgi_app__(self):
         # /health: Serve routes only to healthy replicas and holds requests while none is
-        return ReplicaHeader(build_http_app(self._ctx, Metrics(), lambda: "ready", self._api_key))
+        return ReplicaHeader(build_http_app(self._ctx, self._metrics, lambda: "ready", self._api_key))
