@@ -75,6 +75,7 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
         ray_actor_options={"num_cpus": 1, "num_gpus": _gpus(str(options.get("device", "auto")))},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=5.0,
         graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S, logging_config=QUIET,
+        max_constructor_retry_count=3,  # a tandem serve that cannot start (a bad --model) fails the deploy soon
         request_router_config=RequestRouterConfig(
             **({"request_router_class": AffinityRouter} if router == "affinity" else {}),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=2.0))

@@ -65,10 +65,11 @@ class TandemReplica:
         await self._bridge.start()
         self._exit_code: int | None = None
         self._not_ready_since: float | None = None
-        while (info := await self._info()) is None:  # the child binds its endpoint once its worker is warm
+        while await self._info() is None:  # the child binds its endpoint once its worker is warm
             if self._child.returncode is not None:
+                await self._bridge.close()
+                shutil.rmtree(self._dir, ignore_errors=True)
                 raise RuntimeError(f"tandem serve exited with code {self._child.returncode} while starting")
-        self.model_info = {k: info.get(k) for k in ("model", "adapters", "vision")}
         self._watcher = asyncio.create_task(self._watch_child())
         log.info("replica %s: tandem serve pid %d on %s", self.name, self._child.pid, self.endpoint)
 
