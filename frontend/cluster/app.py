@@ -27,7 +27,7 @@ CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router")
 NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "api_key", "insecure"})  # the last three are the ingress's
 HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 1.0
-QUIET = {"enable_access_log": False}  # a log line per request and per replica call costs more than the hop
+QUIET = {"enable_access_log": False}  # Serve logs a line per request and per replica call otherwise
 SHUTDOWN_MARGIN_S = 10.0  # beyond the child's --drain-timeout: its worker stops, its sockets close
 
 

@@ -9,7 +9,6 @@ application is deleted.
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -18,7 +17,6 @@ from typing import Any
 import click
 
 APP_NAME = "tandem"
-log = logging.getLogger("tandem.cluster")
 
 
 class _Stop(Exception):
