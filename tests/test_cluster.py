@@ -229,6 +229,14 @@ def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):
     users = {_chat(cluster, [{"role": "user", "content": "hi"}], user=f"user-{i}").headers["x-tandem-replica"]
              for i in range(12)}
     assert users == set(names)  # twelve sessions, rendezvous-hashed over both replicas
+    # without either, the prompt's first KV page: a shared system prompt meets one replica, other ones spread
+    shared = {_chat(cluster, [{"role": "system", "content": "Be brief. " * 8},
+                              {"role": "user", "content": f"question {i}"}]).headers["x-tandem-replica"]
+              for i in range(6)}
+    assert len(shared) == 1
+    own = {_chat(cluster, [{"role": "system", "content": f"Persona {i}. " * 8}]).headers["x-tandem-replica"]
+           for i in range(12)}
+    assert own == set(names)
 
 
 def test_sessionless_requests_reach_every_replica(cluster):
