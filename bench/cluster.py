@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -73,6 +74,7 @@ class LocalCluster:
             self.proc = subprocess.Popen([*CLI, "cluster", "--http", f"127.0.0.1:{self.port}", *args], stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.seen: set[int] = set()  # every descendant pid ever seen (what must be gone after a stop)
+        self.replica_dirs: set[Path] = set()  # every replica's private directory seen (likewise)
 
     def wait_ready(self, replicas: int, timeout: float = 300) -> "LocalCluster":
         _wait_for("tandem cluster", lambda: "tandem: serving on" in self.log.read_text(), self.proc, self.log,
@@ -99,7 +101,9 @@ class LocalCluster:
             try:
                 cmd = p.cmdline()
                 if "serve" in cmd and "--bind" in cmd and p.status() != psutil.STATUS_ZOMBIE:
-                    out[Path(cmd[cmd.index("--bind") + 1]).parent.name.split("-")[1]] = p
+                    home = Path(cmd[cmd.index("--bind") + 1][len("ipc://"):]).parent
+                    self.replica_dirs.add(home)
+                    out[home.name.split("-")[1]] = p
             except psutil.Error:
                 continue
         return out
@@ -169,6 +173,7 @@ class DirectServer:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the two parts

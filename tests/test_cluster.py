@@ -316,3 +316,4 @@ def test_sigterm_leaves_nothing_running(cluster):
     alive = [p for p in cluster.seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, [psutil.Process(p).cmdline() for p in alive]
     assert "tandem: stopped" in cluster.log.read_text()
+    assert len(cluster.replica_dirs) == 4 and not any(d.exists() for d in cluster.replica_dirs)  # 2 + 2 replaced

@@ -75,6 +75,7 @@ class TandemReplica:
 
     async def _watch_child(self) -> None:
         self._exit_code = await self._child.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)  # its socket: nothing will listen there again
         log.error("%s", self._exited())
         await self._bridge.close("worker_failed", self._exited())
 
@@ -130,9 +131,11 @@ class TandemReplica:
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown: the child drains (its --drain-timeout) and exits."""
-        if self._child.returncode is None:
-            self._child.send_signal(signal.SIGTERM)
-            await self._child.wait()
-        self._watcher.cancel()
-        await self._bridge.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            if self._child.returncode is None:
+                self._child.send_signal(signal.SIGTERM)
+                await self._child.wait()
+            self._watcher.cancel()
+            await self._bridge.close()
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
