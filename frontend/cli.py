@@ -12,6 +12,7 @@ one commit path, whichever way the answer is produced.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from frontend.options import (ENGINE_OPTIONS, GroupedCommand, engine_options, no
 from frontend.client import DEFAULT_ENDPOINT
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 from shared.sampling import SAMPLING_FIELD_NAMES
+from frontend.cluster import NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
 
@@ -363,8 +365,8 @@ def check_endpoint_free(endpoint: str) -> None:
 @server_options
 @serve_options.network_options
 @log_level_option()
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, image_workers, http,
-          api_key, curve_secret_key, curve_clients, insecure, **engine_kw):
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, image_workers,
+          metrics_compat, http, api_key, curve_secret_key, curve_clients, insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -387,7 +389,8 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, e
                          encoder_cache_mb=encoder_cache_mb, image_workers=image_workers)
     click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
     service = Service(cfg, on_progress=_show_worker_progress)
-    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve)
+    server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve,
+                    metrics_compat=metrics_compat)
     listener = net.start_http(server)
     install_signal_handlers(server)
     click.echo(f"tandem: serving {cfg.model} on {server.endpoint}{' and ' + listener.url if listener else ''} "
@@ -431,10 +434,49 @@ def info(connect, timeout, server_key, client_key):
 main.add_command(serve_options.keygen_command())
 
 
+@main.command()
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Replicas: whole `tandem serve`s, one GPU each on CUDA.")
+@click.option("--address", default=None,
+              help="A running Ray cluster (HOST:PORT of its head, or auto); default: a local Ray instance, "
+                   "stopped on exit.")
+@click.option("--not-ready-grace", default=NOT_READY_GRACE_S, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds a replica's worker may stay not ready (restarting) before Serve replaces the replica.")
+@click.option("--router", type=click.Choice(ROUTERS), default="affinity", show_default=True,
+              help="Session affinity with a load escape valve, or Serve's default (power of two choices; for A/B "
+                   "runs).")
+@click.pass_context
+def cluster(ctx, replicas, address, not_ready_grace, router, http, api_key, insecure, **serve_kw):
+    """Serve one HTTP address from N replicas of `tandem serve` on Ray Serve (the tandem[cluster] extra).
+
+    Every option of `tandem serve` but --bind and CURVE is passed on to each replica's `tandem serve`;
+    requests of a session (X-Session-Id, else OpenAI's user, else the prompt's first KV page) stay on
+    one replica unless it is clearly busier than the others.
+
+    \b
+    Examples:
+      tandem cluster --replicas 2 --model tiny-random --device cpu
+      TANDEM_API_KEY=... tandem cluster --address auto --replicas 8 --device cuda --http 0.0.0.0:8000
+    """
+    http_addr = serve_options.resolve_http(http, api_key, insecure)
+    if http_addr is None:
+        raise click.UsageError("tandem cluster serves HTTP: --http none is not possible")
+    if importlib.util.find_spec("ray") is None:
+        raise click.ClickException("tandem cluster needs Ray Serve: pip install 'tandem[cluster]'")
+    from frontend.cluster.run import run
+
+    run(replicas, address, http_addr, {"api_key": api_key, "not_ready_grace_s": not_ready_grace, "router": router,
+                                       **{k: v for k, v in serve_kw.items() if given(ctx, k)}})
+
+
+cluster.params += [p for p in serve.params if p.name not in SERVE_ONLY]  # serve's own definitions
+
+
 class _LazyGroup(click.Group):
     """Subcommands imported on use, so `tandem --help` stays fast."""
 
-    lazy = {"decode": ("bench.decode", "decode_command"), "serve": ("bench.serve", "serve_command")}
+    lazy = {"decode": ("bench.decode", "decode_command"), "serve": ("bench.serve", "serve_command"),
+            "cluster": ("bench.cluster", "cluster_command")}
 
     def list_commands(self, ctx):
         return sorted(self.lazy)

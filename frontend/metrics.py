@@ -14,6 +14,12 @@ Where a figure means what vLLM's does, the name mirrors vLLM's (``vllm:`` ->
   worker restart from 0 with a new worker generation (Prometheus' ``rate``
   treats that as a counter reset).
 
+With ``compat="vllm"`` (``tandem serve --metrics-compat vllm``) the figures
+routers and dashboards built for vLLM read are also exported under vLLM's
+names, with vLLM's ``model_name`` label and the same values
+(``VLLM_ALIASES``): vLLM production-stack, the Gateway API Inference
+Extension / llm-d and vLLM's dashboards then work unmodified.
+
 Each ``Metrics`` has its own registry, so several servers can live in one
 process (tests). ``prometheus_client`` is thread-safe: the server loop
 observes, the HTTP thread renders.
@@ -32,12 +38,21 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+COMPAT = ("vllm",)
+VLLM_ALIASES = {  # tandem name -> vLLM's names for the same figure (gpu_cache_usage_perc: before vLLM v1)
+    "tandem:num_requests_running": ("vllm:num_requests_running",),
+    "tandem:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "tandem:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, compat: str | None = None) -> None:
+        if compat not in (None, *COMPAT):
+            raise ValueError(f"unknown metrics compatibility {compat!r}; known: {', '.join(COMPAT)}")
+        self.compat = compat
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -91,6 +106,14 @@ class _EngineCollector:
 
     def collect(self):
         s = self._metrics._snapshot
+        for family in self._families(s):
+            yield family
+            for alias in VLLM_ALIASES.get(family.name, ()) if self._metrics.compat == "vllm" else ():
+                same = GaugeMetricFamily(alias, f"{family.documentation} (vLLM's name)", labels=["model_name"])
+                same.add_metric([str(s.get("model", ""))], family.samples[0].value)
+                yield same
+
+    def _families(self, s: Mapping[str, Any]):
         if not s:
             return
         yield _gauge("tandem:worker_ready", "1 once the worker is ready to serve.", float(bool(s.get("worker_ready"))))

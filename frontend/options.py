@@ -17,6 +17,7 @@ from typing import Callable
 import click
 
 from frontend.client import DEFAULT_ENDPOINT
+from frontend.metrics import COMPAT
 from shared.config import EngineConfig, config_field
 from shared.lora_config import KERNELS
 from shared.models import REGISTRY
@@ -129,6 +130,9 @@ def server_options(fn: Callable) -> Callable:
         option("Engine", "--image-workers", type=click.IntRange(min=1), default=None,
                help="Vision models: processes (at nice 19) that decode and tile images (default: the cores "
                     "less two, 1 to 4)."),
+        option("Server", "--metrics-compat", type=click.Choice(COMPAT), default=None,
+               help="Also export /metrics' running, waiting and KV-usage figures under these names (vllm: "
+                    "for routers and dashboards made for vLLM)."),
     ])
 
 

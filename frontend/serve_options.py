@@ -87,13 +87,8 @@ def resolve(bind: str, http: str, api_key: str | None, curve_secret_key: str | N
             insecure: bool) -> Network:
     if (curve_secret_key is None) != (curve_clients is None):
         raise click.UsageError("CURVE needs both --curve-secret-key and --curve-clients")
-    if api_key is not None and not api_key.strip():
-        raise click.UsageError("--api-key / TANDEM_API_KEY is empty")
-    http_addr = parse_http(http)
+    http_addr = resolve_http(http, api_key, insecure)
     if not insecure:
-        if http_addr is not None and api_key is None and not is_loopback(http_addr[0]):
-            raise click.UsageError(f"refusing to serve HTTP on {http} (beyond loopback) without --api-key; "
-                                   "set one (or TANDEM_API_KEY), bind 127.0.0.1, or pass --insecure")
         host = zmq_host(bind)
         if host is not None and curve_secret_key is None and not is_loopback(host):
             raise click.UsageError(f"refusing to bind ZeroMQ on {bind} (beyond loopback) without CURVE; pass "
@@ -101,6 +96,17 @@ def resolve(bind: str, http: str, api_key: str | None, curve_secret_key: str | N
                                    "or pass --insecure")
     curve = CurveServer(curve_secret_key, curve_clients) if curve_secret_key is not None else None
     return Network(http_addr, api_key, curve)
+
+
+def resolve_http(http: str, api_key: str | None, insecure: bool) -> tuple[str, int] | None:
+    """``--http`` as (host, port), under the exposure rule (``tandem serve`` and ``tandem cluster``)."""
+    if api_key is not None and not api_key.strip():
+        raise click.UsageError("--api-key / TANDEM_API_KEY is empty")
+    http_addr = parse_http(http)
+    if not insecure and http_addr is not None and api_key is None and not is_loopback(http_addr[0]):
+        raise click.UsageError(f"refusing to serve HTTP on {http} (beyond loopback) without --api-key; "
+                               "set one (or TANDEM_API_KEY), bind 127.0.0.1, or pass --insecure")
+    return http_addr
 
 
 def parse_http(text: str) -> tuple[str, int] | None:

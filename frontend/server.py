@@ -66,7 +66,8 @@ class ClientRequest:
 class Server:
     def __init__(self, service: Service, bind: str = DEFAULT_ENDPOINT, *, max_queue: int = MAX_QUEUE,
                  limits: P.Limits | None = None, notifier: Notifier | None = None,
-                 drain_timeout_s: float = 0.0, curve: CurveServer | None = None) -> None:
+                 drain_timeout_s: float = 0.0, curve: CurveServer | None = None,
+                 metrics_compat: str | None = None) -> None:
         self.service = service
         self.max_queue = max_queue
         self.drain_timeout_s = drain_timeout_s
@@ -91,7 +92,7 @@ class Server:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.inproc_endpoint = f"inproc://tandem-server-{id(self):x}"
         self.sock.bind(self.inproc_endpoint)
-        self.metrics = Metrics()
+        self.metrics = Metrics(metrics_compat)  # metrics_compat: also under vLLM's names (metrics.py)
         self.connections = Connections(self.sock)
         self.outbox = Outbox(self.sock, max_held=2 * max_queue + 1024)  # ~2 per request, and replies
         self.live: dict[tuple[bytes, str], Request] = {}

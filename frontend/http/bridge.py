@@ -51,20 +51,24 @@ class Bridge:
         self._outbox = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
 
-    async def close(self) -> None:
+    async def close(self, code: str = "internal", message: str = "the server connection is closed") -> None:
+        """Every request still waiting gets one ``error`` with ``code`` and ``message``."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
         for q in self._queues.values():
-            q.put_nowait(_gone())
+            q.put_nowait({"type": "error", "id": None, "code": code, "message": message})
+        self._queues.clear()
         for f in self._infos:
             if not f.done():
                 f.set_exception(ConnectionError("the server connection is closed"))
 
     # ------------------------------------------------------------------ requests
-    def generate(self, fields: dict[str, Any]) -> "Call":
+    def generate(self, fields: dict[str, Any], session: str | None = None) -> "Call":
+        """``session``: the client's session (``common.session_of``); a cluster's ingress routes by
+        it (``frontend/cluster``), one server has nothing to route."""
         rid = f"h{next(self._ids)}"
         frames = encode_message({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
@@ -171,6 +175,3 @@ class Call:
             self._bridge._queues.pop(self.id, None)
             self._bridge.cancel(self.id)
 
-
-def _gone() -> dict[str, Any]:
-    return {"type": "error", "id": None, "code": "internal", "message": "the server connection is closed"}

@@ -79,6 +79,13 @@ def adapter_field(ctx: Context, model: str) -> dict[str, str]:
     return {"adapter": model} if model in ctx.adapters else {}
 
 
+def session_of(request: Request, body: dict[str, Any]) -> str | None:
+    """The client's session: the ``X-Session-Id`` header, else OpenAI's ``user`` field (a cluster
+    sends a session's requests to one replica, whose prefix cache holds its earlier turns)."""
+    user = body.get("user")
+    return request.headers.get("x-session-id") or (user if isinstance(user, str) else None)
+
+
 async def server_info(ctx: Context) -> dict[str, Any] | None:
     """The server's ``info`` answer; None while the server loop is too busy to answer."""
     try:

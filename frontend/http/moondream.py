@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse
 
 from .. import skills
 from .bridge import Call
-from .common import (Context, check_model, field, first_event, image_input, read_json, run_to_end, sse,
-                     sse_response, terminal_or_raise)
+from .common import (Context, check_model, field, first_event, image_input, read_json, run_to_end, session_of,
+                     sse, sse_response, terminal_or_raise)
 from .errors import HttpError, bad_request
 
 
@@ -79,7 +79,8 @@ async def _located(ctx: Context, request: Request, fn, key: str):
     body = await _body(ctx, request)
     images = _image(ctx, body, required=True)
     fields = _skill(fn, body.get("object"), body.get("settings"))
-    done = await run_to_end(request, ctx.bridge.generate({**fields, **images, "stream": False}))
+    call = ctx.bridge.generate({**fields, **images, "stream": False}, session=session_of(request, body))
+    done = await run_to_end(request, call)
     if "output" not in done and done["finish_reason"] == "length":  # the settings' doing, not the server's
         raise bad_request(f"the {key} did not fit in {done['usage']['completion_tokens']} tokens (finish_reason "
                           "length): raise settings.max_tokens or lower settings.max_objects")
@@ -91,7 +92,7 @@ async def _located(ctx: Context, request: Request, fn, key: str):
 
 async def _text_answer(ctx: Context, request: Request, body: dict, fields: dict, key: str):
     stream = bool(field(body, "stream", bool, "a boolean"))
-    call = ctx.bridge.generate({**fields, "stream": stream})
+    call = ctx.bridge.generate({**fields, "stream": stream}, session=session_of(request, body))
     if not stream:
         done = await run_to_end(request, call)
         return JSONResponse({key: done["text"], "finish_reason": done["finish_reason"], "usage": done["usage"],

@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .bridge import Call
-from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end, sse,
-                     sse_response, terminal_or_raise)
+from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
+                     session_of, sse, sse_response, terminal_or_raise)
 from .errors import HttpError, bad_request
 
 PASS_THROUGH = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop_token_ids")
@@ -175,7 +175,7 @@ def _prompt(prompt: Any) -> dict[str, Any]:
 
 async def _respond(ctx: Context, request: Request, body: dict, model: str, fields: dict, shape: "_Shape"):
     stream = field(body, "stream", bool, "a boolean")
-    call = ctx.bridge.generate({**fields, "stream": bool(stream)})
+    call = ctx.bridge.generate({**fields, "stream": bool(stream)}, session=session_of(request, body))
     meta = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if not stream:
         done = await run_to_end(request, call)

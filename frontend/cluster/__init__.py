@@ -1,0 +1,26 @@
+"""Scale-out on Ray Serve: many whole Tandem servers behind one address (``tandem cluster``).
+
+Each replica is a ``tandem serve`` (frontend + worker, one GPU) run as the
+child process of a Serve replica (``replica.py``); the ingress serves the
+HTTP routes of ``tandem serve`` itself over a bridge to the replicas
+(``ingress.py``); the router keeps a session on one replica, with a load
+escape valve (``routing.py``, pure; ``router.py``, its Serve router);
+``app.py`` builds the application (``frontend.cluster:build_app``, for
+``serve run``, ``serve deploy`` and KubeRay) and ``run.py`` is the command.
+Nothing here imports torch; Ray is the ``tandem[cluster]`` extra, imported
+only by the modules that need it.
+"""
+
+NOT_READY_GRACE_S = 120.0  # how long a replica's worker may stay not ready (a restart warming up) before Serve
+                           # replaces the replica (tandem cluster --not-ready-grace, build_app's not_ready_grace_s)
+SERVE_ONLY = ("bind", "curve_secret_key", "curve_clients")  # serve's options a cluster has no use for (its replicas
+                                                          # listen on private ipc:// endpoints)
+ROUTERS = ("affinity", "ray")  # ours (router.py), or Serve's default (power of two choices): for A/B runs
+
+
+def __getattr__(name: str):
+    if name == "build_app":  # the import path Serve and KubeRay take: frontend.cluster:build_app
+        from .app import build_app
+
+        return build_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

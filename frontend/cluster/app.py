@@ -1,0 +1,92 @@
+"""``build_app(args)``: the Tandem application on Ray Serve (``tandem cluster``, ``serve run``,
+``serve deploy``, KubeRay's ``serveConfigV2``: ``import_path: frontend.cluster:build_app``).
+
+``args`` are ``tandem serve``'s options by their Python names (``model``,
+``device``, ``max_batch``, ``drain_timeout``, ...: what ``tandem serve --help``
+lists, less the network ones), plus ``replicas`` (default 1), ``api_key``
+(default ``$TANDEM_API_KEY``), ``not_ready_grace_s`` and ``router``
+(``affinity``, or ``ray``: Serve's default, for A/B runs). Each replica runs
+``tandem serve`` with exactly those options (``serve_argv``: the mapping is
+read from the ``serve`` command itself, so it is never written twice).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from . import NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
+from .ingress import TandemIngress
+from .replica import TandemReplica
+from .router import AffinityRouter
+
+CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router")
+NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "api_key", "insecure"})  # the last three are the ingress's
+HEALTH_CHECK_PERIOD_S = 2.0
+ROUTING_STATS_PERIOD_S = 1.0
+QUIET = {"enable_access_log": False}  # Serve logs a line per request and per replica call otherwise
+SHUTDOWN_MARGIN_S = 10.0  # beyond the child's --drain-timeout: its worker stops, its sockets close
+
+
+def serve_params() -> dict[str, Any]:
+    """``tandem serve``'s options that a replica's ``tandem serve`` takes, by Python name."""
+    from ..cli import serve as serve_command
+
+    return {p.name: p for p in serve_command.params if p.expose_value and p.name not in NOT_FORWARDED}
+
+
+def serve_argv(options: Mapping[str, Any]) -> list[str]:
+    """The command-line arguments of ``tandem serve`` for ``options`` (ValueError naming an unknown one)."""
+    params = serve_params()
+    argv: list[str] = []
+    for name, value in options.items():
+        p = params.get(name)
+        if p is None:
+            raise ValueError(f"unknown option {name!r}; tandem serve takes {', '.join(sorted(params))} "
+                             f"(and the cluster {', '.join(CLUSTER_ARGS)})")
+        flag = max(p.opts, key=len)
+        if p.is_flag:  # (`serve run ... no_pipeline=true` passes a string)
+            argv += [flag] if value is True or str(value).lower() in ("1", "true", "yes") else []
+        elif p.multiple:
+            argv += [a for v in value for a in (flag, str(v))]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def build_app(args: Mapping[str, Any]) -> serve.Application:
+    options = dict(args)
+    replicas = int(options.pop("replicas", 1))
+    api_key = options.pop("api_key", None) or os.environ.get("TANDEM_API_KEY")
+    grace_s = float(options.pop("not_ready_grace_s", NOT_READY_GRACE_S))
+    router = options.pop("router", "affinity")
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
+    argv = serve_argv(options)
+    defaults = serve_params()
+    drain_s = float(options.get("drain_timeout", defaults["drain_timeout"].default))
+    max_queue = int(options.get("max_queue", defaults["max_queue"].default))
+    replica = serve.deployment(
+        TandemReplica, name="TandemReplica", num_replicas=replicas,
+        max_ongoing_requests=max_queue,  # the child's own queue decides ('overloaded'), not Serve's
+        ray_actor_options={"num_cpus": 1, "num_gpus": _gpus(str(options.get("device", "auto")))},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=5.0,
+        graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S, logging_config=QUIET,
+        max_constructor_retry_count=3,  # a tandem serve that cannot start (a bad --model) fails the deploy soon
+        request_router_config=RequestRouterConfig(
+            **({"request_router_class": AffinityRouter} if router == "affinity" else {}),
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=2.0))
+    ingress = serve.deployment(TandemIngress, name="TandemIngress", num_replicas=1,
+                               max_ongoing_requests=replicas * max_queue, ray_actor_options={"num_cpus": 0},
+                               logging_config=QUIET)
+    return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key, options.get("metrics_compat"))
+
+
+def _gpus(device: str) -> int:
+    """One GPU per replica on CUDA (``auto``: when the Ray cluster has GPUs)."""
+    if device.startswith("cuda"):
+        return 1
+    return int(device == "auto" and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)

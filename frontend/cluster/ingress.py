@@ -1,0 +1,150 @@
+"""The cluster's HTTP ingress: ``tandem serve``'s own Starlette app over a bridge to the replicas.
+
+Every route, validation and error is ``frontend/http``'s: the app is built by
+``frontend.http.app.build_app`` with a ``ClusterBridge`` in place of the
+server's ``Bridge``. A ``ClusterBridge`` call goes through the replicas'
+``DeploymentHandle`` (routed by ``router.AffinityRouter``) and feeds the same
+``Call`` the HTTP routes read, so streaming, disconnects and cancellation
+behave as on one server. Each answer a replica gave carries its name in
+``x-tandem-replica``. A stream that loses its replica (the actor died, Serve
+could not route it) gets one ``worker_failed`` error as its terminal message:
+it never hangs.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+from typing import Any
+
+from ray import serve
+
+from shared.config import EngineConfig
+from shared.models import load_tokenizer
+
+from ..http.app import build_app as build_http_app
+from ..http.bridge import TERMINAL, Call
+from ..http.common import Context
+from ..metrics import Metrics
+from ..tokenization import chat_prompt_ids, text_prompt_ids
+from .routing import session_key
+
+log = logging.getLogger("tandem.cluster")
+
+REPLICA_HEADER = b"x-tandem-replica"
+PAGE_SIZE = EngineConfig.page_size  # the replicas' KV page: the prefix cache shares whole pages
+
+_answered_by: contextvars.ContextVar[dict | None] = contextvars.ContextVar("answered_by", default=None)
+
+
+class ClusterBridge:
+    """``frontend.http.bridge.Bridge``'s calls (``generate``, ``info``, ``cancel``) over the replicas."""
+
+    def __init__(self, replicas, tokenizer) -> None:
+        self._replicas = replicas
+        self._stream = replicas.options(stream=True)
+        self._tokenizer = tokenizer
+        self._ids = itertools.count(1)
+        self._queues: dict[str, asyncio.Queue] = {}  # Call.abandon drops its own
+        self._pumps: dict[str, asyncio.Task] = {}
+
+    def generate(self, fields: dict[str, Any], session: str | None = None) -> Call:
+        rid = f"c{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        key = session_key(session, None if session else self._first_page(fields))
+        responses = self._stream.generate.remote(fields, session_key=key)
+        self._pumps[rid] = asyncio.create_task(self._pump(rid, responses, q))
+        return Call(self, rid, q)
+
+    async def info(self, timeout: float = 5.0) -> dict[str, Any]:
+        info = await asyncio.wait_for(self._replicas.info.remote(), timeout)
+        _note_replica(info["replica"])
+        return info
+
+    def cancel(self, rid: str) -> None:
+        pump = self._pumps.get(rid)
+        if pump is not None:
+            pump.cancel()
+
+    async def _pump(self, rid: str, responses, q: asyncio.Queue) -> None:
+        try:
+            async for item in responses:
+                if isinstance(item, str):
+                    _note_replica(item)
+                    continue
+                for msg in item:
+                    q.put_nowait(msg)
+                if item and item[-1]["type"] in TERMINAL:
+                    return
+            raise RuntimeError("the replica's stream ended without a terminal message")
+        except asyncio.CancelledError:
+            responses.cancel()  # the client left: the replica cancels the request in its tandem serve
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
+            log.warning("request %s lost its replica: %s", rid, e)
+            q.put_nowait({"type": "error", "id": None, "code": "worker_failed",
+                          "message": f"the replica serving this request failed ({type(e).__name__})"})
+        finally:
+            self._pumps.pop(rid, None)
+            self._queues.pop(rid, None)
+
+    def _first_page(self, fields: dict[str, Any]) -> list[int] | None:
+        """The first full KV page of the prompt as the replicas render it (None: shorter)."""
+        try:
+            if fields.get("prompt_token_ids") is not None:
+                ids = list(fields["prompt_token_ids"])
+            elif fields.get("messages") is not None:
+                ids = chat_prompt_ids(self._tokenizer, fields["messages"])
+            else:
+                ids = text_prompt_ids(self._tokenizer, fields.get("prompt") or "")
+        except Exception:  # noqa: BLE001 - a malformed request: the replica answers it with the error
+            return None
+        return ids[:PAGE_SIZE] if len(ids) >= PAGE_SIZE else None
+
+
+def _note_replica(name: str) -> None:
+    holder = _answered_by.get()
+    if holder is not None:
+        holder["replica"] = name
+
+
+class ReplicaHeader:
+    """ASGI middleware: ``x-tandem-replica`` on every answer a replica gave (set by the bridge)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        holder: dict = {}
+        token = _answered_by.set(holder)  # this request's task; the bridge's pump tasks inherit it
+
+        async def with_header(message):
+            if message["type"] == "http.response.start" and "replica" in holder:
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REPLICA_HEADER, holder["replica"].encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, with_header)
+        finally:
+            _answered_by.reset(token)
+
+
+@serve.ingress()
+class TandemIngress:
+    async def __init__(self, replicas, api_key: str | None = None, metrics_compat: str | None = None) -> None:
+        info = await replicas.info.remote()
+        tokenizer = load_tokenizer(info["model"])
+        self._bridge = ClusterBridge(replicas, tokenizer)
+        self._ctx = Context(bridge=self._bridge, model=info["model"], tokenizer=tokenizer,
+                            adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")))
+        self._api_key = api_key
+        self._metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
+
+    def __serve_build_asgi_app__(self):
+        # /health: Serve routes only to healthy replicas and holds requests while none is
+        return ReplicaHeader(build_http_app(self._ctx, self._metrics, lambda: "ready", self._api_key))
