@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.arith import ceil_div
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -533,7 +534,7 @@ def run(args) -> dict:
     need_len = args.prompt_len + max(args.tokens + 1, ZOMBIE_TARGET + 40 if args.zombie_case else 0) + 16
     max_model_len = max(512, 1 << math.ceil(math.log2(need_len)))
     max_streams = max(streams_list) if not args.no_throughput else 1
-    pages_per_seq = -(-need_len // 16)
+    pages_per_seq = ceil_div(need_len, 16)
     kv_pages = max_streams * pages_per_seq + 8
     prefill_budget = max(512, max_streams * args.prompt_len)  # every prompt in one prefill launch
 

@@ -76,10 +76,6 @@ class Pipeline:
     def drained(self) -> bool:
         return self.outstanding == 0
 
-    @property
-    def oldest_in_flight(self) -> int | None:
-        return self._in_flight[0] if self._in_flight else None
-
     # -- transitions -----------------------------------------------------------
     def launch(self) -> tuple[int, int]:
         """Claim the next slot for a new step; returns (step, slot)."""

@@ -80,7 +80,6 @@ class Worker:
         self.spare: deque = deque()  # reserved ring entries, oldest first, for the next copies/commits
         self.entries: dict = {}  # step -> the ring entry its device copy wrote into
         self.mask_requests: list[Sequence] = []  # the previous step's constrained rows
-        self.mask_step: int | None = None
         self._failed: list[RequestFailed] = []
         self._released: list[int] = []
         self._copied: list[int] = []  # image slots the frontend may reuse
@@ -107,6 +106,12 @@ class Worker:
             time.sleep(0.1)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except ChannelClosed:  # wherever the control channel is read or flushed: the frontend is gone
+            raise FrontendGone(3) from None
+
+    def _run(self) -> None:
         threading.Thread(target=self._beat_while_device_works, name="worker-wait-heartbeat", daemon=True).start()
         self.engine.runner.warmup(progress=lambda done, total: self._progress("capturing CUDA graphs", done, total))
         self._beat()
@@ -151,10 +156,7 @@ class Worker:
             pending = self._pending_masks()
             if ring_ready and (not pending or time.monotonic() > deadline):
                 return self._read_masks(pending)
-            try:
-                self.channel.flush()
-            except ChannelClosed:
-                raise FrontendGone(3) from None
+            self.channel.flush()
             if not ring_ready:
                 try:
                     self.spare.append(self.ring.reserve(timeout=INPUT_WAIT_S))
@@ -166,10 +168,7 @@ class Worker:
                 self.masks.wait_rows(row, mask_stamp(seq.seq_id, len(seq.output_ids)), timeout=INPUT_WAIT_S)
 
     def _read_control(self) -> None:
-        try:
-            messages = self.channel.receive()
-        except ChannelClosed:
-            raise FrontendGone(3) from None
+        messages = self.channel.receive()
         if self.channel.last_error:
             log.error("rejected a control message: %s", self.channel.last_error)
             self.channel.last_error = None
@@ -268,7 +267,7 @@ class Worker:
             seq_ids = np.fromiter((s.seq_id for s in result.seqs), np.uint32, result.rows)
             self.ring.commit(p, result.step, Kind.PREFILL if result.prefill else Kind.DECODE, seq_ids, flags,
                              result.logprobs, None if self.direct_copy else result.tokens)
-        self.mask_requests, self.mask_step = result.mask_requests, result.mask_step
+        self.mask_requests = result.mask_requests
         for image in result.tiles_done:
             self._copied += image.tag
         for seq in result.released:
@@ -291,10 +290,7 @@ class Worker:
         if self._released:
             self.channel.send(Released(seq_ids=self._released))
             self._released = []
-        try:
-            self.channel.flush()
-        except ChannelClosed:
-            raise FrontendGone(3) from None
+        self.channel.flush()
 
 
 def main(argv=None) -> None:
