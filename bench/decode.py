@@ -497,7 +497,7 @@ def run_zombie(args, loaded, engines, modes, result, device) -> None:
     prompt, params, length, stop = _zombie_request(engines[modes[0]], loaded, args)
     progress(args, f"zombie case: answer of {length} tokens ending on stop id {stop}")
     passes: dict[str, list[Pass]] = {m: [] for m in modes}
-    for w in range(args.warmup):
+    for _ in range(args.warmup):
         for m in modes:
             timed_pass(engines[m], [prompt], params)
     for r in range(args.repeats):
@@ -517,8 +517,6 @@ def run_zombie(args, loaded, engines, modes, result, device) -> None:
 
 
 def run(args) -> dict:
-    import torch
-
     streams_list = _csv(args.streams, int)
     modes = _csv(args.mode)
     for m in modes:
