@@ -7,6 +7,8 @@ hiding it would corrupt another request's cache.
 """
 from __future__ import annotations
 
+from shared.arith import ceil_div
+
 from .prefix_cache import PagePool
 
 
@@ -49,7 +51,7 @@ class Allocator:
         self.rows = FreeList("batch rows", range(max_rows))
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return ceil_div(num_tokens, self.page_size)
 
     def can_admit(self, num_tokens: int, hits: list[int] = ()) -> bool:
         return self.rows.can_allocate(1) and self.pages.can_allocate(self.pages_for(num_tokens) - len(hits), hits)

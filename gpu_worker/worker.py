@@ -81,7 +81,6 @@ class Worker:
         self.spare: deque = deque()  # reserved ring entries, oldest first, for the next copies/commits
         self.entries: dict = {}  # step -> the ring entry its device copy wrote into
         self.mask_requests: list[Sequence] = []  # the previous step's constrained rows
-        self.mask_step: int | None = None
         self._failed: list[RequestFailed] = []
         self._released: list[int] = []
         self._copied: list[int] = []  # image slots the frontend may reuse
@@ -108,6 +107,12 @@ class Worker:
             time.sleep(0.1)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except ChannelClosed:  # wherever the control channel is read or flushed: the frontend is gone
+            raise FrontendGone(3) from None
+
+    def _run(self) -> None:
         threading.Thread(target=self._beat_while_device_works, name="worker-wait-heartbeat", daemon=True).start()
         self.engine.runner.warmup(progress=lambda done, total: self._progress("capturing CUDA graphs", done, total))
         self._beat()
@@ -152,10 +157,7 @@ class Worker:
             pending = self._pending_masks()
             if ring_ready and (not pending or time.monotonic() > deadline):
                 return self._read_masks(pending)
-            try:
-                self.channel.flush()
-            except ChannelClosed:
-                raise FrontendGone(3) from None
+            self.channel.flush()
             if not ring_ready:
                 try:
                     self.spare.append(self.ring.reserve(timeout=INPUT_WAIT_S))
@@ -167,10 +169,7 @@ class Worker:
                 self.masks.wait_rows(row, mask_stamp(seq.seq_id, len(seq.output_ids)), timeout=INPUT_WAIT_S)
 
     def _read_control(self) -> None:
-        try:
-            messages = self.channel.receive()
-        except ChannelClosed:
-            raise FrontendGone(3) from None
+        messages = self.channel.receive()
         if self.channel.last_error:
             log.error("rejected a control message: %s", self.channel.last_error)
             self.channel.last_error = None
@@ -270,7 +269,7 @@ class Worker:
             seq_ids = np.fromiter((s.seq_id for s in c.seqs), np.uint32, c.rows)
             self.ring.commit(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
                              c.logprobs, None if self.direct_copy else c.tokens, c.values)
-        self.mask_requests, self.mask_step = tick.mask_requests, tick.mask_step
+        self.mask_requests = tick.mask_requests
         for image in tick.tiles_done:
             self._copied += image.tag
         for seq in tick.released:
@@ -293,10 +292,7 @@ class Worker:
         if self._released:
             self.channel.send(Released(seq_ids=self._released))
             self._released = []
-        try:
-            self.channel.flush()
-        except ChannelClosed:
-            raise FrontendGone(3) from None
+        self.channel.flush()
 
 
 def main(argv=None) -> None:

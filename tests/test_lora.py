@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
 from prerequisites import require

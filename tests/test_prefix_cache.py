@@ -213,8 +213,8 @@ def test_cached_tokens_reach_the_client_through_both_processes():
             for _ in range(2):
                 done = {}
                 req = svc.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True),
-                                 on_event=lambda r, kind, payload: done.update(payload) if kind == "done" else None)
-                svc.run_until(lambda: req.ended, 60)
+                                 on_event=lambda r, kind, payload, done=done: done.update(payload) if kind == "done" else None)
+                svc.run_until(lambda req=req: req.ended, 60)
                 usages.append(done["usage"])
             assert [u["cached_tokens"] for u in usages] == ([0, 5 * PAGE] if on else [0, 0])
             assert all(u["prompt_tokens"] == len(prompt) for u in usages)
