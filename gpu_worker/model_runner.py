@@ -43,7 +43,7 @@ from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
-from .vision import VisionEncoder, normalize_tiles
+from .vision import VisionEncoder
 
 log = logging.getLogger("tandem.worker")
 
