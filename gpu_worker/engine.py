@@ -1,9 +1,11 @@
 """The decode loop: blocking or pipelined from the same code.
 
-``Engine.step(...)`` is one tick. Its inputs are explicit arguments (the
-masks of the constrained rows it samples, the host arrays its device copies
-write sampled ids into); its output is a ``Tick`` (the ``CommittedStep``'s
-tokens and finish reasons, the sequences released) that the caller publishes.
+``Engine.tick(...)`` is one tick: it launches at most one *step* (a forward
+and its sampling, numbered from 0) and commits at most one. Its inputs are
+explicit arguments (the masks of the constrained rows it samples, the host
+arrays its device copies write sampled ids into); its output is a ``Tick``
+(the ``CommittedStep``'s tokens and finish reasons, the sequences released)
+that the caller publishes.
 The engine never calls back into its caller.
 
 One tick, pipelined (docs/DESIGN.md §4.1), each phase a method that returns
@@ -107,12 +109,12 @@ class CommittedStep:
 
 @dataclass
 class Tick:
-    """What one ``Engine.step`` produced, for its caller to publish."""
+    """What one ``Engine.tick`` produced, for its caller to publish."""
     committed: CommittedStep | None = None  # None when this tick committed nothing
     released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
     copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
     dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
-    mask_requests: list[Sequence] = field(default_factory=list)  # the next step() must bring their masks
+    mask_requests: list[Sequence] = field(default_factory=list)  # the next tick() must bring their masks
     mask_step: int | None = None  # the step those masks are for
     tiles_done: list[ImageInput] = field(default_factory=list)  # host tiles never read again (free their memory)
 
@@ -126,7 +128,7 @@ class EngineStats:
     zombie_rows: int = 0
     prefill_tokens: int = 0
     committed_tokens: int = 0
-    host_s: float = 0.0  # host time inside step(), excluding waits on the device
+    host_s: float = 0.0  # host time inside tick(), excluding waits on the device
     wait_s: float = 0.0
     finished: int = 0
     failed: int = 0
@@ -149,7 +151,7 @@ class Engine:
         self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
         self.pipeline = Pipeline(NUM_SLOTS)  # holds each Launch from launch to commit
         self.pipelined = cfg.pipeline
-        self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
+        self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next tick()
         self.stats_ = EngineStats()
         self.images = ImagePrefill(self.runner.vision, self.runner.image_params, self.runner.feature_row_bytes,
                                    int(cfg.encoder_cache_mb * (1 << 20)))
@@ -214,7 +216,7 @@ class Engine:
         (without it they are sampled unconstrained)."""
         words = missing = None
         while self.has_work:
-            tick = self.step(masks=words, masks_missing=missing)
+            tick = self.tick(masks=words, masks_missing=missing)
             words = missing = None
             if tick.mask_requests:
                 if masks is not None:
@@ -278,7 +280,7 @@ class Engine:
             self.device.close()
 
     # ------------------------------------------------------------------ the tick
-    def step(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,
+    def tick(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,
              copy_into: list[np.ndarray] | None = None) -> Tick:
         """One tick.
 

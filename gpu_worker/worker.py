@@ -121,7 +121,7 @@ class Worker:
             words, missing = self._gather_inputs()
             if self.engine.has_work:
                 copy_into = [p.token_ids for p in self.spare] if self.direct_copy else None
-                self._publish(self.engine.step(masks=words, masks_missing=missing, copy_into=copy_into))
+                self._publish(self.engine.tick(masks=words, masks_missing=missing, copy_into=copy_into))
             self._flush()
 
     # ------------------------------------------------------------------ inputs
