@@ -1,4 +1,4 @@
-"""What a running sequence holds: KV pages (``prefix_cache.PagePool``) and a batch row.
+"""What a running sequence holds: KV pages (``page_pool.PagePool``) and a batch row.
 
 Both are handed out at admission and taken back exactly once, when a sequence
 is finalized and no launched step references it any more. Freeing something
@@ -7,7 +7,7 @@ hiding it would corrupt another request's cache.
 """
 from __future__ import annotations
 
-from .prefix_cache import PagePool
+from .page_pool import PagePool
 
 
 class FreeList:

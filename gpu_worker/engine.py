@@ -60,7 +60,7 @@ from .image_prefill import ImageInput, ImagePrefill, LaunchImages
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
-from .prefix_cache import ROOT, chain
+from .page_pool import ROOT, chain
 from .sampler import FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence

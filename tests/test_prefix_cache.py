@@ -1,4 +1,4 @@
-"""The prefix cache (gpu_worker/prefix_cache.py): the same tokens with the cache on and
+"""The prefix cache (gpu_worker/page_pool.py): the same tokens with the cache on and
 off, refcounts under a random walk of submits, cancels, stops and evictions, and no
 hit on pages an in-flight prefill is still writing."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.engine import Engine, EngineConfig
-from gpu_worker.prefix_cache import PagePool, chain
+from gpu_worker.page_pool import PagePool, chain
 from shared.sampling import SamplingParams
 from workload import BannedByLastToken
 
