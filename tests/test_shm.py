@@ -121,18 +121,18 @@ def test_publish_poll_roundtrip_and_64bit_step(arena):
     assert r.poll().seq_ids.size == 0  # empty entries are fine
 
 
-def test_reserve_commit_device_path(arena):
-    """The staging view is where a device copy lands; commit stamps the tags."""
+def test_reserve_stamp_device_path(arena):
+    """The staging view is where a device copy lands; stamp writes the tags."""
     w, r = arena.token_writer(), arena.token_reader()
     p1 = w.reserve()
     p2 = w.reserve()   # pipelined: two in flight
     p1.token_ids[:3] = [7, 8, 9]          # stands in for tensor.copy_(non_blocking=True)
     p2.token_ids[:2] = [1, 2]
     with pytest.raises(ValueError, match="out of order"):
-        w.commit(p2, 11, Kind.DECODE, [0, 1], [0, 0], [0.0, 0.0])
+        w.stamp(p2, 11, Kind.DECODE, [0, 1], [0, 0], [0.0, 0.0])
     assert r.poll() is None  # reserved is not published
-    w.commit(p1, 10, Kind.DECODE, [4, 5, 6], [0, 0, 0])
-    w.commit(p2, 11, Kind.DECODE, [0, 1], [0, 0], np.array([-1.5, -2.5]))
+    w.stamp(p1, 10, Kind.DECODE, [4, 5, 6], [0, 0, 0])
+    w.stamp(p2, 11, Kind.DECODE, [0, 1], [0, 0], np.array([-1.5, -2.5]))
     e1, e2 = r.poll(), r.poll()
     assert e1.token_ids.tolist() == [7, 8, 9] and e1.seq_ids.tolist() == [4, 5, 6]
     assert e2.step == 11 and e2.logprobs.tolist() == [-1.5, -2.5]
