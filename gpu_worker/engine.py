@@ -60,7 +60,6 @@ from .image_prefill import ImageInput, ImagePrefill, LaunchImages
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
 from .pipeline import NUM_SLOTS, Pipeline
-from .page_pool import ROOT, chain
 from .sampler import FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence
@@ -364,7 +363,7 @@ class Engine:
         if self.lora_slots is not None:
             self.lora_slots.launched(s.lora_slot for s in seqs)
         if self.config.debug:
-            self._check_exclusive(seqs, inp.decode_pos, plan)
+            self.alloc.check_exclusive(seqs, inp.decode_pos, plan.prefill)
         launch.marks.append(self.device.mark())
         self.runner.enqueue_forward(launch.slot, inp)
         launch.marks.append(self.device.mark())
@@ -501,7 +500,7 @@ class Engine:
         for seq, end in zip(launch.seqs, launch.kv_ends):
             seq.kv_committed = max(seq.kv_committed, end)
             if self.alloc.pages.caching:
-                self._register_full_pages(seq)
+                self.alloc.name_full_pages(seq)
             if self._release_if_done(seq):
                 released.append(seq)
         self.pipeline.release(step)
@@ -514,29 +513,6 @@ class Engine:
             assert seq.inflight_refs >= 0, "inflight_refs underflow"
         if self.lora_slots is not None:
             self.lora_slots.committed(s.lora_slot for s in launch.seqs)
-
-    def _register_full_pages(self, seq: Sequence) -> None:
-        """Name the sequence's pages whose KV is complete and committed (prompt and generated
-        tokens alike, so a follow-up turn hits): from now on other requests may map them."""
-        size = self.alloc.page_size
-        full = min(seq.kv_committed, seq.prompt_len + len(seq.output_ids)) // size
-        names = seq.page_names
-        if len(names) < full:
-            tokens = seq.prompt_ids + seq.output_ids
-            names += chain(tokens[len(names) * size:], size, full - len(names), seq.page_salt,
-                           parent=names[-1] if names else ROOT, page_salts=seq.image_salts(len(names), full, size))
-        for i in range(seq.pages_registered, full):
-            self.alloc.pages.register(seq.pages[i], names[i])
-        seq.pages_registered = max(seq.pages_registered, full)
-
-    def _check_exclusive(self, seqs: list[Sequence], decode_pos: np.ndarray, plan: Plan) -> None:
-        """Debug: a launch writes KV only into pages no other request reads (never a cached page)."""
-        size, pool = self.alloc.page_size, self.alloc.pages
-        spans = [(int(p), int(p) + 1) for p in decode_pos] + [(c.start, c.start + c.length) for c in plan.prefill]
-        for seq, (start, end) in zip(seqs, spans):
-            for page in seq.pages[start // size:(end - 1) // size + 1]:
-                if not pool.exclusive(page):
-                    raise AssertionError(f"request {seq.seq_id} would write shared or cached kv page {page}")
 
     def _count(self, launch: Launch) -> None:
         s = self.stats_
