@@ -22,7 +22,7 @@ What is timed (BENCHMARKS.md has the full methodology):
 - Device idle fraction: the engine's bubble meter (compute-stream gaps between
   consecutive steps, CUDA events on a GPU, stream timestamps on cpu/sim).
 - Host ms per step: ``host_s / steps`` from the engine (host time in
-  ``Engine.step`` minus its waits on the device).
+  ``Engine.tick`` minus its waits on the device).
 - Overruns (``sim:MS``): steps whose real CPU work did not fit in the simulated
   MS (the engine's ``device_overruns``); a row with overruns measured the CPU.
 - Zombie tax: zombie rows / useful (committed) rows.
@@ -196,7 +196,7 @@ def timed_pass(engine, prompts, params, adapters=None) -> Pass:
     ``adapters``: a LoRA adapter name (or None) per prompt."""
     seqs = [engine.submit(p, params, adapter=a) for p, a in zip(prompts, adapters or [None] * len(prompts))]
     while engine.has_work and not all(s.output_ids or s.finalized for s in seqs):
-        engine.step()
+        engine.tick()
     engine.reset_stats()
     t0 = time.perf_counter()
     engine.run_until_idle()

@@ -5,9 +5,9 @@ traceback; ``TANDEM_DEBUG=1`` shows it) and exits 130 on Ctrl-C; ``--help`` on
 each command shows examples.
 
 ``tandem generate`` runs its request through the same ``Service`` that
-``tandem serve`` uses (a worker process, the frontend's commit: detokenization,
+``tandem serve`` uses (a worker process, the frontend's delivery: detokenization,
 stop strings, grammar masks), or through a running server with ``--connect``:
-one commit path, whichever way the answer is produced.
+one delivery path, whichever way the answer is produced.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import sys
-from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -216,16 +215,22 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
                                    "(is `tandem serve` running there?)") from None
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve,
-                     adapter=None, images=()) -> dict:
-    from frontend.client import Client, TandemError
-
+def _request_fields(prompt, raw, sampling, stop, spec, adapter, images) -> dict:
+    """The generate call of ``tandem generate``, the same with and without --connect."""
     kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter, images=list(images) or None)
     kw["stop_token_ids"] = kw["stop_token_ids"] or None
     if raw:
         kw["prompt"] = prompt
     else:
         kw["messages"] = [{"role": "user", "content": prompt}]
+    return kw
+
+
+def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve,
+                     adapter=None, images=()) -> dict:
+    from frontend.client import Client, TandemError
+
+    kw = _request_fields(prompt, raw, sampling, stop, spec, adapter, images)
     with Client(endpoint, curve=curve) as client:
         served = _server_info(client, endpoint, timeout).get("model")
         if model is not None and model != served:
@@ -236,24 +241,23 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
             for chunk in stream:
                 echo(chunk.text)
         except TandemError as e:
-            raise click.ClickException(f"{e.code}: {e}") from None
+            raise click.ClickException(f"{e.code}: {e.message}") from None
         r = stream.result
     return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
 def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None, images=()) -> dict:
-    """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
-    from frontend.images import image_prompt_ids
-    from frontend.server import grammar_compiler
+    """One request through a ``Service`` of its own (worker process and the frontend's delivery), on
+    the server's path (``server.Gate``): the same message, checks, rendering and errors as --connect."""
+    from frontend.client import generate_message
+    from frontend.protocol import ProtocolError, encode_message
+    from frontend.server import Gate
     from frontend.service import Service
-    from frontend.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
-    from shared.sampling import SamplingParams
 
+    kw = _request_fields(prompt, raw, sampling, stop, spec, adapter, images)
     service = Service(config, on_progress=_show_worker_progress if sys.stderr.isatty() else None)
     try:
-        tok = service.tokenizer
-        messages = [{"role": "user", "content": prompt}]
-        constraint = grammar_compiler(service).compile(spec).matcher() if spec is not None else None
+        gate = Gate(service)
         ended: dict = {}
 
         def on_event(req, kind, payload):
@@ -262,28 +266,17 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=Non
             else:
                 ended[kind] = payload
 
-        kw = dict(stop=stop, constraint=constraint, on_event=on_event, adapter=adapter)
         try:
-            if images:
-                if raw:
-                    def render(prepared):
-                        return image_prompt_ids(tok, prompt, prepared, service.image_params)
-                else:
-                    def render(prepared):
-                        return image_chat_prompt_ids(tok, messages, prepared, service.image_params)
-                data = [Path(p).read_bytes() for p in images]
-                service.submit_images(data, render, SamplingParams(**sampling), **kw)
-            else:
-                ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, messages)
-                service.submit(ids, SamplingParams(**sampling), **kw)
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
+            msg = gate.parse(encode_message(generate_message(True, kw.pop("prompt", None), **kw)))
+            gate.submit(msg, on_event)
+        except ProtocolError as e:
+            raise click.ClickException(f"{e.code}: {e.message}") from None
         while not ended:
             service.poll(0.1)
     finally:
         service.close()
     if "error" in ended:
-        raise click.ClickException(ended["error"]["message"])
+        raise click.ClickException(f"{ended['error']['code']}: {ended['error']['message']}")
     done = ended["done"]
     return _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"))
 

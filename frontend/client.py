@@ -14,12 +14,14 @@ field names) and ``shared.sampling`` (the sampling fields).
 Layout
 ------
 What a call means is written once, without I/O (the "core" section): the
-messages a call sends (``_generate_msg``, ...), how replies are routed to the
+messages a call sends (``generate_message``, ...), how replies are routed to the
 calls waiting for them (``_Demux``), and what the replies of one request
 (``_Call``) or one ping/info (``_Query``) mean: chunks, the result, typed
-errors, timeouts.  Two thin transports drive it: :class:`Client` (blocking
-queues and a background I/O thread) and :class:`AsyncClient` (asyncio queues,
-``zmq.asyncio``).  Both open their connection with ``_dealer_socket``, the one
+errors, timeouts.  The API is written once (``_ClientBase``); two thin
+transports drive it: :class:`Client` (blocking queues and a background I/O
+thread) and :class:`AsyncClient` (asyncio queues, ``zmq.asyncio``; each API
+method a coroutine).  The HTTP frontend's bridge (``frontend/http/bridge.py``)
+is a third transport of the same core.  Both open their connection with ``_dealer_socket``, the one
 place the socket is configured.
 
 Thread-safety
@@ -227,7 +229,7 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-def _generate_msg(
+def generate_message(
     stream: bool,
     prompt: str | None = None,
     /,
@@ -520,17 +522,73 @@ class _ClientBase:
         return self.timeout if timeout is None else timeout
 
     def _open_stream(self, stream: bool, prompt: str | None, timeout: float | None, request: dict) -> Any:
-        return self._stream_type(self, _generate_msg(stream, prompt, **request), self._timeout(timeout))
+        return self._stream_type(self, generate_message(stream, prompt, **request), self._timeout(timeout))
+
+    # -- API, written once: on AsyncClient every method but stream() returns a coroutine
+    # (the transport's _finish, _send, _query and _then are coroutine functions there).
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
+        """Run one request to completion (``stream: false``); returns its :class:`Result`.
+
+        Exactly one of ``prompt``, ``messages=`` (a list of ``{"role", "content"}``)
+        or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
+        ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
+        max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+        ignore_eos, logprobs, grammar, images (paths, bytes or PIL images, placed by
+        ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
+        server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
+        top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
+        server ``error``.
+        """
+        return self._finish(self._open_stream(False, prompt, timeout, request))
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Any:
         """A streamed request: iterate the returned stream (``for``, or ``async for`` with
         :class:`AsyncClient`) for its :class:`Chunk` s; after the loop, ``stream.result``
-        is the final :class:`Result`.  Arguments as :meth:`Client.generate`.
+        is the final :class:`Result`.  Arguments as :meth:`generate`.
 
         :class:`Client` sends the request now; :class:`AsyncClient` (not a coroutine
         here) when the iteration, or ``async with``, starts.
         """
         return self._open_stream(True, prompt, timeout, request)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the server to end a request (its call then returns ``finish_reason="cancelled"``).
+
+        Fire-and-forget: the server sends no reply, and ignores unknown ids.
+        """
+        return self._send(_cancel_msg(request_id))
+
+    def ping(self, timeout: float | None = None) -> float:
+        """Round trip to the server; returns the round-trip time in seconds."""
+        return self._query(_ping(), timeout)
+
+    def info(self, timeout: float | None = None) -> dict[str, Any]:
+        """The server's ``info``: protocol, model, max_batch, max_model_len, pipeline, device."""
+        return self._query(_info(), timeout)
+
+    # -- skills on an image (a path, bytes or a PIL image); prompts and defaults: frontend/skills.py.
+    # Keyword options override the skill's defaults (max_tokens, temperature, ...).
+
+    def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
+        """``{"caption": str}``; ``length``: short, normal or long."""
+        return self._skill("caption", image, kw, length=length)
+
+    def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
+        """``{"answer": str}``."""
+        return self._skill("query", image, kw, question=question)
+
+    def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+        """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
+        return self._skill("point", image, kw, obj=object, max_objects=max_objects)
+
+    def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+        """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
+        return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
+
+    def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
+        return self._then(self.generate(**_skill_msg(skill, image, options, **args)),
+                          lambda r: skill_output(skill, r.text, r.output))
 
     @property
     def closed(self) -> bool:
@@ -702,22 +760,8 @@ class Client(_ClientBase):
             self._demux.remove_query(query, q)
         return query.answer(reply)
 
-    # -- API
-
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
-        """Run one request to completion (``stream: false``); returns its :class:`Result`.
-
-        Exactly one of ``prompt``, ``messages=`` (a list of ``{"role", "content"}``)
-        or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
-        ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
-        max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, logprobs, grammar, images (paths, bytes or PIL images, placed by
-        ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
-        server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
-        top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
-        server ``error``.
-        """
-        s = self._open_stream(False, prompt, timeout, request)
+    def _finish(self, s: Stream) -> Result:
+        """Read a ``stream: false`` call to its end."""
         try:
             for _ in s:  # a server may still send chunks; they are not needed
                 pass
@@ -726,43 +770,9 @@ class Client(_ClientBase):
         assert s.result is not None
         return s.result
 
-    def cancel(self, request_id: str) -> None:
-        """Ask the server to end a request (its call then returns ``finish_reason="cancelled"``).
-
-        Fire-and-forget: the server sends no reply, and ignores unknown ids.
-        """
-        self._send(_cancel_msg(request_id))
-
-    def ping(self, timeout: float | None = None) -> float:
-        """Round trip to the server; returns the round-trip time in seconds."""
-        return self._query(_ping(), timeout)
-
-    def info(self, timeout: float | None = None) -> dict[str, Any]:
-        """The server's ``info``: protocol, model, max_batch, max_model_len, pipeline, device."""
-        return self._query(_info(), timeout)
-
-    # -- skills on an image (a path, bytes or a PIL image); prompts and defaults: frontend/skills.py.
-    # Keyword options override the skill's defaults (max_tokens, temperature, ...).
-
-    def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
-        """``{"caption": str}``; ``length``: short, normal or long."""
-        return self._skill("caption", image, kw, length=length)
-
-    def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
-        """``{"answer": str}``."""
-        return self._skill("query", image, kw, question=question)
-
-    def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
-        return self._skill("point", image, kw, obj=object, max_objects=max_objects)
-
-    def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
-        return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
-
-    def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        r = self.generate(**_skill_msg(skill, image, options, **args))
-        return skill_output(skill, r.text, r.output)
+    @staticmethod
+    def _then(value: Any, f) -> Any:
+        return f(value)
 
     def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""
@@ -852,6 +862,7 @@ class AsyncStream(_StreamBase):
 class AsyncClient(_ClientBase):
     """asyncio client (``zmq.asyncio``); use it from one event loop.
 
+    The API is :class:`Client`'s, each method a coroutine (``stream()`` excepted).
     The socket is opened on first use; a reader task routes replies by id, so
     any number of coroutines may run requests concurrently.
     """
@@ -905,11 +916,8 @@ class AsyncClient(_ClientBase):
             self._demux.remove_query(query, q)
         return query.answer(reply)
 
-    # -- API: as Client's, as coroutines (stream() is not one: see _ClientBase.stream)
-
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
-        """As :meth:`Client.generate`."""
-        s = self._open_stream(False, prompt, timeout, request)
+    async def _finish(self, s: AsyncStream) -> Result:
+        """Read a ``stream: false`` call to its end."""
         try:
             async for _ in s:
                 pass
@@ -918,37 +926,9 @@ class AsyncClient(_ClientBase):
         assert s.result is not None
         return s.result
 
-    async def cancel(self, request_id: str) -> None:
-        """As :meth:`Client.cancel`."""
-        await self._send(_cancel_msg(request_id))
-
-    async def ping(self, timeout: float | None = None) -> float:
-        """As :meth:`Client.ping`."""
-        return await self._query(_ping(), timeout)
-
-    async def info(self, timeout: float | None = None) -> dict[str, Any]:
-        """As :meth:`Client.info`."""
-        return await self._query(_info(), timeout)
-
-    async def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
-        """As :meth:`Client.caption`."""
-        return await self._skill("caption", image, kw, length=length)
-
-    async def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
-        """As :meth:`Client.query`."""
-        return await self._skill("query", image, kw, question=question)
-
-    async def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """As :meth:`Client.point`."""
-        return await self._skill("point", image, kw, obj=object, max_objects=max_objects)
-
-    async def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """As :meth:`Client.detect`."""
-        return await self._skill("detect", image, kw, obj=object, max_objects=max_objects)
-
-    async def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        r = await self.generate(**_skill_msg(skill, image, options, **args))
-        return skill_output(skill, r.text, r.output)
+    @staticmethod
+    async def _then(value: Any, f) -> Any:
+        return f(await value)
 
     async def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""

@@ -8,7 +8,7 @@ hash) and sends back the ``PreparedImage`` list (uint8 tiles) or the
 
 Why processes at nice 19, not threads (measured, BENCHMARKS.md "Text streams
 while large images arrive"): pool threads share the frontend's GIL with the
-commit loop, and a pool thread at low priority that holds the GIL when the
+service loop, and a pool thread at low priority that holds the GIL when the
 scheduler preempts it stalls the loop until it runs again (a 1.1 s stall was
 measured on a busy two-core machine); at normal priority they take the cores
 from the worker. Children at nice 19 yield the CPU to the worker and the
@@ -43,7 +43,7 @@ PREPARE_NICENESS = 19  # the lowest priority a normal user may set (and set back
 
 
 def default_workers() -> int:
-    """The cores this process may use, less two (the commit loop and the worker's host thread); 1 to 4."""
+    """The cores this process may use, less two (the service loop and the worker's host thread); 1 to 4."""
     return max(1, min(4, len(os.sched_getaffinity(0)) - 2))
 
 

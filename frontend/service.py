@@ -1,4 +1,4 @@
-"""The frontend's commit side: requests in, worker tokens out, text to clients.
+"""The frontend's delivery side: requests in, worker tokens out, text to clients.
 
 ``Service`` owns one GPU worker (``WorkerHandle``) and every live request. It
 reads the token ring in order and, per row, does the work the worker must not:
@@ -196,7 +196,8 @@ class Service:
                       adapter: str | None = None) -> Request:
         """A request with images, decoded and tiled in the image pool; then
         ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
-        rendered text) runs on the loop thread (the tokenizer is not shared across threads).
+        rendered text) runs on the loop thread (``tokenizer`` is used on that thread only; the HTTP
+        thread decodes with a copy of its own).
         Bad images (or a ``ValueError`` from ``render``) end the request with
         ``bad_request`` naming the field; ``ValueError`` at once for what needs no decoding."""
         if self.images is None:
@@ -324,7 +325,7 @@ class Service:
         reader = self.worker.tokens
         try:
             while (entry := reader.poll()) is not None:
-                self._commit(entry)
+                self._deliver(entry)
                 reader.consume(entry.position)
                 n += 1
         except RingCorrupt as e:  # never deliver unvalidated tokens: treat as a failed worker
@@ -363,8 +364,8 @@ class Service:
             if self.unsent:
                 self._send_unsent()
 
-    def _commit(self, entry) -> None:
-        """Frontend commit of one step: every row, in order."""
+    def _deliver(self, entry) -> None:
+        """Deliver one committed step: every row, in order."""
         now = time.perf_counter()
         lps = entry.logprobs
         for i, (seq_id, token, flags) in enumerate(zip(entry.seq_ids.tolist(), entry.token_ids.tolist(),

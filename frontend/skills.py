@@ -14,7 +14,9 @@ the same whichever way it is asked for:
 what it leaves out takes the skill's default. The result is a dict of the
 ZeroMQ protocol's ``generate`` fields (``messages``, sampling, ``grammar``);
 the server validates it like any other request. The image, when the model
-takes one, travels beside these fields (see ``frontend/http/images.py``).
+takes one, travels beside these fields as the protocol's ``images``, added by
+the caller (``_image`` in ``frontend/http/moondream.py``, ``_skill_msg`` in
+``frontend/client.py``).
 """
 from __future__ import annotations
 

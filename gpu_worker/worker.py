@@ -126,7 +126,7 @@ class Worker:
             words, missing = self._gather_inputs()
             if self.engine.has_work:
                 copy_into = [p.token_ids for p in self.spare] if self.direct_copy else None
-                self._publish(self.engine.step(masks=words, masks_missing=missing, copy_into=copy_into))
+                self._publish(self.engine.tick(masks=words, masks_missing=missing, copy_into=copy_into))
             self._flush()
 
     # ------------------------------------------------------------------ inputs
@@ -260,14 +260,14 @@ class Worker:
         for step in tick.dropped_steps:  # a device failure: their entries go out empty
             p = self.entries.pop(step, None)
             if p is not None:
-                self.ring.commit(p, step, Kind.DECODE, [], [])
+                self.ring.stamp(p, step, Kind.DECODE, [], [])
         c = tick.committed
         if c is not None and c.rows:
             p = self.entries.pop(c.step) if self.direct_copy else self.spare.popleft()
             flags = np.where(c.live, c.finish.astype(np.uint32) | (c.cached.astype(np.uint32) << CACHED_SHIFT),
                              np.uint32(TokenFlag.ZOMBIE))
             seq_ids = np.fromiter((s.seq_id for s in c.seqs), np.uint32, c.rows)
-            self.ring.commit(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
+            self.ring.stamp(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
                              c.logprobs, None if self.direct_copy else c.tokens, c.values)
         self.mask_requests = tick.mask_requests
         for image in tick.tiles_done:
