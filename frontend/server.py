@@ -230,9 +230,11 @@ class Server:
                                   msg.id)
         if len(self.live) >= self.max_queue:
             raise P.ProtocolError("overloaded", f"{len(self.live)} requests in flight; retry later", msg.id)
-        if msg.images and self.service.image_params is None:
+        if msg.images and not self.service.model.vision:
             raise P.ProtocolError("bad_request", "images: this model takes no images (it has no vision encoder)",
                                   msg.id)
+        if msg.skill is not None:
+            return self._skill(identity, key, msg)
         try:
             ids = self._prompt_ids(msg) if not msg.images else None
             constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
@@ -254,6 +256,20 @@ class Server:
                                                  **kw)
             else:
                 req = self.service.submit(ids, msg.sampling_params(), **kw)
+        except ValueError as e:
+            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+        if not req.ended:
+            self.live[key] = req
+
+    def _skill(self, identity: bytes, key, msg: P.GenerateRequest) -> None:
+        """A skill request: the model renders its own prompt (Moondream: its token templates)."""
+        s = msg.sampling
+        pick = lambda name: getattr(s, name) if name in msg.explicit else None  # noqa: E731
+        state = ClientRequest(identity, msg.id, msg.stream)
+        try:
+            req = self.service.submit_skill(msg.skill, list(msg.images), max_tokens=pick("max_tokens"),
+                                            temperature=pick("temperature"), top_p=pick("top_p"), seed=pick("seed"),
+                                            on_event=self._on_event, user_data=state)
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
         if not req.ended:
@@ -296,7 +312,7 @@ class Server:
             try:
                 frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                        payload["usage"], payload["metrics"], payload.get("output"),
-                                       payload.get("logprobs"))
+                                       payload.get("logprobs"), payload.get("reasoning"))
             except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
                 log.exception("cannot encode the answer of request %r", state.id)
                 frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")

@@ -53,12 +53,13 @@ from shared.config import EngineConfig
 from shared.finish import FinishReason
 from shared.lora_config import read_adapters
 from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
-                             SubmitImage)
+                             SubmitImage, SubmitSkill)
 from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import ImageProcessorParams, read_config
 
+from . import moondream_images, moondream_skills
 from .detokenizer import IncrementalDetokenizer
 from .image_pool import ImagePool
 from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image
@@ -122,6 +123,8 @@ class Request:
     t_first: float | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
     t_end: float | None = None
+    skill: moondream_skills.Plan | None = None  # a Moondream skill request
+    values: list = field(default_factory=list)  # its tokens' region values (coord, w, h), from the ring
 
 
 class Service:
@@ -141,10 +144,13 @@ class Service:
         self.free_mask_rows = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
-        # Idefics3's tiling; a Moondream model's images come with its skill requests (not yet served here).
+        # Images: Idefics3's tiling (image_params) or Moondream's overlap crops (skill requests).
+        self.moondream = self.model.family == "moondream"
         idefics = self.model.family == "idefics3"
         self.image_params = ImageProcessorParams.from_model_dir(self.model_path) if idefics else None
-        self._image_pool = ImagePool(self.image_params, cfg.image_workers) if self.image_params else None
+        self._image_pool = (ImagePool(self.image_params, cfg.image_workers) if self.image_params else
+                            ImagePool(None, cfg.image_workers, moondream_images.prepare_images) if self.moondream
+                            else None)
         self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
         self._prepared_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.worker: WorkerHandle | None = None
@@ -162,14 +168,17 @@ class Service:
 
     def _image_region(self) -> tuple[int, int, int]:
         """(slots, tiles per slot, tile side) of the arena's image region; no slots for a text model."""
-        if self.image_params is None:
+        if self._image_pool is None:
             return 0, 1, 0
-        params = ImageProcessorParams.from_model_dir(self.model_path)
         per_slot = max(1, self.config.image_slot_tiles)
+        if self.moondream:
+            tiles, side = 1 + moondream_images.MAX_CROPS, moondream_images.CROP_SIZE
+        else:
+            tiles, side = max_tiles_per_image(self.image_params), self.image_params.tile_size
         slots = self.config.image_slots
         if slots is None:
-            slots = MAX_IMAGES * -(-max_tiles_per_image(params) // per_slot)
-        return slots, per_slot, params.tile_size
+            slots = MAX_IMAGES * -(-tiles // per_slot)
+        return slots, per_slot, side
 
     def _progress(self, msg) -> None:
         log.info("worker generation %d: %s%s", self.generation, msg.stage,
@@ -228,7 +237,7 @@ class Service:
         rendered text) runs on the loop thread (the tokenizer is not shared across threads).
         Bad images (or a ``ValueError`` from ``render``) end the request with
         ``bad_request`` naming the field; ``ValueError`` at once for what needs no decoding."""
-        if self.image_params is None:
+        if self._image_pool is None:
             raise ValueError("images: this model takes no images (it has no vision encoder)")
         try:
             check_image_count(len(images))
@@ -239,6 +248,38 @@ class Service:
         req.render = render
         req.preparation = self._image_pool.submit(list(images), lambda result: self._hand_back(req, result))
         return req
+
+    def submit_skill(self, skill: dict, images: list[bytes] = (), *, max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                     on_event=None, user_data=None) -> Request:
+        """A Moondream skill request (``moondream_skills.plan``): the model's own prompt, the task its
+        row runs on the device, and (at ``done``) its answer. ValueError names a bad field."""
+        if not self.moondream:
+            raise ValueError("skill: this model has no Moondream skills; send a prompt")
+        if len(images) > 1:
+            raise ValueError("images: a skill takes one image")
+        encode = lambda text: [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]  # noqa: E731
+        plan = moondream_skills.plan(skill, encode, bool(images), max_tokens)
+        greedy = plan.phase == moondream_skills.DECIDE  # point / detect
+        params = SamplingParams(
+            max_tokens=plan.max_tokens, seed=seed,
+            temperature=0.0 if greedy else moondream_skills.TEMPERATURE if temperature is None else temperature,
+            top_p=1.0 if greedy else moondream_skills.TOP_P if top_p is None else top_p)
+        if images:
+            prefix = [0] * moondream_skills.PREFIX_LEN
+            req = self.submit_images(list(images), lambda prepared: prefix + plan.prompt_ids, params,
+                                     on_event=on_event, user_data=user_data)
+            req.skill = plan
+            return req
+        req = self._new_request(plan.prompt_ids, params, (), None, False, on_event, user_data, None)
+        req.skill = plan
+        self._ready_to_send(req)
+        return req
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids; ids the tokenizer lacks (a vocabulary larger than it) decode to nothing."""
+        n = len(self.tokenizer)
+        return self.tokenizer.decode([t for t in ids if 0 <= t < n])
 
     def _hand_back(self, req: Request, result) -> None:
         """Pool thread (or the cancelling one): queue the prepared images or the exception for the loop."""
@@ -281,7 +322,8 @@ class Service:
                 self._end(req, error=error)
                 self._forget(req)
                 continue
-            req.image_tokens = sum(im.num_tiles for im in req.images) * self.image_params.image_seq_len
+            req.image_tokens = (moondream_skills.PREFIX_LEN * len(req.images) if self.moondream else
+                                sum(im.num_tiles for im in req.images) * self.image_params.image_seq_len)
             self._start_detokenizer(req)
             self._ready_to_send(req)
 
@@ -336,13 +378,15 @@ class Service:
             self._write_mask(req)  # the initial mask exists before the first token can be sampled
         images = []
         for im in req.images or ():  # pixels go through shared memory; the message names the slots
-            images.append(SubmitImage(hash=im.hash, num_tiles=im.num_tiles, slots=self.worker.images.write(im.tiles)))
+            images.append(SubmitImage(hash=im.hash, num_tiles=im.num_tiles, slots=self.worker.images.write(im.tiles),
+                                      tiling=[im.rows, im.cols] if self.moondream else None))
         req.images = None
         req.submitted = True
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
-                                        mask_row=req.mask_row, adapter=req.adapter, images=images))
+                                        mask_row=req.mask_row, adapter=req.adapter, images=images,
+                                        skill=SubmitSkill(**req.skill.task()) if req.skill else None))
 
     def cancel(self, req: Request) -> None:
         """Client cancel or disconnect: terminal ``done`` (cancelled) now, resources freed in the worker."""
@@ -462,6 +506,8 @@ class Service:
                 req.t_first = now
                 req.cached_tokens = flags >> CACHED_SHIFT
             req.token_ids.append(token)
+            if req.skill is not None and entry.values is not None:
+                req.values.append(tuple(entry.values[i].tolist()))
             if req.logprobs and lps is not None:
                 req.token_logprobs.append(float(lps[i]))
             if req.constraint is not None and not req.constraint.accept(token):
@@ -507,8 +553,10 @@ class Service:
         payload = {"finish_reason": reason.wire, "text": req.text, "token_ids": list(req.token_ids),
                    "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids),
                              "cached_tokens": req.cached_tokens,
-                             **({"image_tokens": req.image_tokens} if self.image_params else {})},
+                             **({"image_tokens": req.image_tokens} if self._image_pool else {})},
                    "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
+        if req.skill is not None:
+            payload |= moondream_skills.answer(req.skill, req.token_ids, req.values, self.decode)
         if req.constraint is not None and reason == FinishReason.STOP:
             try:
                 req.output = req.constraint.output(req.text)

@@ -86,7 +86,7 @@ class HttpListener:
         await bridge.start()
         service = self._server.service
         ctx = Context(bridge=bridge, model=service.config.model, tokenizer=service.tokenizer,
-                      adapters=tuple(service.adapters), vision=service.image_params is not None)
+                      adapters=tuple(service.adapters), vision=service.model.vision, family=service.model.family)
         app = build_app(ctx, self._server.metrics, self._health, self._api_key)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, ws="none")
