@@ -59,8 +59,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME, prompt_field
 from frontend.protocol import encode_message as _encode
+from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
 from shared.sampling import SAMPLING_FIELD_NAMES
 
@@ -92,7 +93,7 @@ _LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a l
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
 GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
-                    | {"images"})
+                    | {"images", "skill"} | frozenset(SKILL_FIELDS))
 
 
 # --------------------------------------------------------------------------- errors
@@ -198,6 +199,7 @@ class Result:
     metrics: dict[str, Any] = field(default_factory=dict)  # {ttft_ms, total_ms}
     output: Any = None  # only with a grammar (point/box: the Moondream-shaped dict)
     logprobs: Any = None  # only with logprobs=True
+    reasoning: Any = None  # a Moondream reasoning query: {text, token_ids, grounding}
     id: str = ""
 
     @classmethod
@@ -211,6 +213,7 @@ class Result:
             metrics=dict(msg.get("metrics") or {}),
             output=msg.get("output"),
             logprobs=msg.get("logprobs"),
+            reasoning=msg.get("reasoning"),
         )
 
 
@@ -241,7 +244,8 @@ def _generate_msg(
     unknown = sorted(set(options) - GENERATE_OPTIONS)
     if unknown:
         raise TypeError(f"unknown generate option(s): {', '.join(unknown)}; known: {', '.join(sorted(GENERATE_OPTIONS))}")
-    form = prompt_field({"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids})
+    form = prompt_field({"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids,
+                         "skill": options.get("skill")})
     rid = _new_id() if request_id is None else request_id
     if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_ID_CHARS:
         raise ValueError(f"request_id must be a string of 1 to {MAX_ID_CHARS} characters")
@@ -250,7 +254,7 @@ def _generate_msg(
         msg["prompt"] = prompt
     elif form == "messages":
         msg["messages"] = [dict(m) for m in messages]  # type: ignore[union-attr]
-    else:
+    elif form == "prompt_token_ids":
         msg["prompt_token_ids"] = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
     msg["stream"] = stream
     for k, v in options.items():
@@ -277,10 +281,20 @@ def image_bytes(image: Any) -> bytes:
     raise TypeError(f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
 
 
-def _skill_msg(skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-    """The generate options of a skill (``frontend.skills``), overridden by the caller's ``options``;
-    the image goes before the prompt's text (the protocol's rule for messages without image parts)."""
+def _skill_msg(skill: str, image: Any, options: dict[str, Any], family: str | None, **args: Any) -> dict[str, Any]:
+    """The generate options of a skill, overridden by the caller's ``options``. A Moondream model
+    renders its own skills (``skill`` and its fields); else ``frontend.skills``'s prompt, where the
+    image goes before the text (the protocol's rule for messages without image parts)."""
+    if family == "moondream":
+        own = {"length": args.get("length"), "question": args.get("question"), "object": args.get("obj"),
+               "max_objects": args.get("max_objects") if skill in ("point", "detect") else None}
+        return {**skills_native(skill, own), **options, "images": [] if image is None else [image]}
     return {**skill_request(skill, **args), **options, "images": [image]}
+
+
+def _skill_result(skill: str, r: "Result") -> dict[str, Any]:
+    out = skill_output(skill, r.text, r.output)
+    return {**out, "reasoning": r.reasoning} if r.reasoning is not None else out
 
 
 def _cancel_msg(request_id: str) -> dict[str, Any]:
@@ -515,6 +529,7 @@ class _ClientBase:
         self.curve = curve
         self._demux = _Demux()
         self._closed = False
+        self._family: str | None = None  # the server's model family, asked once by the first skill call
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -761,8 +776,10 @@ class Client(_ClientBase):
         return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 
     def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        r = self.generate(**_skill_msg(skill, image, options, **args))
-        return skill_output(skill, r.text, r.output)
+        if self._family is None:
+            self._family = self.info().get("family", "")
+        r = self.generate(**_skill_msg(skill, image, options, self._family, **args))
+        return _skill_result(skill, r)
 
     def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""
@@ -947,8 +964,10 @@ class AsyncClient(_ClientBase):
         return await self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 
     async def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        r = await self.generate(**_skill_msg(skill, image, options, **args))
-        return skill_output(skill, r.text, r.output)
+        if self._family is None:
+            self._family = (await self.info()).get("family", "")
+        r = await self.generate(**_skill_msg(skill, image, options, self._family, **args))
+        return _skill_result(skill, r)
 
     async def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""

@@ -398,6 +398,14 @@ def test_zeromq_generate_takes_skills(checkpoints):
         text = next(c for c in EXPECTED["cases"] if c["skill"] == "query" and "image" not in c)
         done = ask("t", max_tokens=text["max_tokens"], temperature=0.0, **skill_of(text))
         assert done["token_ids"] == text["token_ids"]
+        # The Python client's skill methods take the same path.
+        from frontend.client import Client
+        point = next(c for c in EXPECTED["cases"] if c["skill"] == "point")
+        with Client(server.endpoint, timeout=180) as client:
+            assert client.point(png(point["image"]), "cat", max_objects=3) == {"points": point["points"]}
+            assert client.detect(png(detect["image"]), "cat", max_objects=3) == expected_done(detect)["output"]
+            got = client.query(png(why["image"]), "Why?", reasoning=True, max_tokens=8, temperature=0.0)
+            assert got["reasoning"]["token_ids"] == why["reasoning_token_ids"]
     finally:
         sock.close(0)
         server.stop()
