@@ -173,6 +173,12 @@ def main() -> None:
               help="An image file for a vision-language model (repeatable). Placed before the prompt's text, or "
                    "at each <image> of a --raw prompt.")
 @click.option("--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
+@click.option("--skill", type=click.Choice(["caption", "query", "point", "detect"]), default=None,
+              help="A Moondream model's skill on the --image: PROMPT is the question (query) or the object "
+                   "(point, detect); caption takes none.")
+@click.option("--length", type=click.Choice(["short", "normal", "long"]), default="normal", show_default=True,
+              help="With --skill caption.")
+@click.option("--reasoning", is_flag=True, help="With --skill query: reason first.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"text", "token_ids", "finish_reason", "usage"} (and "output" for --grammar/--regex/'
@@ -181,8 +187,8 @@ def main() -> None:
 @log_level_option()
 @click.pass_context
 def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id,
-             ignore_eos, grammar, max_objects, regex, json_schema, images, adapter, stream, as_json, server_key,
-             client_key, **engine_kw):
+             ignore_eos, grammar, max_objects, regex, json_schema, images, adapter, skill, length, reasoning, stream,
+             as_json, server_key, client_key, **engine_kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -196,6 +202,7 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
       tandem generate "Hi" --connect 127.0.0.1:5557
       tandem generate "What is in this picture?" --model ./SmolVLM-256M-Instruct --image cat.jpg
       tandem generate "Hi" --lora pirate=./pirate-lora --adapter pirate
+      tandem generate cat --skill detect --model ./moondream2 --image cat.jpg --json
     """
     if connect:
         misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
@@ -204,6 +211,9 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
                                    "(the server's own apply: set them on `tandem serve`)")
     elif given(ctx, "timeout"):
         raise click.UsageError("--timeout applies to --connect only")
+    if skill is not None:
+        return _generate_skill(ctx, skill, prompt, length, reasoning, max_objects, images, connect, timeout,
+                               server_key, client_key, engine_kw, as_json, stream)
     prompt = _read_prompt(prompt)
     kinds = [g for g in (grammar, regex, json_schema) if g is not None]
     if len(kinds) > 1:
@@ -233,6 +243,58 @@ def generate(ctx, prompt, connect, timeout, raw, max_tokens, temperature, top_p,
         click.echo(json.dumps(result))
     elif not live:
         click.echo(result["text"])
+
+
+def _generate_skill(ctx, skill, prompt, length, reasoning, max_objects, images, connect, timeout, server_key,
+                    client_key, engine_kw, as_json, stream) -> None:
+    """``--skill``: one skill request (PROTOCOL.md §8a), through a server or a worker of its own."""
+    if skill != "caption":
+        prompt = _read_prompt(prompt)
+    request = {"caption": {"length": length}, "query": {"question": prompt, "reasoning": reasoning or None},
+               "point": {"object": prompt, "max_objects": max_objects},
+               "detect": {"object": prompt, "max_objects": max_objects}}[skill]
+    sampling = {k: ctx.params[k] for k in ("max_tokens", "temperature", "top_p", "seed") if given(ctx, k)}
+    live = stream and not as_json
+    echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
+    data = [Path(p).read_bytes() for p in images]
+    if connect:
+        from frontend.client import Client, TandemError
+        with Client(connect, curve=serve_options.client_curve(server_key, client_key)) as client:
+            _server_info(client, connect, timeout)
+            try:
+                r = client.generate(skill=skill, **request, images=data or None, **sampling)
+            except TandemError as e:
+                raise click.ClickException(f"{e.code}: {e}") from None
+        done = {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason, "usage": r.usage,
+                **({"output": r.output} if r.output is not None else {}),
+                **({"reasoning": r.reasoning} if r.reasoning is not None else {})}
+    else:
+        from frontend.service import Service
+        service = Service(service_config(engine_kw), on_progress=_show_worker_progress if sys.stderr.isatty() else None)
+        ended: dict = {}
+        try:
+            try:
+                service.submit_skill(dict(request, skill=skill), data, **sampling,
+                                     on_event=lambda req, kind, p: echo(p["text"]) if kind == "chunk"
+                                     else ended.update({kind: p}))
+            except ValueError as e:
+                raise click.UsageError(str(e)) from None
+            while not ended:
+                service.poll(0.1)
+        finally:
+            service.close()
+        if "error" in ended:
+            raise click.ClickException(ended["error"]["message"])
+        done = ended["done"]
+    result = _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"))
+    if "reasoning" in done:
+        result["reasoning"] = done["reasoning"]
+    if live:
+        click.echo()
+    if as_json:
+        click.echo(json.dumps(result))
+    elif not live:
+        click.echo(json.dumps(result["output"]) if "output" in result else result["text"])
 
 
 def _read_prompt(prompt: str | None) -> str:

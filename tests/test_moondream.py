@@ -457,3 +457,18 @@ def test_http_moondream_client_gets_the_reference_answers(checkpoints):
         server.stop()
         thread.join(60)
         svc.close()
+
+
+def test_cli_generate_skill(checkpoints, tmp_path):
+    """``tandem generate OBJECT --skill detect --image FILE --json`` on a Moondream directory."""
+    from click.testing import CliRunner
+
+    from frontend.cli import main as cli
+    detect = next(c for c in EXPECTED["cases"] if c["skill"] == "detect")
+    image = tmp_path / "image.png"
+    image.write_bytes(png(detect["image"]))
+    result = CliRunner().invoke(cli, ["generate", "cat", "--skill", "detect", "--max-objects", "3", "--image",
+                                      str(image), "--model", str(checkpoints["plain"]), "--device", "cpu",
+                                      "--dtype", "float32", "--max-batch", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["output"] == expected_done(detect)["output"]
