@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import io
 import os
 import queue
@@ -61,8 +62,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME, prompt_field
 from frontend.protocol import encode_message as _encode
+from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
 from shared.sampling import SAMPLING_FIELD_NAMES
 
@@ -94,7 +96,7 @@ _LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a l
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
 GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
-                    | {"images"})
+                    | {"images", "skill"} | frozenset(SKILL_FIELDS))
 
 
 # --------------------------------------------------------------------------- errors
@@ -200,6 +202,7 @@ class Result:
     metrics: dict[str, Any] = field(default_factory=dict)  # {ttft_ms, total_ms}
     output: Any = None  # only with a grammar (point/box: the Moondream-shaped dict)
     logprobs: Any = None  # only with logprobs=True
+    reasoning: Any = None  # a Moondream reasoning query: {text, token_ids, grounding}
     id: str = ""
 
     @classmethod
@@ -213,6 +216,7 @@ class Result:
             metrics=dict(msg.get("metrics") or {}),
             output=msg.get("output"),
             logprobs=msg.get("logprobs"),
+            reasoning=msg.get("reasoning"),
         )
 
 
@@ -243,7 +247,8 @@ def generate_message(
     unknown = sorted(set(options) - GENERATE_OPTIONS)
     if unknown:
         raise TypeError(f"unknown generate option(s): {', '.join(unknown)}; known: {', '.join(sorted(GENERATE_OPTIONS))}")
-    form = prompt_field({"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids})
+    form = prompt_field({"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids,
+                         "skill": options.get("skill")})
     rid = _new_id() if request_id is None else request_id
     if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_ID_CHARS:
         raise ValueError(f"request_id must be a string of 1 to {MAX_ID_CHARS} characters")
@@ -252,7 +257,7 @@ def generate_message(
         msg["prompt"] = prompt
     elif form == "messages":
         msg["messages"] = [dict(m) for m in messages]  # type: ignore[union-attr]
-    else:
+    elif form == "prompt_token_ids":
         msg["prompt_token_ids"] = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
     msg["stream"] = stream
     for k, v in options.items():
@@ -279,10 +284,20 @@ def image_bytes(image: Any) -> bytes:
     raise TypeError(f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
 
 
-def _skill_msg(skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-    """The generate options of a skill (``frontend.skills``), overridden by the caller's ``options``;
-    the image goes before the prompt's text (the protocol's rule for messages without image parts)."""
+def _skill_msg(skill: str, image: Any, options: dict[str, Any], family: str | None, **args: Any) -> dict[str, Any]:
+    """The generate options of a skill, overridden by the caller's ``options``. A Moondream model
+    renders its own skills (``skill`` and its fields); else ``frontend.skills``'s prompt, where the
+    image goes before the text (the protocol's rule for messages without image parts)."""
+    if family == "moondream":
+        own = {"length": args.get("length"), "question": args.get("question"), "object": args.get("obj"),
+               "max_objects": args.get("max_objects") if skill in ("point", "detect") else None}
+        return {**skills_native(skill, own), **options, "images": [] if image is None else [image]}
     return {**skill_request(skill, **args), **options, "images": [image]}
+
+
+def _skill_result(skill: str, r: "Result") -> dict[str, Any]:
+    out = skill_output(skill, r.text, r.output)
+    return {**out, "reasoning": r.reasoning} if r.reasoning is not None else out
 
 
 def _cancel_msg(request_id: str) -> dict[str, Any]:
@@ -517,6 +532,7 @@ class _ClientBase:
         self.curve = curve
         self._demux = _Demux()
         self._closed = False
+        self._family: str | None = None  # the server's model family, asked once by the first skill call
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -587,8 +603,15 @@ class _ClientBase:
         return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 
     def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        return self._then(self.generate(**_skill_msg(skill, image, options, **args)),
-                          lambda r: skill_output(skill, r.text, r.output))
+        """A Moondream server renders its own skills: the server's family is asked once, by the first call."""
+        def send(family: str) -> Any:
+            self._family = family
+            return self._then(self.generate(**_skill_msg(skill, image, options, family, **args)),
+                              lambda r: _skill_result(skill, r))
+
+        if self._family is not None:
+            return send(self._family)
+        return self._then(self.info(), lambda info: send(info.get("family", "")))
 
     @property
     def closed(self) -> bool:
@@ -928,7 +951,8 @@ class AsyncClient(_ClientBase):
 
     @staticmethod
     async def _then(value: Any, f) -> Any:
-        return f(await value)
+        out = f(await value)
+        return await out if inspect.isawaitable(out) else out  # f may chain another call (a coroutine here)
 
     async def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""

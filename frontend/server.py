@@ -79,9 +79,11 @@ class Gate:
                user_data: Any = None) -> Request:
         """Render, check and submit one request; its events go to ``on_event``."""
         service = self.service
-        if msg.images and service.image_params is None:
+        if msg.images and not service.model.vision:
             raise P.ProtocolError("bad_request", "images: this model takes no images (it has no vision encoder)",
                                   msg.id)
+        if msg.skill is not None:
+            return self._submit_skill(msg, on_event, user_data)
         try:
             ids = self._prompt_ids(msg) if not msg.images else None
             constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
@@ -101,6 +103,18 @@ class Gate:
                 return service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling_params(),
                                              **kw)
             return service.submit(ids, msg.sampling_params(), **kw)
+        except ValueError as e:
+            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+
+    def _submit_skill(self, msg: P.GenerateRequest, on_event, user_data) -> Request:
+        """A skill request: the model renders its own prompt (Moondream: its token templates); the
+        sampling fields the client set override the skill's defaults."""
+        s = msg.sampling
+        pick = lambda name: getattr(s, name) if name in msg.explicit else None  # noqa: E731
+        try:
+            return self.service.submit_skill(msg.skill, list(msg.images), max_tokens=pick("max_tokens"),
+                                             temperature=pick("temperature"), top_p=pick("top_p"), seed=pick("seed"),
+                                             on_event=on_event, user_data=user_data)
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
 
@@ -324,7 +338,7 @@ class Server:
             try:
                 frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                        payload["usage"], payload["metrics"], payload.get("output"),
-                                       payload.get("logprobs"))
+                                       payload.get("logprobs"), payload.get("reasoning"))
             except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
                 log.exception("cannot encode the answer of request %r", state.id)
                 frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")

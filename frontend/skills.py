@@ -93,6 +93,19 @@ def _text(name: str, value: Any) -> None:
         raise SkillError(f"{name} must be a non-empty string")
 
 
+def native(skill: str, fields: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The generate fields of a skill for a model with its own skills (Moondream 2): ``skill``
+    and its fields, rendered and validated by the server (``frontend/moondream_skills.py``);
+    Moondream's ``settings`` give the sampling fields and ``max_objects``."""
+    s = _settings(settings)
+    if skill in ("point", "detect") and "max_objects" in s:
+        fields = {**fields, "max_objects": s["max_objects"]}
+    s.pop("max_objects", None)
+    if skill in ("point", "detect"):
+        s.pop("max_tokens", None)  # the objects bound the answer
+    return {"skill": skill, **{k: v for k, v in fields.items() if v is not None}, **s}
+
+
 def skill_request(skill: str, *, length: str = "normal", question: str | None = None, obj: str | None = None,
                   max_objects: int = 16, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The generate fields that ask ``skill`` of one image (the Python client's entry point):

@@ -65,7 +65,7 @@ from .device import Device, DeviceError
 from .image_prefill import ImageInput, ImagePrefill, LaunchImages
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
-from .moondream_skills import DECIDE, SkillTask
+from .moondream_skills import ANSWER_FIRST, DECIDE, REASON, SkillTask
 from .pipeline import NUM_SLOTS, Pipeline
 from .sampler import FLAG_LENGTH, FLAG_STOP
 from .scheduler import Plan, Scheduler
@@ -214,6 +214,8 @@ class Engine:
                 raise ValueError("skill: this model has no skills")
             return None
         task = task or SkillTask()
+        if task.phase not in (ANSWER_FIRST, REASON, DECIDE) or min(task.limit, task.answer_limit) < 0:
+            raise ValueError(f"skill: phase {task.phase} / limits {task.limit}, {task.answer_limit} are invalid")
         if task.phase == DECIDE and params.temperature != 0:
             raise ValueError("temperature: point and detect are greedy (temperature 0)")
         for name, values, shape in (("coord", task.prompt_coord, (len(prompt),)),

@@ -31,10 +31,12 @@ from shared.control import ChannelClosed, ControlChannel
 from shared.finish import FinishReason
 from shared.messages import (Cancel, ImagesCopied, Progress, Ready, Released, RequestFailed, Shutdown, Stats,
                              StatsRequest, Submit, to_sampling_params)
+from shared.moondream_config import COORD_ID, SIZE_ID
 from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
 from .engine import Engine, Tick
 from .image_prefill import ImageInput
+from .moondream_skills import SkillTask
 from .sequence import Sequence
 
 log = logging.getLogger("tandem.worker")
@@ -195,11 +197,12 @@ class Worker:
                 raise ValueError(f"seq_id {msg.seq_id} is already live")
             if msg.constrained and not 0 <= msg.mask_row < self.arena.layout.max_batch_rows:
                 raise ValueError(f"mask_row {msg.mask_row} is out of range")
-            images = [ImageInput(im.hash, self.images.blocks(im.slots, im.num_tiles), tag=im.slots)
+            images = [ImageInput(im.hash, self.images.blocks(im.slots, im.num_tiles), tag=im.slots,
+                                 tiling=tuple(im.tiling) if im.tiling else None)
                       for im in msg.images]
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
                                      logprobs=msg.logprobs, seq_id=msg.seq_id, adapter=msg.adapter,
-                                     images=images)
+                                     images=images, task=skill_task(msg.skill, msg.prompt_ids))
         except ValueError as e:
             self._failed.append(RequestFailed(seq_id=msg.seq_id, code="bad_request", message=str(e)))
             self._released.append(msg.seq_id)
@@ -293,6 +296,24 @@ class Worker:
             self.channel.send(Released(seq_ids=self._released))
             self._released = []
         self.channel.flush()
+
+
+def skill_task(skill, prompt_ids: list[int]) -> SkillTask | None:
+    """A Submit's Moondream skill as the engine's task: the values laid out on the prompt's coord
+    and size tokens (ValueError, a bad request, when they do not match)."""
+    if skill is None:
+        return None
+    coord = size = None
+    if skill.coords or skill.sizes:
+        ids = np.asarray(prompt_ids)
+        at_coord, at_size = np.flatnonzero(ids == COORD_ID), np.flatnonzero(ids == SIZE_ID)
+        if len(at_coord) != len(skill.coords) or len(at_size) != len(skill.sizes):
+            raise ValueError(f"spatial_refs: {len(skill.coords)} coordinates and {len(skill.sizes)} sizes for "
+                             f"{len(at_coord)} coord and {len(at_size)} size tokens")
+        coord, size = np.zeros(len(ids), np.float32), np.zeros((len(ids), 2), np.float32)
+        coord[at_coord] = skill.coords
+        size[at_size] = np.asarray(skill.sizes, np.float32).reshape(-1, 2)
+    return SkillTask(skill.phase, skill.detect, skill.limit, skill.answer_limit, coord, size)
 
 
 def main(argv=None) -> None:
