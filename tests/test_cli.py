@@ -85,8 +85,8 @@ def restore_log_level():
 def server():
     """``tandem serve --log-level info`` (the option on the subcommand) on a bare HOST:PORT."""
     address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([*CLI, "serve", *TINY, "--bind", address, "--max-batch", "8", "--drain-timeout", "1",
-                             "--log-level", "info"], cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    proc = subprocess.Popen([*CLI, "serve", *TINY, "--bind", address, "--http", f"127.0.0.1:{free_port()}",
+                             "--max-batch", "8", "--drain-timeout", "1", "--log-level", "info"], cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stderr: list[str] = []
     serving = threading.Event()
