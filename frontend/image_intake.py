@@ -22,9 +22,9 @@ request is sent, ``cancel`` with the request, ``close`` with the service.
 A cancel at any of these phases ends the request at once (one still queued in
 the pool never runs; a result that arrives for an ended request is dropped).
 
-A second vision family plugs in here with its own ``PreparedImage`` producer
-(``images.prepare_images``' counterpart, run by the pool) and prompt renderer;
-the slots, the pool and the hand-over are the same.
+What is Idefics3's here is the function the pool runs (``images.prepare_images``)
+and the renderer the caller passes; a second vision family brings its own
+two, and the slots, the pool's processes, the checks and the hand-over stay.
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ class ImageIntake:
         if need > slots.capacity:
             return ("bad_request", f"images: {sum(images.tile_counts)} tiles need {need} image slots; the server "
                                    f"has {slots.capacity} (--image-slots)")
-        images.tokens = sum(images.tile_counts) * self.params.image_seq_len
+        images.tokens = req.prompt_ids.count(self.params.image_token_id)  # one feature row each
         return None
 
     # ------------------------------------------------------------------ 3. hand-over
