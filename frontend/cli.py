@@ -269,23 +269,8 @@ def _generate_skill(ctx, skill, prompt, length, reasoning, max_objects, images, 
                 **({"output": r.output} if r.output is not None else {}),
                 **({"reasoning": r.reasoning} if r.reasoning is not None else {})}
     else:
-        from frontend.service import Service
-        service = Service(service_config(engine_kw), on_progress=_show_worker_progress if sys.stderr.isatty() else None)
-        ended: dict = {}
-        try:
-            try:
-                service.submit_skill(dict(request, skill=skill), data, **sampling,
-                                     on_event=lambda req, kind, p: echo(p["text"]) if kind == "chunk"
-                                     else ended.update({kind: p}))
-            except ValueError as e:
-                raise click.UsageError(str(e)) from None
-            while not ended:
-                service.poll(0.1)
-        finally:
-            service.close()
-        if "error" in ended:
-            raise click.ClickException(ended["error"]["message"])
-        done = ended["done"]
+        done = _one_request(service_config(engine_kw), echo, lambda service, on_event: service.submit_skill(
+            dict(request, skill=skill), data, **sampling, on_event=on_event))
     result = _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"))
     if "reasoning" in done:
         result["reasoning"] = done["reasoning"]
@@ -352,41 +337,23 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
     return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None, images=()) -> dict:
-    """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
-    from frontend.images import image_prompt_ids
-    from frontend.server import grammar_compiler
+def _one_request(config, echo, submit) -> dict:
+    """One request through a ``Service`` of its own (worker process and the frontend's commit):
+    ``submit(service, on_event)`` sends it; chunks are echoed; returns the ``done`` payload."""
     from frontend.service import Service
-    from frontend.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
-    from shared.sampling import SamplingParams
 
     service = Service(config, on_progress=_show_worker_progress if sys.stderr.isatty() else None)
+    ended: dict = {}
+
+    def on_event(req, kind, payload):
+        if kind == "chunk":
+            echo(payload["text"])
+        else:
+            ended[kind] = payload
+
     try:
-        tok = service.tokenizer
-        messages = [{"role": "user", "content": prompt}]
-        constraint = grammar_compiler(service).compile(spec).matcher() if spec is not None else None
-        ended: dict = {}
-
-        def on_event(req, kind, payload):
-            if kind == "chunk":
-                echo(payload["text"])
-            else:
-                ended[kind] = payload
-
-        kw = dict(stop=stop, constraint=constraint, on_event=on_event, adapter=adapter)
         try:
-            if images:
-                if raw:
-                    def render(prepared):
-                        return image_prompt_ids(tok, prompt, prepared, service.image_params)
-                else:
-                    def render(prepared):
-                        return image_chat_prompt_ids(tok, messages, prepared, service.image_params)
-                data = [Path(p).read_bytes() for p in images]
-                service.submit_images(data, render, SamplingParams(**sampling), **kw)
-            else:
-                ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, messages)
-                service.submit(ids, SamplingParams(**sampling), **kw)
+            submit(service, on_event)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
         while not ended:
@@ -395,7 +362,35 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=Non
         service.close()
     if "error" in ended:
         raise click.ClickException(ended["error"]["message"])
-    done = ended["done"]
+    return ended["done"]
+
+
+def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None, images=()) -> dict:
+    """One request through a ``Service`` of its own."""
+    from frontend.images import image_prompt_ids
+    from frontend.server import grammar_compiler
+    from frontend.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
+    from shared.sampling import SamplingParams
+
+    def submit(service, on_event):
+        tok = service.tokenizer
+        messages = [{"role": "user", "content": prompt}]
+        constraint = grammar_compiler(service).compile(spec).matcher() if spec is not None else None
+        kw = dict(stop=stop, constraint=constraint, on_event=on_event, adapter=adapter)
+        if images:
+            if raw:
+                def render(prepared):
+                    return image_prompt_ids(tok, prompt, prepared, service.image_params)
+            else:
+                def render(prepared):
+                    return image_chat_prompt_ids(tok, messages, prepared, service.image_params)
+            data = [Path(p).read_bytes() for p in images]
+            service.submit_images(data, render, SamplingParams(**sampling), **kw)
+        else:
+            ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, messages)
+            service.submit(ids, SamplingParams(**sampling), **kw)
+
+    done = _one_request(config, echo, submit)
     return _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"))
 
 

@@ -235,6 +235,9 @@ class Server:
                                   msg.id)
         if msg.skill is not None:
             return self._skill(identity, key, msg)
+        if msg.images and self.service.moondream:
+            raise P.ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
+                                  "(skill: caption, query, point or detect)", msg.id)
         try:
             ids = self._prompt_ids(msg) if not msg.images else None
             constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
