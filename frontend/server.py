@@ -84,6 +84,9 @@ class Gate:
                                   msg.id)
         if msg.skill is not None:
             return self._submit_skill(msg, on_event, user_data)
+        if msg.images and service.model.family == "moondream":
+            raise P.ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
+                                  "(skill: caption, query, point or detect)", msg.id)
         try:
             ids = self._prompt_ids(msg) if not msg.images else None
             constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None

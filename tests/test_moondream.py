@@ -395,6 +395,10 @@ def test_zeromq_generate_takes_skills(checkpoints):
         assert err["type"] == "error" and err["code"] == "bad_request" and "spatial_refs" in err["message"]
         err = ask("f", prompt="hi", length="short")
         assert err["code"] == "bad_request" and "length" in err["message"]
+        err = ask("g", prompt="<image> hi", images=[png("dev-a.png")])
+        assert err["code"] == "bad_request" and "skill" in err["message"]
+        err = ask("h", skill="detect", object="cat")
+        assert err["code"] == "bad_request" and "images" in err["message"]
         text = next(c for c in EXPECTED["cases"] if c["skill"] == "query" and "image" not in c)
         done = ask("t", max_tokens=text["max_tokens"], temperature=0.0, **skill_of(text))
         assert done["token_ids"] == text["token_ids"]
