@@ -22,7 +22,7 @@ What is timed (BENCHMARKS.md has the full methodology):
 - Device idle fraction: the engine's bubble meter (compute-stream gaps between
   consecutive steps, CUDA events on a GPU, stream timestamps on cpu/sim).
 - Host ms per step: ``host_s / steps`` from the engine (host time in
-  ``Engine.step`` minus its waits on the device).
+  ``Engine.tick`` minus its waits on the device).
 - Overruns (``sim:MS``): steps whose real CPU work did not fit in the simulated
   MS (the engine's ``device_overruns``); a row with overruns measured the CPU.
 - Zombie tax: zombie rows / useful (committed) rows.
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.arith import ceil_div
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,7 +196,7 @@ def timed_pass(engine, prompts, params, adapters=None) -> Pass:
     ``adapters``: a LoRA adapter name (or None) per prompt."""
     seqs = [engine.submit(p, params, adapter=a) for p, a in zip(prompts, adapters or [None] * len(prompts))]
     while engine.has_work and not all(s.output_ids or s.finalized for s in seqs):
-        engine.step()
+        engine.tick()
     engine.reset_stats()
     t0 = time.perf_counter()
     engine.run_until_idle()
@@ -496,7 +497,7 @@ def run_zombie(args, loaded, engines, modes, result, device) -> None:
     prompt, params, length, stop = _zombie_request(engines[modes[0]], loaded, args)
     progress(args, f"zombie case: answer of {length} tokens ending on stop id {stop}")
     passes: dict[str, list[Pass]] = {m: [] for m in modes}
-    for w in range(args.warmup):
+    for _ in range(args.warmup):
         for m in modes:
             timed_pass(engines[m], [prompt], params)
     for r in range(args.repeats):
@@ -516,8 +517,6 @@ def run_zombie(args, loaded, engines, modes, result, device) -> None:
 
 
 def run(args) -> dict:
-    import torch
-
     streams_list = _csv(args.streams, int)
     modes = _csv(args.mode)
     for m in modes:
@@ -533,7 +532,7 @@ def run(args) -> dict:
     need_len = args.prompt_len + max(args.tokens + 1, ZOMBIE_TARGET + 40 if args.zombie_case else 0) + 16
     max_model_len = max(512, 1 << math.ceil(math.log2(need_len)))
     max_streams = max(streams_list) if not args.no_throughput else 1
-    pages_per_seq = -(-need_len // 16)
+    pages_per_seq = ceil_div(need_len, 16)
     kv_pages = max_streams * pages_per_seq + 8
     prefill_budget = max(512, max_streams * args.prompt_len)  # every prompt in one prefill launch
 

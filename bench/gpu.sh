@@ -128,6 +128,9 @@ stage "4/5 prefix-cache TTFT" 45 "$DIR/prefix-cache.json" \
     "$PY" -m bench.prefix_cache --model "$LLM" --device "$DEVICE" --system-tokens 1500 --questions 8 --users 3 --turns 4
 stage "4/5 image TTFT" 60 "$DIR/image-ttft.json" \
     "$PY" -m bench.image_ttft --model "$VLM" --device "$DEVICE" --requests 3
+stage "4/5 Moondream (encode per crop count, TTFT, ms/object, 32 detect streams)" 90 "$DIR/moondream.json" \
+    "$PY" -m bench.moondream --model tiny-random-moondream --device "$DEVICE" --dtype bfloat16 --repeats "$REPEATS" \
+    --detect-streams 32 --json
 stage "4/5 LoRA ms/step" 60 "$DIR/lora.json" \
     "$PY" -m bench.lora --model "${MODELS%% *}" --device "$DEVICE" --streams 32 --tokens 64 --repeats "$REPEATS"
 

@@ -162,7 +162,7 @@ class _RingSink:
             views = [self.stage[(self.next + k) % n] for k in range(2)]
             for v in views:
                 v[:] = -1
-            tick = self.engine.step(copy_into=self._copy_targets(views))
+            tick = self.engine.tick(copy_into=self._copy_targets(views))
             for step, view in zip(tick.copied_steps, views):
                 self.views[step] = view
                 self.next += 1

@@ -7,7 +7,7 @@ the other none. The text streams' inter-token gaps are measured on the frontend'
 clock over the same window (from the first image's submit until every image
 request has ended; the same length without images). A third run only decodes and
 tiles the images in the frontend's image pool (no image request reaches the
-worker): what preprocessing alone costs the commit loop and the worker.
+worker): what preprocessing alone costs the service loop and the worker.
 
     python -m bench.image_preprocess_load --model tiny-random-vlm --device cpu [--image-workers N]
 """

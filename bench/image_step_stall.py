@@ -1,8 +1,8 @@
-"""How long the decode rows wait while image requests arrive: ``Engine.step`` timed in one process.
+"""How long the decode rows wait while image requests arrive: ``Engine.tick`` timed in one process.
 
 ``--streams`` text requests decode; then ``--images`` image requests (new images,
 ``--tiles`` random tiles each: encoder-cache misses) arrive together, and every
-``Engine.step()`` is timed until each of them has its first token. Reported:
+``Engine.tick()`` is timed until each of them has its first token. Reported:
 the decode-only steps before (median, longest), the steps while the images are
 prefilled (median, longest: what every decode row waits for at worst), the
 image requests' time to first token, and the encoder's launches.
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
 
     def timed_step() -> float:
         t = time.perf_counter()
-        engine.step()
+        engine.tick()
         return (time.perf_counter() - t) * 1e3
 
     prompt = [1, 2, 3] + [ip.image_token_id] * (args.tiles * per_tile) + list(rng.integers(100, 1000, 20))
@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
         engine.run_until_idle()
         streams = [engine.submit(list(rng.integers(100, 1000, 16)), endless) for _ in range(args.streams)]
         while any(not s.output_ids for s in streams):
-            engine.step()
+            engine.tick()
         decode_ms = [timed_step() for _ in range(40)]
         before = engine.stats()
         t0 = time.perf_counter()

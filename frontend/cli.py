@@ -5,9 +5,9 @@ traceback; ``TANDEM_DEBUG=1`` shows it) and exits 130 on Ctrl-C; ``--help`` on
 each command shows examples.
 
 ``tandem generate`` runs its request through the same ``Service`` that
-``tandem serve`` uses (a worker process, the frontend's commit: detokenization,
+``tandem serve`` uses (a worker process, the frontend's delivery: detokenization,
 stop strings, grammar masks), or through a running server with ``--connect``:
-one commit path, whichever way the answer is produced.
+one delivery path, whichever way the answer is produced.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import logging
 import os
 import socket
 import sys
-from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -114,6 +113,12 @@ def main() -> None:
         help="An image file for a vision-language model (repeatable). Placed before the prompt's text, or "
              "at each <image> of a --raw prompt.")
 @option("Request", "--adapter", default=None, help="Answer with this LoRA adapter (one the worker or server has).")
+@option("Request", "--skill", type=click.Choice(["caption", "query", "point", "detect"]), default=None,
+        help="A Moondream model's skill on the --image: PROMPT is the question (query) or the object "
+             "(point, detect); caption takes none.")
+@option("Request", "--length", type=click.Choice(["short", "normal", "long"]), default="normal", show_default=True,
+        help="With --skill caption.")
+@option("Request", "--reasoning", is_flag=True, help="With --skill query: reason first.")
 @sampling_options
 @option("Sampling", "--stop", multiple=True, help="Stop string (repeatable); never part of the output.")
 @option("Output", "--grammar", type=click.Choice(["point", "box"]), default=None,
@@ -133,8 +138,8 @@ def main() -> None:
 @serve_options.client_key_options
 @log_level_option()
 @click.pass_context
-def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, regex, json_schema, images, adapter, stream,
-             as_json, server_key, client_key, **kw):
+def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, regex, json_schema, images, adapter, skill,
+             length, reasoning, stream, as_json, server_key, client_key, **kw):
     """Generate a completion for PROMPT (or stdin: PROMPT '-' or a pipe).
 
     Without --connect it starts a GPU worker for this one request, as `tandem serve` would.
@@ -148,6 +153,7 @@ def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, reg
       tandem generate "Hi" --connect 127.0.0.1:5557
       tandem generate "What is in this picture?" --model ./SmolVLM-256M-Instruct --image cat.jpg
       tandem generate "Hi" --lora pirate=./pirate-lora --adapter pirate
+      tandem generate cat --skill detect --model ./moondream2 --image cat.jpg --json
     """
     if connect:
         misplaced = [_flag(n) for n in ENGINE_OPTIONS if n != "model" and given(ctx, n)]
@@ -156,36 +162,39 @@ def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, reg
                                    "(the server's own apply: set them on `tandem serve`)")
     elif given(ctx, "timeout"):
         raise click.UsageError("--timeout applies to --connect only")
-    prompt = _read_prompt(prompt)
-    kinds = [g for g in (grammar, regex, json_schema) if g is not None]
-    if len(kinds) > 1:
-        raise click.UsageError("use at most one of --grammar, --regex, --json-schema")
-    spec = None
-    if grammar:
-        spec = {"kind": grammar, "max_objects": max_objects}
-    elif regex is not None:
-        spec = {"kind": "regex", "pattern": regex}
-    elif json_schema is not None:
-        spec = {"kind": "json_schema", "schema": json.load(json_schema)}
     sampling = {name: kw.pop(name) for name in SAMPLING_FIELD_NAMES}
-    sampling["stop_token_ids"] = list(sampling["stop_token_ids"])
     engine_kw = kw
+    if skill is not None:  # the model renders its own prompt; the sampling fields set override its defaults
+        fields = _skill_fields(skill, prompt, length, reasoning, max_objects, images,
+                               {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "seed") if given(ctx, k)})
+    else:
+        prompt = _read_prompt(prompt)
+        kinds = [g for g in (grammar, regex, json_schema) if g is not None]
+        if len(kinds) > 1:
+            raise click.UsageError("use at most one of --grammar, --regex, --json-schema")
+        spec = None
+        if grammar:
+            spec = {"kind": grammar, "max_objects": max_objects}
+        elif regex is not None:
+            spec = {"kind": "regex", "pattern": regex}
+        elif json_schema is not None:
+            spec = {"kind": "json_schema", "schema": json.load(json_schema)}
+        sampling["stop_token_ids"] = list(sampling["stop_token_ids"])
+        fields = _request_fields(prompt, raw, sampling, list(stop), spec, adapter, images)
     live = stream and not as_json
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
     if connect:
         model = engine_kw["model"] if given(ctx, "model") else None
         curve = serve_options.client_curve(server_key, client_key)
-        result = _generate_remote(prompt, raw, sampling, list(stop), spec, echo, connect, timeout, model, curve,
-                                  adapter, images)
+        result = _generate_remote(fields, echo, connect, timeout, model, curve)
     else:
-        result = _generate_local(prompt, raw, sampling, list(stop), spec, echo, service_config(engine_kw), adapter,
-                                 images)
+        result = _generate_local(fields, echo, service_config(engine_kw))
     if live:
         click.echo()
     if as_json:
         click.echo(json.dumps(result))
     elif not live:
-        click.echo(result["text"])
+        click.echo(json.dumps(result["output"]) if skill is not None and "output" in result else result["text"])
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -200,10 +209,12 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def _result_json(text, token_ids, finish_reason, usage, output) -> dict:
+def _result_json(text, token_ids, finish_reason, usage, output, reasoning=None) -> dict:
     out = {"text": text, "token_ids": list(token_ids), "finish_reason": finish_reason, "usage": usage}
     if output is not None:
         out["output"] = output
+    if reasoning is not None:
+        out["reasoning"] = reasoning
     return out
 
 
@@ -218,16 +229,31 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
                                    "(is `tandem serve` running there?)") from None
 
 
-def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout, model, curve,
-                     adapter=None, images=()) -> dict:
-    from frontend.client import Client, TandemError
-
+def _request_fields(prompt, raw, sampling, stop, spec, adapter, images) -> dict:
+    """The generate call of ``tandem generate``, the same with and without --connect."""
     kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter, images=list(images) or None)
     kw["stop_token_ids"] = kw["stop_token_ids"] or None
     if raw:
         kw["prompt"] = prompt
     else:
         kw["messages"] = [{"role": "user", "content": prompt}]
+    return kw
+
+
+def _skill_fields(skill, prompt, length, reasoning, max_objects, images, sampling) -> dict:
+    """The generate call of ``tandem generate --skill`` (PROTOCOL.md §8a), the same with and without
+    --connect."""
+    if skill != "caption":
+        prompt = _read_prompt(prompt)
+    request = {"caption": {"length": length}, "query": {"question": prompt, "reasoning": reasoning or None},
+               "point": {"object": prompt, "max_objects": max_objects},
+               "detect": {"object": prompt, "max_objects": max_objects}}[skill]
+    return dict(skill=skill, **request, images=list(images) or None, **sampling)
+
+
+def _generate_remote(kw, echo, endpoint, timeout, model, curve) -> dict:
+    from frontend.client import Client, TandemError
+
     with Client(endpoint, curve=curve) as client:
         served = _server_info(client, endpoint, timeout).get("model")
         if model is not None and model != served:
@@ -238,24 +264,22 @@ def _generate_remote(prompt, raw, sampling, stop, spec, echo, endpoint, timeout,
             for chunk in stream:
                 echo(chunk.text)
         except TandemError as e:
-            raise click.ClickException(f"{e.code}: {e}") from None
+            raise click.ClickException(f"{e.code}: {e.message}") from None
         r = stream.result
-    return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output)
+    return _result_json(r.text, r.token_ids, r.finish_reason, r.usage, r.output, r.reasoning)
 
 
-def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=None, images=()) -> dict:
-    """One request through a ``Service`` of its own (worker process and the frontend's commit)."""
-    from frontend.images import image_prompt_ids
-    from frontend.server import grammar_compiler
+def _generate_local(kw, echo, config) -> dict:
+    """One request through a ``Service`` of its own (worker process and the frontend's delivery), on
+    the server's path (``server.Gate``): the same message, checks, rendering and errors as --connect."""
+    from frontend.client import generate_message
+    from frontend.protocol import ProtocolError, encode_message
+    from frontend.server import Gate
     from frontend.service import Service
-    from frontend.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
-    from shared.sampling import SamplingParams
 
     service = Service(config, on_progress=_show_worker_progress if sys.stderr.isatty() else None)
     try:
-        tok = service.tokenizer
-        messages = [{"role": "user", "content": prompt}]
-        constraint = grammar_compiler(service).compile(spec).matcher() if spec is not None else None
+        gate = Gate(service)
         ended: dict = {}
 
         def on_event(req, kind, payload):
@@ -264,30 +288,20 @@ def _generate_local(prompt, raw, sampling, stop, spec, echo, config, adapter=Non
             else:
                 ended[kind] = payload
 
-        kw = dict(stop=stop, constraint=constraint, on_event=on_event, adapter=adapter)
         try:
-            if images:
-                if raw:
-                    def render(prepared):
-                        return image_prompt_ids(tok, prompt, prepared, service.image_params)
-                else:
-                    def render(prepared):
-                        return image_chat_prompt_ids(tok, messages, prepared, service.image_params)
-                data = [Path(p).read_bytes() for p in images]
-                service.submit_images(data, render, SamplingParams(**sampling), **kw)
-            else:
-                ids = text_prompt_ids(tok, prompt) if raw else chat_prompt_ids(tok, messages)
-                service.submit(ids, SamplingParams(**sampling), **kw)
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
+            msg = gate.parse(encode_message(generate_message(True, kw.pop("prompt", None), **kw)))
+            gate.submit(msg, on_event)
+        except ProtocolError as e:
+            raise click.ClickException(f"{e.code}: {e.message}") from None
         while not ended:
             service.poll(0.1)
     finally:
         service.close()
     if "error" in ended:
-        raise click.ClickException(ended["error"]["message"])
+        raise click.ClickException(f"{ended['error']['code']}: {ended['error']['message']}")
     done = ended["done"]
-    return _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"))
+    return _result_json(done["text"], done["token_ids"], done["finish_reason"], done["usage"], done.get("output"),
+                        done.get("reasoning"))
 
 
 @main.command(help=f"""List the built-in models, what each is and whether it is prepared.

@@ -14,12 +14,14 @@ field names) and ``shared.sampling`` (the sampling fields).
 Layout
 ------
 What a call means is written once, without I/O (the "core" section): the
-messages a call sends (``_generate_msg``, ...), how replies are routed to the
+messages a call sends (``generate_message``, ...), how replies are routed to the
 calls waiting for them (``_Demux``), and what the replies of one request
 (``_Call``) or one ping/info (``_Query``) mean: chunks, the result, typed
-errors, timeouts.  Two thin transports drive it: :class:`Client` (blocking
-queues and a background I/O thread) and :class:`AsyncClient` (asyncio queues,
-``zmq.asyncio``).  Both open their connection with ``_dealer_socket``, the one
+errors, timeouts.  The API is written once (``_ClientBase``); two thin
+transports drive it: :class:`Client` (blocking queues and a background I/O
+thread) and :class:`AsyncClient` (asyncio queues, ``zmq.asyncio``; each API
+method a coroutine).  The HTTP frontend's bridge (``frontend/http/bridge.py``)
+is a third transport of the same core.  Both open their connection with ``_dealer_socket``, the one
 place the socket is configured.
 
 Thread-safety
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import io
 import os
 import queue
@@ -59,8 +62,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, VERSION_FRAME, prompt_field
+from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME, prompt_field
 from frontend.protocol import encode_message as _encode
+from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
 from shared.sampling import SAMPLING_FIELD_NAMES
 
@@ -92,7 +96,7 @@ _LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a l
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
 GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
-                    | {"images"})
+                    | {"images", "skill"} | frozenset(SKILL_FIELDS))
 
 
 # --------------------------------------------------------------------------- errors
@@ -198,6 +202,7 @@ class Result:
     metrics: dict[str, Any] = field(default_factory=dict)  # {ttft_ms, total_ms}
     output: Any = None  # only with a grammar (point/box: the Moondream-shaped dict)
     logprobs: Any = None  # only with logprobs=True
+    reasoning: Any = None  # a Moondream reasoning query: {text, token_ids, grounding}
     id: str = ""
 
     @classmethod
@@ -211,6 +216,7 @@ class Result:
             metrics=dict(msg.get("metrics") or {}),
             output=msg.get("output"),
             logprobs=msg.get("logprobs"),
+            reasoning=msg.get("reasoning"),
         )
 
 
@@ -227,7 +233,7 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-def _generate_msg(
+def generate_message(
     stream: bool,
     prompt: str | None = None,
     /,
@@ -241,7 +247,8 @@ def _generate_msg(
     unknown = sorted(set(options) - GENERATE_OPTIONS)
     if unknown:
         raise TypeError(f"unknown generate option(s): {', '.join(unknown)}; known: {', '.join(sorted(GENERATE_OPTIONS))}")
-    form = prompt_field({"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids})
+    form = prompt_field({"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids,
+                         "skill": options.get("skill")})
     rid = _new_id() if request_id is None else request_id
     if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_ID_CHARS:
         raise ValueError(f"request_id must be a string of 1 to {MAX_ID_CHARS} characters")
@@ -250,7 +257,7 @@ def _generate_msg(
         msg["prompt"] = prompt
     elif form == "messages":
         msg["messages"] = [dict(m) for m in messages]  # type: ignore[union-attr]
-    else:
+    elif form == "prompt_token_ids":
         msg["prompt_token_ids"] = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
     msg["stream"] = stream
     for k, v in options.items():
@@ -277,10 +284,20 @@ def image_bytes(image: Any) -> bytes:
     raise TypeError(f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
 
 
-def _skill_msg(skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-    """The generate options of a skill (``frontend.skills``), overridden by the caller's ``options``;
-    the image goes before the prompt's text (the protocol's rule for messages without image parts)."""
+def _skill_msg(skill: str, image: Any, options: dict[str, Any], family: str | None, **args: Any) -> dict[str, Any]:
+    """The generate options of a skill, overridden by the caller's ``options``. A Moondream model
+    renders its own skills (``skill`` and its fields); else ``frontend.skills``'s prompt, where the
+    image goes before the text (the protocol's rule for messages without image parts)."""
+    if family == "moondream":
+        own = {"length": args.get("length"), "question": args.get("question"), "object": args.get("obj"),
+               "max_objects": args.get("max_objects") if skill in ("point", "detect") else None}
+        return {**skills_native(skill, own), **options, "images": [] if image is None else [image]}
     return {**skill_request(skill, **args), **options, "images": [image]}
+
+
+def _skill_result(skill: str, r: "Result") -> dict[str, Any]:
+    out = skill_output(skill, r.text, r.output)
+    return {**out, "reasoning": r.reasoning} if r.reasoning is not None else out
 
 
 def _cancel_msg(request_id: str) -> dict[str, Any]:
@@ -515,22 +532,86 @@ class _ClientBase:
         self.curve = curve
         self._demux = _Demux()
         self._closed = False
+        self._family: str | None = None  # the server's model family, asked once by the first skill call
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
     def _open_stream(self, stream: bool, prompt: str | None, timeout: float | None, request: dict) -> Any:
-        return self._stream_type(self, _generate_msg(stream, prompt, **request), self._timeout(timeout))
+        return self._stream_type(self, generate_message(stream, prompt, **request), self._timeout(timeout))
+
+    # -- API, written once: on AsyncClient every method but stream() returns a coroutine
+    # (the transport's _finish, _send, _query and _then are coroutine functions there).
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
+        """Run one request to completion (``stream: false``); returns its :class:`Result`.
+
+        Exactly one of ``prompt``, ``messages=`` (a list of ``{"role", "content"}``)
+        or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
+        ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
+        max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+        ignore_eos, logprobs, grammar, images (paths, bytes or PIL images, placed by
+        ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
+        server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
+        top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
+        server ``error``.
+        """
+        return self._finish(self._open_stream(False, prompt, timeout, request))
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Any:
         """A streamed request: iterate the returned stream (``for``, or ``async for`` with
         :class:`AsyncClient`) for its :class:`Chunk` s; after the loop, ``stream.result``
-        is the final :class:`Result`.  Arguments as :meth:`Client.generate`.
+        is the final :class:`Result`.  Arguments as :meth:`generate`.
 
         :class:`Client` sends the request now; :class:`AsyncClient` (not a coroutine
         here) when the iteration, or ``async with``, starts.
         """
         return self._open_stream(True, prompt, timeout, request)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the server to end a request (its call then returns ``finish_reason="cancelled"``).
+
+        Fire-and-forget: the server sends no reply, and ignores unknown ids.
+        """
+        return self._send(_cancel_msg(request_id))
+
+    def ping(self, timeout: float | None = None) -> float:
+        """Round trip to the server; returns the round-trip time in seconds."""
+        return self._query(_ping(), timeout)
+
+    def info(self, timeout: float | None = None) -> dict[str, Any]:
+        """The server's ``info``: protocol, model, max_batch, max_model_len, pipeline, device."""
+        return self._query(_info(), timeout)
+
+    # -- skills on an image (a path, bytes or a PIL image); prompts and defaults: frontend/skills.py.
+    # Keyword options override the skill's defaults (max_tokens, temperature, ...).
+
+    def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
+        """``{"caption": str}``; ``length``: short, normal or long."""
+        return self._skill("caption", image, kw, length=length)
+
+    def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
+        """``{"answer": str}``."""
+        return self._skill("query", image, kw, question=question)
+
+    def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+        """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
+        return self._skill("point", image, kw, obj=object, max_objects=max_objects)
+
+    def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+        """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
+        return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
+
+    def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
+        """A Moondream server renders its own skills: the server's family is asked once, by the first call."""
+        def send(family: str) -> Any:
+            self._family = family
+            return self._then(self.generate(**_skill_msg(skill, image, options, family, **args)),
+                              lambda r: _skill_result(skill, r))
+
+        if self._family is not None:
+            return send(self._family)
+        return self._then(self.info(), lambda info: send(info.get("family", "")))
 
     @property
     def closed(self) -> bool:
@@ -702,22 +783,8 @@ class Client(_ClientBase):
             self._demux.remove_query(query, q)
         return query.answer(reply)
 
-    # -- API
-
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
-        """Run one request to completion (``stream: false``); returns its :class:`Result`.
-
-        Exactly one of ``prompt``, ``messages=`` (a list of ``{"role", "content"}``)
-        or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
-        ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
-        max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, logprobs, grammar, images (paths, bytes or PIL images, placed by
-        ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
-        server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
-        top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
-        server ``error``.
-        """
-        s = self._open_stream(False, prompt, timeout, request)
+    def _finish(self, s: Stream) -> Result:
+        """Read a ``stream: false`` call to its end."""
         try:
             for _ in s:  # a server may still send chunks; they are not needed
                 pass
@@ -726,43 +793,9 @@ class Client(_ClientBase):
         assert s.result is not None
         return s.result
 
-    def cancel(self, request_id: str) -> None:
-        """Ask the server to end a request (its call then returns ``finish_reason="cancelled"``).
-
-        Fire-and-forget: the server sends no reply, and ignores unknown ids.
-        """
-        self._send(_cancel_msg(request_id))
-
-    def ping(self, timeout: float | None = None) -> float:
-        """Round trip to the server; returns the round-trip time in seconds."""
-        return self._query(_ping(), timeout)
-
-    def info(self, timeout: float | None = None) -> dict[str, Any]:
-        """The server's ``info``: protocol, model, max_batch, max_model_len, pipeline, device."""
-        return self._query(_info(), timeout)
-
-    # -- skills on an image (a path, bytes or a PIL image); prompts and defaults: frontend/skills.py.
-    # Keyword options override the skill's defaults (max_tokens, temperature, ...).
-
-    def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
-        """``{"caption": str}``; ``length``: short, normal or long."""
-        return self._skill("caption", image, kw, length=length)
-
-    def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
-        """``{"answer": str}``."""
-        return self._skill("query", image, kw, question=question)
-
-    def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
-        return self._skill("point", image, kw, obj=object, max_objects=max_objects)
-
-    def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
-        return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
-
-    def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        r = self.generate(**_skill_msg(skill, image, options, **args))
-        return skill_output(skill, r.text, r.output)
+    @staticmethod
+    def _then(value: Any, f) -> Any:
+        return f(value)
 
     def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""
@@ -852,6 +885,7 @@ class AsyncStream(_StreamBase):
 class AsyncClient(_ClientBase):
     """asyncio client (``zmq.asyncio``); use it from one event loop.
 
+    The API is :class:`Client`'s, each method a coroutine (``stream()`` excepted).
     The socket is opened on first use; a reader task routes replies by id, so
     any number of coroutines may run requests concurrently.
     """
@@ -905,11 +939,8 @@ class AsyncClient(_ClientBase):
             self._demux.remove_query(query, q)
         return query.answer(reply)
 
-    # -- API: as Client's, as coroutines (stream() is not one: see _ClientBase.stream)
-
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Result:
-        """As :meth:`Client.generate`."""
-        s = self._open_stream(False, prompt, timeout, request)
+    async def _finish(self, s: AsyncStream) -> Result:
+        """Read a ``stream: false`` call to its end."""
         try:
             async for _ in s:
                 pass
@@ -918,37 +949,10 @@ class AsyncClient(_ClientBase):
         assert s.result is not None
         return s.result
 
-    async def cancel(self, request_id: str) -> None:
-        """As :meth:`Client.cancel`."""
-        await self._send(_cancel_msg(request_id))
-
-    async def ping(self, timeout: float | None = None) -> float:
-        """As :meth:`Client.ping`."""
-        return await self._query(_ping(), timeout)
-
-    async def info(self, timeout: float | None = None) -> dict[str, Any]:
-        """As :meth:`Client.info`."""
-        return await self._query(_info(), timeout)
-
-    async def caption(self, image: Any, length: str = "normal", **kw: Any) -> dict[str, str]:
-        """As :meth:`Client.caption`."""
-        return await self._skill("caption", image, kw, length=length)
-
-    async def query(self, image: Any, question: str, **kw: Any) -> dict[str, str]:
-        """As :meth:`Client.query`."""
-        return await self._skill("query", image, kw, question=question)
-
-    async def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """As :meth:`Client.point`."""
-        return await self._skill("point", image, kw, obj=object, max_objects=max_objects)
-
-    async def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
-        """As :meth:`Client.detect`."""
-        return await self._skill("detect", image, kw, obj=object, max_objects=max_objects)
-
-    async def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        r = await self.generate(**_skill_msg(skill, image, options, **args))
-        return skill_output(skill, r.text, r.output)
+    @staticmethod
+    async def _then(value: Any, f) -> Any:
+        out = f(await value)
+        return await out if inspect.isawaitable(out) else out  # f may chain another call (a coroutine here)
 
     async def close(self) -> None:
         """Close the connection; calls still waiting raise :class:`ConnectionClosed`."""

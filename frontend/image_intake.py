@@ -22,9 +22,11 @@ request is sent, ``cancel`` with the request, ``close`` with the service.
 A cancel at any of these phases ends the request at once (one still queued in
 the pool never runs; a result that arrives for an ended request is dropped).
 
-A second vision family plugs in here with its own ``PreparedImage`` producer
-(``images.prepare_images``' counterpart, run by the pool) and prompt renderer;
-the slots, the pool and the hand-over are the same.
+A vision family plugs in here with an ``IntakeFamily`` (``intake_family``): the
+function the pool runs (Idefics3: ``images.prepare_images``; Moondream:
+``moondream_images.prepare_images``), its tiles' geometry and how many prompt
+positions an image fills; the caller brings the renderer. The slots, the
+pool's processes, the checks and the hand-over are the same.
 """
 from __future__ import annotations
 
@@ -34,19 +36,45 @@ from collections import deque
 from concurrent.futures import CancelledError, Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
+from shared.arith import ceil_div
 from shared.messages import SubmitImage
+from shared.models import ModelInfo
 from shared.shm.images import ImageSlotWriter
 from shared.vision_config import ImageProcessorParams
 
+from . import moondream_images
 from .image_pool import ImagePool
-from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image
+from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image, prepare_images
+from .moondream_skills import PREFIX_LEN
 
 log = logging.getLogger("tandem.frontend")
 
 Render = Callable[[list[PreparedImage]], list[int]]
+
+
+@dataclass(frozen=True)
+class IntakeFamily:
+    """What is a vision family's own on the frontend side."""
+    prepare: Callable[[list[bytes], Any], list[PreparedImage]]  # what the pool runs (module-level: pickled)
+    params: ImageProcessorParams | None  # prepare's second argument
+    max_tiles: int  # tiles of the largest image (the default slot count has room for a request of them)
+    tile_side: int
+    image_tokens: Callable[[list[int], list[PreparedImage]], int]  # rendered prompt ids -> positions filled
+    tiling: bool = False  # the worker needs each image's tiling (Moondream encodes its crops together)
+
+
+def intake_family(model: ModelInfo) -> IntakeFamily | None:
+    """The model's vision family on the frontend side; None for a text-only model."""
+    if model.family == "idefics3":
+        params = ImageProcessorParams.from_model_dir(model.path)
+        return IntakeFamily(prepare_images, params, max_tiles_per_image(params), params.tile_size,
+                            lambda ids, images: ids.count(params.image_token_id))  # one feature row each
+    if model.family == "moondream":  # the BOS + image block of each image
+        return IntakeFamily(moondream_images.prepare_images, None, 1 + moondream_images.MAX_CROPS,
+                            moondream_images.CROP_SIZE, lambda ids, images: PREFIX_LEN * len(images), tiling=True)
+    return None
 
 
 @dataclass(eq=False)
@@ -67,21 +95,22 @@ class RequestImages:
 
 
 class ImageIntake:
-    def __init__(self, model_path: str | Path, image_slots: int | None, image_slot_tiles: int,
+    def __init__(self, family: IntakeFamily, image_slots: int | None, image_slot_tiles: int,
                  image_workers: int | None) -> None:
-        self.params = ImageProcessorParams.from_model_dir(model_path)
+        self.family = family
+        self.params = family.params
         self.slot_tiles = max(1, image_slot_tiles)
         # None: room for one request of the largest images
         self.slots = image_slots if image_slots is not None else (
-            MAX_IMAGES * -(-max_tiles_per_image(self.params) // self.slot_tiles))
-        self.pool = ImagePool(self.params, image_workers)
+            MAX_IMAGES * ceil_div(family.max_tiles, self.slot_tiles))
+        self.pool = ImagePool(family.params, image_workers, family.prepare)
         self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     @property
     def region(self) -> tuple[int, int, int]:
         """(slots, tiles per slot, tile side) of the arena's image region."""
-        return self.slots, self.slot_tiles, self.params.tile_size
+        return self.slots, self.slot_tiles, self.family.tile_side
 
     def fds(self) -> list[int]:
         return [self._fd]
@@ -148,7 +177,7 @@ class ImageIntake:
         if need > slots.capacity:
             return ("bad_request", f"images: {sum(images.tile_counts)} tiles need {need} image slots; the server "
                                    f"has {slots.capacity} (--image-slots)")
-        images.tokens = sum(images.tile_counts) * self.params.image_seq_len
+        images.tokens = self.family.image_tokens(req.prompt_ids, result)
         return None
 
     # ------------------------------------------------------------------ 3. hand-over
@@ -160,7 +189,8 @@ class ImageIntake:
         """Write the request's tiles into free slots (``fits`` said they are free); the tiles are
         dropped here, the slots come back with the worker's ``ImagesCopied``."""
         images = req.images
-        out = [SubmitImage(hash=im.hash, num_tiles=im.num_tiles, slots=slots.write(im.tiles))
+        out = [SubmitImage(hash=im.hash, num_tiles=im.num_tiles, slots=slots.write(im.tiles),
+                           tiling=[im.rows, im.cols] if self.family.tiling else None)
                for im in images.prepared]
         images.prepared = None
         return out

@@ -8,7 +8,7 @@ hash) and sends back the ``PreparedImage`` list (uint8 tiles) or the
 
 Why processes at nice 19, not threads (measured, BENCHMARKS.md "Text streams
 while large images arrive"): pool threads share the frontend's GIL with the
-commit loop, and a pool thread at low priority that holds the GIL when the
+service loop, and a pool thread at low priority that holds the GIL when the
 scheduler preempts it stalls the loop until it runs again (a 1.1 s stall was
 measured on a busy two-core machine); at normal priority they take the cores
 from the worker. Children at nice 19 yield the CPU to the worker and the
@@ -43,7 +43,7 @@ PREPARE_NICENESS = 19  # the lowest priority a normal user may set (and set back
 
 
 def default_workers() -> int:
-    """The cores this process may use, less two (the commit loop and the worker's host thread); 1 to 4."""
+    """The cores this process may use, less two (the service loop and the worker's host thread); 1 to 4."""
     return max(1, min(4, len(os.sched_getaffinity(0)) - 2))
 
 
@@ -57,10 +57,12 @@ def _start_child() -> None:
 
 
 class ImagePool:
-    def __init__(self, params: ImageProcessorParams, workers: int | None = None) -> None:
+    def __init__(self, params: ImageProcessorParams | None, workers: int | None = None, prepare=prepare_images) -> None:
+        """``prepare(images, params)``: the model family's preparation (a module-level function)."""
         if workers is not None and workers < 1:
             raise ValueError(f"image workers must be >= 1, got {workers}")
         self.params = params
+        self.prepare = prepare
         self.workers = workers or default_workers()
         self._executor = self._start()
 
@@ -72,7 +74,7 @@ class ImagePool:
         # Start every child now (each submit to a pool without an idle child starts one), so that they
         # import Pillow and numpy while the worker loads, not beside the first images.
         for _ in range(self.workers):
-            executor.submit(prepare_images, [], self.params)
+            executor.submit(self.prepare, [], self.params)
         return executor
 
     def submit(self, images: list[bytes], on_done: Callable[[object], None]) -> Future:
@@ -80,11 +82,11 @@ class ImagePool:
         (``ValueError`` for bad input, ``CancelledError`` if cancelled before it started,
         ``BrokenProcessPool`` if its child died), exactly once, on a pool thread or the cancelling thread."""
         try:
-            future = self._executor.submit(prepare_images, images, self.params)
+            future = self._executor.submit(self.prepare, images, self.params)
         except BrokenProcessPool:  # a child died earlier: its requests have failed; start afresh
             self._executor.shutdown(wait=True)
             self._executor = self._start()
-            future = self._executor.submit(prepare_images, images, self.params)
+            future = self._executor.submit(self.prepare, images, self.params)
         future.add_done_callback(lambda f: on_done(_outcome(f)))
         return future
 

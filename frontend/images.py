@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from shared.arith import ceil_div
 from shared.vision_config import ImageProcessorParams
 
 from .protocol import MAX_IMAGE_BYTES, MAX_IMAGE_SIDE, MAX_IMAGES  # noqa: F401 - the contract's limits
@@ -112,11 +113,11 @@ def _png_raw_size(width: int, height: int, depth: int, color_type: int, interlac
     bits = _PNG_CHANNELS.get(color_type, 4) * depth
 
     def scanlines(w: int, h: int) -> int:
-        return 0 if w == 0 or h == 0 else h * (1 + -(-w * bits // 8))
+        return 0 if w == 0 or h == 0 else h * (1 + ceil_div(w * bits, 8))
 
     if not interlaced:
         return scanlines(width, height)
-    return sum(scanlines(-(-(width - x0) // dx), -(-(height - y0) // dy)) for x0, y0, dx, dy in _ADAM7)
+    return sum(scanlines(ceil_div(width - x0, dx), ceil_div(height - y0, dy)) for x0, y0, dx, dy in _ADAM7)
 
 
 def _check_png_complete(data: bytes, width: int, height: int) -> None:
@@ -228,7 +229,7 @@ def max_tiles_per_image(params: ImageProcessorParams) -> int:
     """The most tiles one image can become (its grid plus the global view)."""
     if not params.do_image_splitting:
         return 1
-    side = -(-min(params.longest_edge, MAX_RESIZED_SIDE) // params.tile_size)
+    side = ceil_div(min(params.longest_edge, MAX_RESIZED_SIDE), params.tile_size)
     return side * side + (1 if side > 1 else 0)
 
 

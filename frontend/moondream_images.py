@@ -15,10 +15,13 @@ worker), which normalises them on the device in bfloat16 as the reference does
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
 from PIL import Image
+
+from .images import PreparedImage, check_image_count, decode_image
 
 CROP_SIZE = 378
 PATCH_SIZE = 14
@@ -65,3 +68,18 @@ def overlap_crops(image: Image.Image | np.ndarray) -> tuple[np.ndarray, tuple[in
             part = resized[i * WINDOW_PX:i * WINDOW_PX + CROP_SIZE, j * WINDOW_PX:j * WINDOW_PX + CROP_SIZE]
             crops[1 + i * t_w + j, :part.shape[0], :part.shape[1]] = part
     return np.ascontiguousarray(crops.transpose(0, 3, 1, 2)), (t_h, t_w)
+
+
+def prepare_images(images: list[bytes], params=None) -> list[PreparedImage]:
+    """Encoded bytes -> validated images as their crops (``rows``, ``cols`` = the tiling); the image
+    pool's work for a Moondream model (``params`` is unused: the crop geometry is fixed)."""
+    check_image_count(len(images))
+    out = []
+    for i, data in enumerate(images):
+        try:
+            crops, (t_h, t_w) = overlap_crops(decode_image(data))
+        except ValueError as e:
+            raise ValueError(f"images[{i}]: {e}") from None
+        digest = hashlib.blake2b(b"moondream-overlap-crops:" + bytes(data), digest_size=16).hexdigest()
+        out.append(PreparedImage(tiles=crops, rows=t_h, cols=t_w, hash=digest))
+    return out

@@ -29,8 +29,8 @@ GROUPS = ("Request", "Sampling", "Output", "Engine", "Server", "Connection", "Ot
 
 # The options that configure the in-process engine (the worker that `generate` and `serve` start),
 # by their parameter names.
-ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len", "kv_pages",
-                  "kv_memory_fraction", "lora", "max_loras", "lora_kernel"]
+ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len",
+                  "prefill_budget", "kv_pages", "kv_memory_fraction", "lora", "max_loras", "lora_kernel"]
 
 
 class GroupedOption(click.Option):
@@ -89,6 +89,7 @@ def engine_options(fn: Callable) -> Callable:
           for flag, field in no.items()),
         engine_option("--max-batch", "max_batch"),
         engine_option("--max-model-len", "max_model_len"),
+        engine_option("--prefill-budget", "prefill_budget", type=click.IntRange(min=1)),
         engine_option("--kv-pages", "kv_pages", type=int),
         engine_option("--kv-memory-fraction", "kv_memory_fraction"),
         option("Engine", "--lora", multiple=True, metavar="NAME=DIR", help=config_field("loras").metadata["help"]),

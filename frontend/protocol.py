@@ -93,11 +93,13 @@ MAX_IMAGES = 8  # per request
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one encoded image file
 MAX_IMAGE_SIDE = 8192  # width * height must not exceed MAX_IMAGE_SIDE ** 2
 
-PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per generate
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "skill")  # exactly one per generate
+# A skill's own fields (Moondream's skills; the server validates their values).
+SKILL_FIELDS = ("length", "question", "reasoning", "spatial_refs", "object", "max_objects")
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
 MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
 _GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS,
-                              *MODEL_FIELDS})
+                              *MODEL_FIELDS, *SKILL_FIELDS})
 _PART_TYPES = ("text", "image")  # the parts of a message's content given as a list
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 
@@ -161,6 +163,8 @@ class GenerateRequest:
     grammar: dict[str, Any] | None = None
     images: tuple[bytes, ...] = ()  # encoded image files, placed by <image> / image parts (not yet decoded)
     adapter: str | None = None  # a LoRA adapter the server was started with; None = the base model
+    skill: dict[str, Any] | None = None  # {"skill": name, and its own fields as given}
+    explicit: frozenset = frozenset()  # the sampling fields the message gave (a skill has its own defaults)
 
     def sampling_params(self) -> SamplingParams:
         return self.sampling
@@ -447,8 +451,16 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     images = _parse_images(ctx, msg.get("images"), prompt)
     adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
     sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
+    given = [f for f in SKILL_FIELDS if f in msg]
+    if "skill" in prompt:
+        if grammar is not None or stop:
+            raise ctx.bad("grammar and stop cannot be combined with a skill (it has its own)")
+        prompt["skill"] = {"skill": prompt["skill"], **{f: msg[f] for f in given}}
+    elif given:
+        raise ctx.bad(f"{given[0]} is a skill field: send it with skill")
     return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream, logprobs=logprobs,
-                           grammar=grammar, images=images, adapter=adapter)
+                           grammar=grammar, images=images, adapter=adapter,
+                           explicit=frozenset(f for f in SAMPLING_FIELD_NAMES if msg.get(f) is not None))
 
 
 def _parse_cancel(ctx: _Ctx, msg: dict, limits: Limits) -> CancelRequest:
@@ -484,8 +496,15 @@ def _parse_prompt(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
         name = prompt_field(msg)
     except ValueError as e:
         raise ctx.bad(str(e)) from None
-    parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids}[name]
+    parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids,
+             "skill": _parse_skill}[name]
     return {name: parse(ctx, msg[name], limits)}
+
+
+def _parse_skill(ctx: _Ctx, v: object, limits: Limits) -> str:
+    if not isinstance(v, str) or not v:
+        raise ctx.bad(f"skill must be a skill's name (a string), got {_tname(v)}")
+    return v
 
 
 def _parse_text(ctx: _Ctx, v: object, limits: Limits) -> str:
@@ -592,7 +611,10 @@ def _parse_images(ctx: _Ctx, v: object, prompt: dict[str, Any]) -> tuple[bytes, 
         if len(data) > MAX_IMAGE_BYTES:
             raise ctx.bad(f"images[{i}]: image is {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES} "
                           "(20 MiB)")
-    if "prompt" in prompt:
+    if "skill" in prompt:
+        if len(v) > 1:
+            raise ctx.bad(f"images: a skill takes one image, got {len(v)}")
+    elif "prompt" in prompt:
         marks = prompt["prompt"].count("<image>")
         if marks != len(v):
             raise ctx.bad(f"images: the prompt has {marks} <image> placeholders but {len(v)} images were sent")
@@ -713,8 +735,9 @@ def encode_done(
     metrics: Mapping[str, Any],
     output: Any = None,
     logprobs: Any = None,
+    reasoning: Any = None,
 ) -> list[bytes]:
-    """``output`` / ``logprobs`` are omitted from the message when None."""
+    """``output`` / ``logprobs`` / ``reasoning`` are omitted from the message when None."""
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
     msg: dict[str, Any] = {
@@ -730,6 +753,8 @@ def encode_done(
         msg["output"] = output
     if logprobs is not None:
         msg["logprobs"] = logprobs
+    if reasoning is not None:
+        msg["reasoning"] = reasoning
     try:
         return _frames(msg)
     except (OverflowError, UnicodeEncodeError):  # only a parsed output can hold such values

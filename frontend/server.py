@@ -1,8 +1,8 @@
 """The ZeroMQ server: PROTOCOL.md over a ROUTER socket, in front of a ``Service``.
 
 One thread runs one loop: it polls the client socket and the worker's fds
-(token-ring eventfd, control socket), validates and admits requests, lets the
-service commit tokens, and sends chunks, done and errors back.
+(token-ring eventfd, control socket), validates and submits requests, lets the
+service deliver tokens, and sends chunks, done and errors back.
 
 - ``ROUTER_MANDATORY`` is on: a message to a peer that is gone or cannot take
   more raises instead of being dropped silently; that peer's requests are
@@ -16,7 +16,8 @@ service commit tokens, and sends chunks, done and errors back.
 - Every request gets exactly one terminal message, also on shutdown.
 - Besides its ``bind`` endpoint the socket listens on ``inproc_endpoint``, for
   clients in this process (the HTTP frontend): the same request table,
-  validation and limits for every client.
+  validation and limits for every client. ``Gate`` is the one way a
+  generate enters the service, also for ``tandem generate`` without ``--connect``.
 - ``metrics`` (``frontend/metrics.py``) counts every request's end.
 - Stopping drains first (``drain_timeout_s``): new requests are refused with
   ``overloaded``, those in flight may finish until the deadline; what is left
@@ -29,7 +30,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -38,12 +39,12 @@ from .client import DEFAULT_ENDPOINT
 from .connections import Connections
 from .curve import CurveServer
 from .grammars import GrammarCompiler, GrammarError
+from .images import image_prompt_ids
 from .metrics import Metrics
 from .options import MAX_QUEUE
 from .outbox import Outbox, Sent
 from .service import Request, Service
 from .systemd import Notifier
-from .images import image_prompt_ids
 from .tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
 log = logging.getLogger("tandem.server")
@@ -52,6 +53,87 @@ log = logging.getLogger("tandem.server")
 INFO_STATS = ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total", "waiting", "running", "steps",
               "zombie_rows", "host_s", "device_idle_fraction", "bubble_idle_s", "bubble_busy_s",
               "committed_tokens", "prefill_tokens", "prefix_hit_tokens", "prefix_query_tokens")
+
+
+class Gate:
+    """The one path from a client's ``generate`` into ``Service``: this server's (and through it
+    the HTTP frontend's) and ``tandem generate``'s without ``--connect``, so the same input gets
+    the same answer everywhere. ``parse`` validates the message (``protocol.py``); ``submit``
+    renders the prompt (text, chat messages or token ids; with images, once the image pool knows
+    their tiling), compiles the grammar, checks what needs the model (an empty prompt, the
+    context length, images on a text model) and submits. Bad input raises ``ProtocolError``
+    (``bad_request``, ``too_long``) naming the field; nothing has been submitted then."""
+
+    def __init__(self, service: Service, limits: P.Limits | None = None) -> None:
+        self.service = service
+        self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
+        # a prompt needs one token less than the context: at least one is generated
+        self.limits = limits or P.Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
+        self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
+
+    def parse(self, frames: Sequence[bytes]) -> P.ClientMessage:
+        """A client message, validated (``ProtocolError`` otherwise)."""
+        return P.parse_client_message(frames, self.limits)
+
+    def submit(self, msg: P.GenerateRequest, on_event: Callable[[Request, str, dict], None] | None = None,
+               user_data: Any = None) -> Request:
+        """Render, check and submit one request; its events go to ``on_event``."""
+        service = self.service
+        if msg.images and not service.model.vision:
+            raise P.ProtocolError("bad_request", "images: this model takes no images (it has no vision encoder)",
+                                  msg.id)
+        if msg.skill is not None:
+            return self._submit_skill(msg, on_event, user_data)
+        if msg.images and service.model.family == "moondream":
+            raise P.ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
+                                  "(skill: caption, query, point or detect)", msg.id)
+        try:
+            ids = self._prompt_ids(msg) if not msg.images else None
+            constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
+        except GrammarError as e:
+            raise P.ProtocolError("bad_request", f"grammar: {e}", msg.id) from None
+        except ValueError as e:
+            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+        if ids is not None and not ids:
+            raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
+        if ids is not None and len(ids) >= self.max_model_len:
+            raise P.ProtocolError("too_long", f"the prompt has {len(ids)} tokens; the context holds "
+                                  f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
+        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=on_event,
+                  user_data=user_data, adapter=msg.adapter)
+        try:
+            if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
+                return service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling_params(),
+                                             **kw)
+            return service.submit(ids, msg.sampling_params(), **kw)
+        except ValueError as e:
+            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+
+    def _submit_skill(self, msg: P.GenerateRequest, on_event, user_data) -> Request:
+        """A skill request: the model renders its own prompt (Moondream: its token templates); the
+        sampling fields the client set override the skill's defaults."""
+        s = msg.sampling
+        pick = lambda name: getattr(s, name) if name in msg.explicit else None  # noqa: E731
+        try:
+            return self.service.submit_skill(msg.skill, list(msg.images), max_tokens=pick("max_tokens"),
+                                             temperature=pick("temperature"), top_p=pick("top_p"), seed=pick("seed"),
+                                             on_event=on_event, user_data=user_data)
+        except ValueError as e:
+            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+
+    def _prompt_ids(self, msg: P.GenerateRequest) -> list[int]:
+        tok = self.service.tokenizer
+        if msg.prompt_token_ids is not None:
+            return list(msg.prompt_token_ids)
+        if msg.messages is not None:
+            return chat_prompt_ids(tok, msg.messages)
+        return text_prompt_ids(tok, msg.prompt)
+
+    def _image_renderer(self, msg: P.GenerateRequest) -> Callable:
+        tok, params = self.service.tokenizer, self.service.image_params
+        if msg.messages is not None:
+            return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params)
+        return lambda images: image_prompt_ids(tok, msg.prompt, images, params)
 
 
 @dataclass
@@ -71,11 +153,9 @@ class Server:
         self.service = service
         self.max_queue = max_queue
         self.drain_timeout_s = drain_timeout_s
-        self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
-        # a prompt needs one token less than the context: at least one is generated
-        self.limits = limits or P.Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
+        self.gate = Gate(service, limits)  # validation, prompt rendering, grammars: one path
+        self.limits = self.gate.limits
         self.notifier = notifier or Notifier()
-        self.grammars = grammar_compiler(service)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -182,7 +262,7 @@ class Server:
             self._clients_gone(self.connections.message_from(identity, frames[-1]))
             msg = None
             try:
-                msg = P.parse_client_message(body, self.limits)
+                msg = self.gate.parse(body)
                 self._handle(identity, msg)
             except P.ProtocolError as e:
                 self.metrics.error(e.code)
@@ -202,7 +282,8 @@ class Server:
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
-                     "grammar_cache_hits": self.grammars.cache_hits, "adapters": list(self.service.adapters),
+                     "grammar_cache_hits": self.gate.grammars.cache_hits,
+                     "adapters": list(self.service.adapters),
                      "vision": self.service.model.vision, "family": self.service.model.family}
             try:
                 stats = self.service.stats(timeout=2.0)
@@ -215,7 +296,7 @@ class Server:
                 pass  # a busy or restarting worker: answer without the engine figures
             self._send(identity, P.encode_info(
                 model=self.service.config.model, max_batch=info.get("max_batch", 0),
-                max_model_len=self.max_model_len, pipeline=bool(info.get("pipeline")),
+                max_model_len=self.gate.max_model_len, pipeline=bool(info.get("pipeline")),
                 device=str(info.get("device")), **extra), keep=False)
         elif isinstance(msg, P.CancelRequest):
             req = self.live.get((identity, msg.id))
@@ -234,48 +315,9 @@ class Server:
                                   msg.id)
         if len(self.live) >= self.max_queue:
             raise P.ProtocolError("overloaded", f"{len(self.live)} requests in flight; retry later", msg.id)
-        if msg.images and self.service.image_params is None:
-            raise P.ProtocolError("bad_request", "images: this model takes no images (it has no vision encoder)",
-                                  msg.id)
-        try:
-            ids = self._prompt_ids(msg) if not msg.images else None
-            constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
-        except GrammarError as e:
-            raise P.ProtocolError("bad_request", f"grammar: {e}", msg.id) from None
-        except ValueError as e:
-            raise P.ProtocolError("bad_request", str(e), msg.id) from None
-        if ids is not None and not ids:
-            raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
-        if ids is not None and len(ids) >= self.max_model_len:
-            raise P.ProtocolError("too_long", f"the prompt has {len(ids)} tokens; the context holds "
-                                  f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
-        state = ClientRequest(identity, msg.id, msg.stream)
-        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=self._on_event,
-                  user_data=state, adapter=msg.adapter)
-        try:
-            if msg.images:  # decoded off this loop; the prompt is rendered once their tiling is known
-                req = self.service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling_params(),
-                                                 **kw)
-            else:
-                req = self.service.submit(ids, msg.sampling_params(), **kw)
-        except ValueError as e:
-            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+        req = self.gate.submit(msg, self._on_event, ClientRequest(identity, msg.id, msg.stream))
         if not req.ended:
             self.live[key] = req
-
-    def _prompt_ids(self, msg: P.GenerateRequest) -> list[int]:
-        tok = self.service.tokenizer
-        if msg.prompt_token_ids is not None:
-            return list(msg.prompt_token_ids)
-        if msg.messages is not None:
-            return chat_prompt_ids(tok, msg.messages)
-        return text_prompt_ids(tok, msg.prompt)
-
-    def _image_renderer(self, msg: P.GenerateRequest):
-        tok, params = self.service.tokenizer, self.service.image_params
-        if msg.messages is not None:
-            return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params)
-        return lambda images: image_prompt_ids(tok, msg.prompt, images, params)
 
     # ------------------------------------------------------------------ service events
     def _on_event(self, req: Request, kind: str, payload: dict[str, Any]) -> None:
@@ -300,7 +342,7 @@ class Server:
             try:
                 frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                        payload["usage"], payload["metrics"], payload.get("output"),
-                                       payload.get("logprobs"))
+                                       payload.get("logprobs"), payload.get("reasoning"))
             except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
                 log.exception("cannot encode the answer of request %r", state.id)
                 frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")
@@ -325,11 +367,6 @@ class Server:
         for (ident, _rid), req in list(self.live.items()):
             if ident in gone:
                 self.service.cancel(req)
-
-
-def grammar_compiler(service: Service) -> GrammarCompiler:
-    """Compiles grammar specs (protocol maps) into constraints for ``service.submit``."""
-    return GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
 
 
 def install_signal_handlers(server: Server) -> None:

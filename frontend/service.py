@@ -1,4 +1,4 @@
-"""The frontend's commit side: requests in, worker tokens out, text to clients.
+"""The frontend's delivery side: requests in, worker tokens out, text to clients.
 
 ``Service`` owns one GPU worker (``WorkerHandle``) and every live request. It
 reads the token ring in order and, per row, does the work the worker must not:
@@ -44,14 +44,16 @@ import numpy as np
 from shared.config import EngineConfig
 from shared.finish import FinishReason
 from shared.lora_config import read_adapters
-from shared.messages import Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit
+from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
+                             SubmitSkill)
 from shared.models import ModelInfo, load_tokenizer
 from shared.sampling import SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
+from . import moondream_skills
 from .detokenizer import IncrementalDetokenizer
-from .image_intake import ImageIntake, Render, RequestImages
+from .image_intake import ImageIntake, Render, RequestImages, intake_family
 from .worker_handle import WorkerFailed, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
@@ -106,6 +108,8 @@ class Request:
     t_first: float | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
     t_end: float | None = None
+    skill: moondream_skills.Plan | None = None  # a Moondream skill request
+    values: list = field(default_factory=list)  # its tokens' region values (coord, w, h), from the ring
 
 
 class Service:
@@ -125,10 +129,10 @@ class Service:
         self.free_mask_rows = list(range(cfg.max_batch - 1, -1, -1))
         self._next_seq = 1
         self._stats: dict | None = None
-        # Idefics3's image intake; a Moondream model's images come with its skill requests (not yet served here).
-        self.images = (ImageIntake(self.model_path, cfg.image_slots, cfg.image_slot_tiles, cfg.image_workers)
-                       if self.model.family == "idefics3" else None)
-        self.image_params = self.images.params if self.images else None
+        family = intake_family(self.model)  # Idefics3's tiles or Moondream's overlap crops; None: text only
+        self.images = (ImageIntake(family, cfg.image_slots, cfg.image_slot_tiles, cfg.image_workers)
+                       if family is not None else None)
+        self.image_params = self.images.params if self.images else None  # Idefics3's, for its renderers
         self.worker: WorkerHandle | None = None
         self.on_progress = on_progress
         self._start_worker()
@@ -196,7 +200,8 @@ class Service:
                       adapter: str | None = None) -> Request:
         """A request with images, decoded and tiled in the image pool; then
         ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
-        rendered text) runs on the loop thread (the tokenizer is not shared across threads).
+        rendered text) runs on the loop thread (``tokenizer`` is used on that thread only; the HTTP
+        thread decodes with a copy of its own).
         Bad images (or a ``ValueError`` from ``render``) end the request with
         ``bad_request`` naming the field; ``ValueError`` at once for what needs no decoding."""
         if self.images is None:
@@ -205,6 +210,38 @@ class Service:
         req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter)
         req.images = self.images.start(req, images, render)
         return req
+
+    def submit_skill(self, skill: dict, images: list[bytes] = (), *, max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                     on_event=None, user_data=None) -> Request:
+        """A Moondream skill request (``moondream_skills.plan``): the model's own prompt, the task its
+        row runs on the device, and (at ``done``) its answer. ValueError names a bad field."""
+        if self.model.family != "moondream":
+            raise ValueError("skill: this model has no Moondream skills; send a prompt")
+        if len(images) > 1:
+            raise ValueError("images: a skill takes one image")
+        encode = lambda text: [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]  # noqa: E731
+        plan = moondream_skills.plan(skill, encode, bool(images), max_tokens)
+        greedy = plan.phase == moondream_skills.DECIDE  # point / detect
+        params = SamplingParams(
+            max_tokens=plan.max_tokens, seed=seed,
+            temperature=0.0 if greedy else moondream_skills.TEMPERATURE if temperature is None else temperature,
+            top_p=1.0 if greedy else moondream_skills.TOP_P if top_p is None else top_p)
+        if images:
+            prefix = [0] * moondream_skills.PREFIX_LEN
+            req = self.submit_images(list(images), lambda prepared: prefix + plan.prompt_ids, params,
+                                     on_event=on_event, user_data=user_data)
+            req.skill = plan
+            return req
+        req = self._new_request(plan.prompt_ids, params, (), None, False, on_event, user_data, None)
+        req.skill = plan
+        self._ready_to_send(req)
+        return req
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids; ids the tokenizer lacks (a vocabulary larger than it) decode to nothing."""
+        n = len(self.tokenizer)
+        return self.tokenizer.decode([t for t in ids if 0 <= t < n])
 
     def _take_prepared(self) -> None:
         """Loop thread: requests whose images the pool finished go on to the worker."""
@@ -255,7 +292,8 @@ class Service:
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
-                                        mask_row=req.mask_row, adapter=req.adapter, images=images))
+                                        mask_row=req.mask_row, adapter=req.adapter, images=images,
+                                        skill=SubmitSkill(**req.skill.task()) if req.skill else None))
 
     def cancel(self, req: Request) -> None:
         """Client cancel or disconnect: terminal ``done`` (cancelled) now, resources freed in the worker."""
@@ -324,7 +362,7 @@ class Service:
         reader = self.worker.tokens
         try:
             while (entry := reader.poll()) is not None:
-                self._commit(entry)
+                self._deliver(entry)
                 reader.consume(entry.position)
                 n += 1
         except RingCorrupt as e:  # never deliver unvalidated tokens: treat as a failed worker
@@ -363,8 +401,8 @@ class Service:
             if self.unsent:
                 self._send_unsent()
 
-    def _commit(self, entry) -> None:
-        """Frontend commit of one step: every row, in order."""
+    def _deliver(self, entry) -> None:
+        """Deliver one committed step: every row, in order."""
         now = time.perf_counter()
         lps = entry.logprobs
         for i, (seq_id, token, flags) in enumerate(zip(entry.seq_ids.tolist(), entry.token_ids.tolist(),
@@ -376,6 +414,8 @@ class Service:
                 req.t_first = now
                 req.cached_tokens = flags >> CACHED_SHIFT
             req.token_ids.append(token)
+            if req.skill is not None and entry.values is not None:
+                req.values.append(tuple(entry.values[i].tolist()))
             if req.logprobs and lps is not None:
                 req.token_logprobs.append(float(lps[i]))
             if req.constraint is not None and not req.constraint.accept(token):
@@ -423,6 +463,8 @@ class Service:
                              "cached_tokens": req.cached_tokens,
                              **({"image_tokens": req.images.tokens if req.images else 0} if self.images else {})},
                    "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
+        if req.skill is not None:
+            payload |= moondream_skills.answer(req.skill, req.token_ids, req.values, self.decode)
         if req.constraint is not None and reason == FinishReason.STOP:
             try:
                 req.output = req.constraint.output(req.text)

@@ -14,7 +14,9 @@ the same whichever way it is asked for:
 what it leaves out takes the skill's default. The result is a dict of the
 ZeroMQ protocol's ``generate`` fields (``messages``, sampling, ``grammar``);
 the server validates it like any other request. The image, when the model
-takes one, travels beside these fields (see ``frontend/http/images.py``).
+takes one, travels beside these fields as the protocol's ``images``, added by
+the caller (``_image`` in ``frontend/http/moondream.py``, ``_skill_msg`` in
+``frontend/client.py``).
 """
 from __future__ import annotations
 
@@ -89,6 +91,19 @@ def _settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
 def _text(name: str, value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise SkillError(f"{name} must be a non-empty string")
+
+
+def native(skill: str, fields: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The generate fields of a skill for a model with its own skills (Moondream 2): ``skill``
+    and its fields, rendered and validated by the server (``frontend/moondream_skills.py``);
+    Moondream's ``settings`` give the sampling fields and ``max_objects``."""
+    s = _settings(settings)
+    if skill in ("point", "detect") and "max_objects" in s:
+        fields = {**fields, "max_objects": s["max_objects"]}
+    s.pop("max_objects", None)
+    if skill in ("point", "detect"):
+        s.pop("max_tokens", None)  # the objects bound the answer
+    return {"skill": skill, **{k: v for k, v in fields.items() if v is not None}, **s}
 
 
 def skill_request(skill: str, *, length: str = "normal", question: str | None = None, obj: str | None = None,

@@ -15,10 +15,6 @@ class Notifier:
         # Ping at half the watchdog period, as sd_watchdog_enabled() recommends.
         self.watchdog_interval_s = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else None
 
-    @property
-    def enabled(self) -> bool:
-        return self.addr is not None
-
     def notify(self, state: str) -> None:
         if self.addr is None:
             return

@@ -1,4 +1,4 @@
-"""What a running sequence holds: KV pages (``prefix_cache.PagePool``) and a batch row.
+"""What a running sequence holds: KV pages (``page_pool.PagePool``) and a batch row.
 
 Both are handed out at admission and taken back exactly once, when a sequence
 is finalized and no launched step references it any more. Freeing something
@@ -7,7 +7,17 @@ hiding it would corrupt another request's cache.
 """
 from __future__ import annotations
 
-from .prefix_cache import PagePool
+from typing import TYPE_CHECKING
+
+from shared.arith import ceil_div
+
+from .page_pool import ROOT, PagePool, chain
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .scheduler import PrefillChunk
+    from .sequence import Sequence
 
 
 class FreeList:
@@ -49,7 +59,7 @@ class Allocator:
         self.rows = FreeList("batch rows", range(max_rows))
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return ceil_div(num_tokens, self.page_size)
 
     def can_admit(self, num_tokens: int, hits: list[int] = ()) -> bool:
         return self.rows.can_allocate(1) and self.pages.can_allocate(self.pages_for(num_tokens) - len(hits), hits)
@@ -67,3 +77,27 @@ class Allocator:
     def idle(self) -> bool:
         """Every page free or cached and unreferenced, every row free."""
         return self.pages.idle and self.rows.num_free == self.rows.capacity
+
+    def name_full_pages(self, seq: Sequence) -> None:
+        """Name the sequence's pages whose KV is complete and committed (prompt and generated
+        tokens alike, so a follow-up turn hits): from now on other requests may map them."""
+        size = self.page_size
+        full = min(seq.kv_committed, seq.cacheable_len) // size
+        names = seq.page_names
+        if len(names) < full:
+            tokens = seq.prompt_ids + seq.output_ids
+            names += chain(tokens[len(names) * size:], size, full - len(names), seq.page_salt,
+                           parent=names[-1] if names else ROOT, page_salts=seq.image_salts(len(names), full, size))
+        for i in range(seq.pages_registered, full):
+            self.pages.register(seq.pages[i], names[i])
+        seq.pages_registered = max(seq.pages_registered, full)
+
+    def check_exclusive(self, seqs: list[Sequence], decode_pos: np.ndarray, prefill: list[PrefillChunk]) -> None:
+        """Debug: a launch (its decode rows, then its prefill chunks) writes KV only into pages no
+        other request reads (never a cached page)."""
+        size = self.page_size
+        spans = [(int(p), int(p) + 1) for p in decode_pos] + [(c.start, c.start + c.length) for c in prefill]
+        for seq, (start, end) in zip(seqs, spans):
+            for page in seq.pages[start // size:(end - 1) // size + 1]:
+                if not self.pages.exclusive(page):
+                    raise AssertionError(f"request {seq.seq_id} would write shared or cached kv page {page}")

@@ -15,6 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from shared.arith import ceil_div
+
 
 # Field order of Batch, also the order copy_from walks.
 _FIELDS = ("positions", "slot_mapping", "block_tables", "query_index", "query_pos", "token_to_padded")
@@ -91,7 +93,7 @@ class Batch:
         flat_tables = np.fromiter(itertools.chain.from_iterable(c[2] for c in chunks), dtype=np.int64,
                                   count=int(table_lens.sum()))
 
-        pages_needed = (starts + lens + page_size - 1) // page_size
+        pages_needed = ceil_div(starts + lens, page_size)
         if (table_lens < pages_needed).any():
             bad = int(np.argmax(table_lens < pages_needed))
             raise ValueError(f"chunk {bad} needs {pages_needed[bad]} pages, block table has {table_lens[bad]}")

@@ -1,9 +1,11 @@
 """The decode loop: blocking or pipelined from the same code.
 
-``Engine.step(...)`` is one tick. Its inputs are explicit arguments (the
-masks of the constrained rows it samples, the host arrays its device copies
-write sampled ids into); its output is a ``Tick`` (the ``CommittedStep``'s
-tokens and finish reasons, the sequences released) that the caller publishes.
+``Engine.tick(...)`` is one tick: it launches at most one *step* (a forward
+and its sampling, numbered from 0) and commits at most one. Its inputs are
+explicit arguments (the masks of the constrained rows it samples, the host
+arrays its device copies write sampled ids into); its output is a ``Tick``
+(the ``CommittedStep``'s tokens and finish reasons, the sequences released)
+that the caller publishes.
 The engine never calls back into its caller.
 
 One tick, pipelined (docs/DESIGN.md §4.1), each phase a method that returns
@@ -63,9 +65,8 @@ from .device import Device, DeviceError
 from .image_prefill import ImageInput, ImagePrefill, LaunchImages
 from .lora_slots import LoraSlots
 from .model_runner import LaunchInputs, ModelRunner
-from .moondream_skills import DECIDE, SkillTask
+from .moondream_skills import ANSWER_FIRST, DECIDE, REASON, SkillTask
 from .pipeline import NUM_SLOTS, Pipeline
-from .prefix_cache import ROOT, chain
 from .sampler import FLAG_LENGTH, FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence
@@ -115,12 +116,12 @@ class CommittedStep:
 
 @dataclass
 class Tick:
-    """What one ``Engine.step`` produced, for its caller to publish."""
+    """What one ``Engine.tick`` produced, for its caller to publish."""
     committed: CommittedStep | None = None  # None when this tick committed nothing
     released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
     copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
     dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
-    mask_requests: list[Sequence] = field(default_factory=list)  # the next step() must bring their masks
+    mask_requests: list[Sequence] = field(default_factory=list)  # the next tick() must bring their masks
     mask_step: int | None = None  # the step those masks are for
     tiles_done: list[ImageInput] = field(default_factory=list)  # host tiles never read again (free their memory)
 
@@ -134,7 +135,7 @@ class EngineStats:
     zombie_rows: int = 0
     prefill_tokens: int = 0
     committed_tokens: int = 0
-    host_s: float = 0.0  # host time inside step(), excluding waits on the device
+    host_s: float = 0.0  # host time inside tick(), excluding waits on the device
     wait_s: float = 0.0
     finished: int = 0
     failed: int = 0
@@ -157,7 +158,7 @@ class Engine:
         self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
         self.pipeline = Pipeline(NUM_SLOTS)  # holds each Launch from launch to commit
         self.pipelined = cfg.pipeline
-        self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next step()
+        self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next tick()
         self.stats_ = EngineStats()
         self.images = ImagePrefill(self.runner.vision, self.runner.image_params, self.runner.feature_row_bytes,
                                    int(cfg.encoder_cache_mb * (1 << 20)))
@@ -213,6 +214,8 @@ class Engine:
                 raise ValueError("skill: this model has no skills")
             return None
         task = task or SkillTask()
+        if task.phase not in (ANSWER_FIRST, REASON, DECIDE) or min(task.limit, task.answer_limit) < 0:
+            raise ValueError(f"skill: phase {task.phase} / limits {task.limit}, {task.answer_limit} are invalid")
         if task.phase == DECIDE and params.temperature != 0:
             raise ValueError("temperature: point and detect are greedy (temperature 0)")
         for name, values, shape in (("coord", task.prompt_coord, (len(prompt),)),
@@ -239,7 +242,7 @@ class Engine:
         (without it they are sampled unconstrained)."""
         words = missing = None
         while self.has_work:
-            tick = self.step(masks=words, masks_missing=missing)
+            tick = self.tick(masks=words, masks_missing=missing)
             words = missing = None
             if tick.mask_requests:
                 if masks is not None:
@@ -303,7 +306,7 @@ class Engine:
             self.device.close()
 
     # ------------------------------------------------------------------ the tick
-    def step(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,
+    def tick(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,
              copy_into: list[np.ndarray] | None = None) -> Tick:
         """One tick.
 
@@ -387,7 +390,7 @@ class Engine:
         if self.lora_slots is not None:
             self.lora_slots.launched(s.lora_slot for s in seqs)
         if self.config.debug:
-            self._check_exclusive(seqs, inp.decode_pos, plan)
+            self.alloc.check_exclusive(seqs, inp.decode_pos, plan.prefill)
         launch.marks.append(self.device.mark())
         self.runner.enqueue_forward(launch.slot, inp)
         launch.marks.append(self.device.mark())
@@ -535,7 +538,7 @@ class Engine:
         for seq, end in zip(launch.seqs, launch.kv_ends):
             seq.kv_committed = max(seq.kv_committed, end)
             if self.alloc.pages.caching:
-                self._register_full_pages(seq)
+                self.alloc.name_full_pages(seq)
             if self._release_if_done(seq):
                 released.append(seq)
         self.pipeline.release(step)
@@ -548,29 +551,6 @@ class Engine:
             assert seq.inflight_refs >= 0, "inflight_refs underflow"
         if self.lora_slots is not None:
             self.lora_slots.committed(s.lora_slot for s in launch.seqs)
-
-    def _register_full_pages(self, seq: Sequence) -> None:
-        """Name the sequence's pages whose KV is complete and committed (prompt and generated
-        tokens alike, so a follow-up turn hits): from now on other requests may map them."""
-        size = self.alloc.page_size
-        full = min(seq.kv_committed, seq.cacheable_len) // size
-        names = seq.page_names
-        if len(names) < full:
-            tokens = seq.prompt_ids + seq.output_ids
-            names += chain(tokens[len(names) * size:], size, full - len(names), seq.page_salt,
-                           parent=names[-1] if names else ROOT, page_salts=seq.image_salts(len(names), full, size))
-        for i in range(seq.pages_registered, full):
-            self.alloc.pages.register(seq.pages[i], names[i])
-        seq.pages_registered = max(seq.pages_registered, full)
-
-    def _check_exclusive(self, seqs: list[Sequence], decode_pos: np.ndarray, plan: Plan) -> None:
-        """Debug: a launch writes KV only into pages no other request reads (never a cached page)."""
-        size, pool = self.alloc.page_size, self.alloc.pages
-        spans = [(int(p), int(p) + 1) for p in decode_pos] + [(c.start, c.start + c.length) for c in plan.prefill]
-        for seq, (start, end) in zip(seqs, spans):
-            for page in seq.pages[start // size:(end - 1) // size + 1]:
-                if not pool.exclusive(page):
-                    raise AssertionError(f"request {seq.seq_id} would write shared or cached kv page {page}")
 
     def _count(self, launch: Launch) -> None:
         s = self.stats_

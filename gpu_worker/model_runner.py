@@ -12,8 +12,9 @@ next forward embeds them, and the values are copied back with the ids.
 Image prefill: a launch may first encode image tiles (``LaunchInputs.encode``,
 built by ``image_prefill.py``): the tiles go host -> device and through the
 vision family's ``encode_runs`` on the compute stream, and their features land
-in their images' rows of the encoder-cache holders; then the text forward replaces the embeddings of the launch's ``<image>``
-tokens (``image_index``) by rows of those holders (``image_segments``).
+in their images' rows of the encoder-cache holders; then the text forward
+replaces the embeddings of the launch's ``<image>`` tokens (``image_index``) by
+rows of those holders (``image_segments``).
 
 Nothing here decides *what* to run; ``engine.py`` does. Functions named
 ``enqueue_*`` return immediately: the work runs on the compute stream (an
@@ -43,7 +44,7 @@ from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
-from .vision import VisionEncoder, normalize_tiles
+from .vision import VisionEncoder
 
 log = logging.getLogger("tandem.worker")
 

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shared import moondream_config as cfg
 from shared.moondream_config import ANSWER_ID, COORD_ID, EOS_ID, SIZE_ID
 
 from .sampler import FLAG_LENGTH, FLAG_STOP
 
 ANSWER_FIRST, ANSWER, REASON, DECIDE, Y, SIZE = range(6)
+assert (ANSWER_FIRST, REASON, DECIDE) == (cfg.ANSWER_FIRST, cfg.REASON, cfg.DECIDE)  # what the frontend sends
 VALUES = 3  # per emitted token: coordinate, width, height
 
 

@@ -79,10 +79,6 @@ class Pipeline:
     def drained(self) -> bool:
         return self.outstanding == 0
 
-    @property
-    def oldest_in_flight(self) -> int | None:
-        return self._in_flight[0] if self._in_flight else None
-
     def item(self, step: int) -> object:
         """What ``step`` was launched with (launched, not yet released)."""
         rec = self.slots[self.slot_of(step)]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .allocator import Allocator
 from .lora_slots import LoraSlots
-from .prefix_cache import chain
+from .page_pool import chain
 from .sequence import Sequence
 
 

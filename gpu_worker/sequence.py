@@ -51,7 +51,7 @@ class Sequence:
     row: int = -1
     lora_slot: int = 0  # its adapter's device slot from admission to release (0: none)
     pages: list[int] = field(default_factory=list)
-    # Prefix cache: names of the full pages whose tokens are known (a chain, prefix_cache.py),
+    # Prefix cache: names of the full pages whose tokens are known (a chain, page_pool.py),
     # how many of them are registered, the prompt tokens mapped from the cache at admission,
     # and how many positions have KV written by committed launches.
     page_names: list[bytes] = field(default_factory=list)

@@ -31,10 +31,12 @@ from shared.control import ChannelClosed, ControlChannel
 from shared.finish import FinishReason
 from shared.messages import (Cancel, ImagesCopied, Progress, Ready, Released, RequestFailed, Shutdown, Stats,
                              StatsRequest, Submit, to_sampling_params)
+from shared.moondream_config import COORD_ID, SIZE_ID
 from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
 from .engine import Engine, Tick
 from .image_prefill import ImageInput
+from .moondream_skills import SkillTask
 from .sequence import Sequence
 
 log = logging.getLogger("tandem.worker")
@@ -81,7 +83,6 @@ class Worker:
         self.spare: deque = deque()  # reserved ring entries, oldest first, for the next copies/commits
         self.entries: dict = {}  # step -> the ring entry its device copy wrote into
         self.mask_requests: list[Sequence] = []  # the previous step's constrained rows
-        self.mask_step: int | None = None
         self._failed: list[RequestFailed] = []
         self._released: list[int] = []
         self._copied: list[int] = []  # image slots the frontend may reuse
@@ -108,6 +109,12 @@ class Worker:
             time.sleep(0.1)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except ChannelClosed:  # wherever the control channel is read or flushed: the frontend is gone
+            raise FrontendGone(3) from None
+
+    def _run(self) -> None:
         threading.Thread(target=self._beat_while_device_works, name="worker-wait-heartbeat", daemon=True).start()
         self.engine.runner.warmup(progress=lambda done, total: self._progress("capturing CUDA graphs", done, total))
         self._beat()
@@ -121,7 +128,7 @@ class Worker:
             words, missing = self._gather_inputs()
             if self.engine.has_work:
                 copy_into = [p.token_ids for p in self.spare] if self.direct_copy else None
-                self._publish(self.engine.step(masks=words, masks_missing=missing, copy_into=copy_into))
+                self._publish(self.engine.tick(masks=words, masks_missing=missing, copy_into=copy_into))
             self._flush()
 
     # ------------------------------------------------------------------ inputs
@@ -152,10 +159,7 @@ class Worker:
             pending = self._pending_masks()
             if ring_ready and (not pending or time.monotonic() > deadline):
                 return self._read_masks(pending)
-            try:
-                self.channel.flush()
-            except ChannelClosed:
-                raise FrontendGone(3) from None
+            self.channel.flush()
             if not ring_ready:
                 try:
                     self.spare.append(self.ring.reserve(timeout=INPUT_WAIT_S))
@@ -167,10 +171,7 @@ class Worker:
                 self.masks.wait_rows(row, mask_stamp(seq.seq_id, len(seq.output_ids)), timeout=INPUT_WAIT_S)
 
     def _read_control(self) -> None:
-        try:
-            messages = self.channel.receive()
-        except ChannelClosed:
-            raise FrontendGone(3) from None
+        messages = self.channel.receive()
         if self.channel.last_error:
             log.error("rejected a control message: %s", self.channel.last_error)
             self.channel.last_error = None
@@ -196,11 +197,12 @@ class Worker:
                 raise ValueError(f"seq_id {msg.seq_id} is already live")
             if msg.constrained and not 0 <= msg.mask_row < self.arena.layout.max_batch_rows:
                 raise ValueError(f"mask_row {msg.mask_row} is out of range")
-            images = [ImageInput(im.hash, self.images.blocks(im.slots, im.num_tiles), tag=im.slots)
+            images = [ImageInput(im.hash, self.images.blocks(im.slots, im.num_tiles), tag=im.slots,
+                                 tiling=tuple(im.tiling) if im.tiling else None)
                       for im in msg.images]
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
                                      logprobs=msg.logprobs, seq_id=msg.seq_id, adapter=msg.adapter,
-                                     images=images)
+                                     images=images, task=skill_task(msg.skill, msg.prompt_ids))
         except ValueError as e:
             self._failed.append(RequestFailed(seq_id=msg.seq_id, code="bad_request", message=str(e)))
             self._released.append(msg.seq_id)
@@ -261,16 +263,16 @@ class Worker:
         for step in tick.dropped_steps:  # a device failure: their entries go out empty
             p = self.entries.pop(step, None)
             if p is not None:
-                self.ring.commit(p, step, Kind.DECODE, [], [])
+                self.ring.stamp(p, step, Kind.DECODE, [], [])
         c = tick.committed
         if c is not None and c.rows:
             p = self.entries.pop(c.step) if self.direct_copy else self.spare.popleft()
             flags = np.where(c.live, c.finish.astype(np.uint32) | (c.cached.astype(np.uint32) << CACHED_SHIFT),
                              np.uint32(TokenFlag.ZOMBIE))
             seq_ids = np.fromiter((s.seq_id for s in c.seqs), np.uint32, c.rows)
-            self.ring.commit(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
+            self.ring.stamp(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
                              c.logprobs, None if self.direct_copy else c.tokens, c.values)
-        self.mask_requests, self.mask_step = tick.mask_requests, tick.mask_step
+        self.mask_requests = tick.mask_requests
         for image in tick.tiles_done:
             self._copied += image.tag
         for seq in tick.released:
@@ -293,10 +295,25 @@ class Worker:
         if self._released:
             self.channel.send(Released(seq_ids=self._released))
             self._released = []
-        try:
-            self.channel.flush()
-        except ChannelClosed:
-            raise FrontendGone(3) from None
+        self.channel.flush()
+
+
+def skill_task(skill, prompt_ids: list[int]) -> SkillTask | None:
+    """A Submit's Moondream skill as the engine's task: the values laid out on the prompt's coord
+    and size tokens (ValueError, a bad request, when they do not match)."""
+    if skill is None:
+        return None
+    coord = size = None
+    if skill.coords or skill.sizes:
+        ids = np.asarray(prompt_ids)
+        at_coord, at_size = np.flatnonzero(ids == COORD_ID), np.flatnonzero(ids == SIZE_ID)
+        if len(at_coord) != len(skill.coords) or len(at_size) != len(skill.sizes):
+            raise ValueError(f"spatial_refs: {len(skill.coords)} coordinates and {len(skill.sizes)} sizes for "
+                             f"{len(at_coord)} coord and {len(at_size)} size tokens")
+        coord, size = np.zeros(len(ids), np.float32), np.zeros((len(ids), 2), np.float32)
+        coord[at_coord] = skill.coords
+        size[at_size] = np.asarray(skill.sizes, np.float32).reshape(-1, 2)
+    return SkillTask(skill.phase, skill.detect, skill.limit, skill.answer_limit, coord, size)
 
 
 def main(argv=None) -> None:

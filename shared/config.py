@@ -31,7 +31,9 @@ class EngineConfig:
     kv_pages: int | None = _about(None, "KV cache pages (default: sized to memory).")
     kv_memory_fraction: float = _about(0.5, "Fraction of free GPU memory for the KV cache (CUDA, without "
                                             "--kv-pages).")
-    prefill_budget: int = 512
+    prefill_budget: int = _about(512, "Prompt tokens per launch (chunked prefill; vLLM's --max-num-batched-tokens). "
+                                      "Lower bounds a launch's time, also one that encodes images, at the price of "
+                                      "more launches.")
     prefix_cache: bool = _about(True, "Compute every prompt in full (no KV pages shared between requests; for "
                                       "A/B runs).")  # the flag says off
     dtype: str | None = _about(None, "Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, "

@@ -7,7 +7,7 @@ there is nothing on the filesystem to leak or unlink when a process dies, and
 the fd sits in a poller next to the ring's eventfd.
 
 Neither side ever blocks on a send: what the socket cannot take now waits in
-an outbox that ``flush`` (called by both processes' loops and waits) pushes
+a send buffer that ``flush`` (called by both processes' loops and waits) pushes
 on. Two processes that block on sending to each other while neither reads
 would deadlock; with non-blocking sends that cannot happen.
 

@@ -70,6 +70,17 @@ class SubmitImage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hash: str  # the encoder-cache key
     num_tiles: Annotated[int, msgspec.Meta(ge=1)]
     slots: list[Annotated[int, msgspec.Meta(ge=0)]]
+    tiling: Optional[list[int]] = None  # Moondream: the crops' (rows, columns); the tiles are its crops
+
+
+class SubmitSkill(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A Moondream skill's device task (``frontend/moondream_skills.Plan.task``)."""
+    phase: int
+    detect: bool = False
+    limit: int = 0
+    answer_limit: int = 0
+    coords: list[float] = []  # the values of the prompt's coord tokens, in order
+    sizes: list[list[float]] = []  # ... of its size tokens (width, height)
 
 
 class Submit(_Msg, tag="submit"):
@@ -81,6 +92,7 @@ class Submit(_Msg, tag="submit"):
     mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
     images: list[SubmitImage] = []  # in prompt order
     adapter: Optional[str] = None  # a LoRA adapter's name (the worker's --lora), None = the base model
+    skill: Optional[SubmitSkill] = None  # Moondream: the skill's device task
 
 
 class ImagesCopied(_Msg, tag="images_copied"):

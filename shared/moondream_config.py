@@ -23,6 +23,9 @@ SIZE_ID = 6
 GROUND_START_ID = 7
 GROUND_END_ID = 9
 
+# The first phase of a skill row on the device (gpu_worker/moondream_skills.py has them all).
+ANSWER_FIRST, REASON, DECIDE = 0, 2, 3
+
 
 @dataclass(frozen=True)
 class TextConfig:

@@ -85,8 +85,8 @@ def restore_log_level():
 def server():
     """``tandem serve --log-level info`` (the option on the subcommand) on a bare HOST:PORT."""
     address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([*CLI, "serve", *TINY, "--bind", address, "--max-batch", "8", "--drain-timeout", "1",
-                             "--log-level", "info"], cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    proc = subprocess.Popen([*CLI, "serve", *TINY, "--bind", address, "--http", f"127.0.0.1:{free_port()}",
+                             "--max-batch", "8", "--drain-timeout", "1", "--log-level", "info"], cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stderr: list[str] = []
     serving = threading.Event()
@@ -224,6 +224,23 @@ def test_local_generate_equals_the_server(server):
     assert local.stderr == ""  # no progress lines when stderr is not a terminal
 
 
+def test_local_generate_answers_bad_input_as_the_server(server):
+    """Without --connect the request takes the server's path in (server.Gate): the same bad input
+    gets the same one-line error, code included (before, the local path skipped the server's checks)."""
+    address, _ = server
+    cases = [["hi", "--stop-token-id", "1000000"],  # outside the vocabulary
+             ["word " * 3000, "--raw"],  # longer than the context
+             ["hi", "--regex", "("]]  # a grammar that does not compile
+    codes = []
+    for args in cases:
+        remote = invoke("generate", *args, "--connect", address)
+        local = invoke("generate", *args, *TINY)
+        assert remote.exit_code == local.exit_code == 1, (args[1:], remote.output, local.output)
+        assert local.stderr == remote.stderr and local.stderr.count("\n") == 1, (local.stderr, remote.stderr)
+        codes.append(local.stderr.removeprefix("Error: ").split(":")[0])
+    assert codes == ["bad_request", "too_long", "bad_request"], codes  # the server's checks answered
+
+
 def test_default_model_answers_paris():
     """The README's first command."""
     res = invoke("generate", "What is the capital of France?")
@@ -336,6 +353,16 @@ def test_dtype_option():
     assert cli.service_config(_engine_kw(ctx)).dtype is None  # auto: the engine picks
     with pytest.raises(click.UsageError):
         main.commands["serve"].make_context("serve", ["--dtype", "float64"])
+
+
+def test_prefill_budget_option():
+    """DESIGN §4.5's knob (vLLM's --max-num-batched-tokens) on serve and generate."""
+    ctx = main.commands["serve"].make_context("serve", ["--prefill-budget", "64"])
+    assert cli.service_config(_engine_kw(ctx)).engine_fields()["prefill_budget"] == 64
+    ctx = main.commands["generate"].make_context("generate", ["hi"])
+    assert cli.service_config(_engine_kw(ctx)).prefill_budget == 512  # EngineConfig's default
+    with pytest.raises(click.UsageError):
+        main.commands["serve"].make_context("serve", ["--prefill-budget", "0"])
 
 
 def test_lora_kernel_option_reaches_the_worker(tmp_path):

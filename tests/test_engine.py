@@ -139,7 +139,7 @@ def _step_until(eng, cond, limit=500):
     for _ in range(limit):
         if cond():
             return
-        eng.step()
+        eng.tick()
     raise AssertionError("condition never reached")
 
 
@@ -150,7 +150,7 @@ def test_cancel_at_every_phase(pipelined):
 
     queued = eng.submit([3] * 10, p)
     eng.cancel(queued)
-    eng.step()
+    eng.tick()
     assert queued.finish_reason == FinishReason.CANCELLED and not queued.admitted and queued.output_ids == []
 
     mid_prefill = eng.submit([4] * 100, p)  # 7 chunks of 16

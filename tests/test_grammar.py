@@ -260,7 +260,7 @@ def test_memo_key_exact_with_multichar_tokens(kind):
     rng = np.random.default_rng(11)
     row = allocate_bitmask(v)
     lengths = []
-    for n in range(150):
+    for _ in range(150):
         spec = GrammarSpec(kind=kind, max_objects=int(rng.integers(1, 5)))
         g = c.compile(spec)
         lengths.append(g.vocab.max_item_len)

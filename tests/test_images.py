@@ -1,4 +1,4 @@
-"""Images end to end through the two processes (DESIGN.md §6a), on ``tiny-random-vlm``.
+"""Images end to end through the two processes (DESIGN.md §4.5, §5), on ``tiny-random-vlm``.
 
 A real ``Service`` (frontend) with its real worker process, float32 on the CPU:
 pipelined and blocking serve a mixed image workload token for token alike

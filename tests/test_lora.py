@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
 from prerequisites import require
@@ -176,7 +175,7 @@ def test_mixed_batch_equals_solo_runs_pipelined_and_blocking(model_path, adapter
         seqs = [eng.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), adapter=name) for p, name, n in reqs]
         peak = 0
         while eng.has_work:
-            eng.step()
+            eng.tick()
             peak = max(peak, len({s.adapter for s in eng.scheduler.running}))
         assert [s.output_ids for s in seqs] == solo
         s = eng.stats()
@@ -274,7 +273,7 @@ def test_slot_refcounts_under_cancels_and_zombies(model_path, adapters, pipeline
         for i, t in cancel_at.items():
             if t == tick:
                 eng.cancel(seqs[i])
-        eng.step()
+        eng.tick()
         _assert_slots_consistent(eng, seqs)
         zombies_seen |= any(s.finalized and s.inflight_refs for s in seqs if s.lora_slot)
     check_idle(eng)
@@ -292,7 +291,7 @@ def test_a_request_waits_for_a_slot_instead_of_failing(model_path, adapters):
     p = SamplingParams(max_tokens=6, ignore_eos=True)
     first = eng.submit([5, 6, 7], p, adapter="qv")
     second = eng.submit([5, 6, 7], p, adapter="ko")
-    eng.step()
+    eng.tick()
     assert first.admitted and not second.admitted  # the only slot is referenced by "qv"
     eng.run_until_idle()
     assert second.finish_reason == FinishReason.LENGTH and len(second.output_ids) == 6

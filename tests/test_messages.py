@@ -10,7 +10,7 @@ import msgspec.structs
 import pytest
 
 from shared.messages import (
-    Cancel, Message, MessageError, Progress, Ready, Released, RequestFailed, Sampling, Shutdown,
+    Cancel, MessageError, Progress, Ready, Released, RequestFailed, Sampling, Shutdown,
     Stats, StatsRequest, Submit, decode, encode, to_sampling_params,
 )
 from shared.sampling import SAMPLING_FIELD_NAMES, SamplingParams

@@ -210,7 +210,7 @@ def test_engine_one_at_a_time_never_reads_values_back(checkpoints, encode):
         runner = engine.runner
         read_step = runner.read_step
 
-        def poisoned(slot, num):
+        def poisoned(slot, num, runner=runner, read_step=read_step):  # bound now: the loop rebinds both
             out = read_step(slot, num)
             runner.slots[slot].values.fill_(float("nan"))
             return out
@@ -287,3 +287,192 @@ def test_tiny_random_moondream_is_built_in():
     finally:
         del IMAGES["x"]
         engine.close()
+
+
+def png(name: str) -> bytes:
+    import io
+
+    from PIL import Image
+    h, w, salt = EXPECTED["images"][name]
+    buf = io.BytesIO()
+    Image.fromarray(make_image(h, w, salt)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def skill_of(case):
+    keys = {"caption": ("length",), "query": ("question", "reasoning", "spatial_refs"),
+            "point": ("object", "max_objects"), "detect": ("object", "max_objects")}[case["skill"]]
+    return {"skill": case["skill"], **{k: case[k] for k in keys if k in case}}
+
+
+def expected_done(case):
+    """The fixture case as a skill's ``done`` fields (boxes clamped to [0, 1], as Photon returns them)."""
+    if case["skill"] == "point":
+        return {"output": {"points": case["points"]}}
+    if case["skill"] == "detect":
+        return {"output": {"objects": [{k: min(max(v, 0.0), 1.0) for k, v in o.items()} for o in case["objects"]]}}
+    if case.get("reasoning"):
+        return {"token_ids": case["token_ids"], "reasoning_token_ids": case["reasoning_token_ids"]}
+    return {"token_ids": case["token_ids"]}
+
+
+def test_service_skills_match_the_reference(checkpoints):
+    """Every fixture case as a skill request through the service, the worker process and the ring
+    (values included), all at once; then bad requests are refused naming the field, and it serves on."""
+    from frontend.service import Service, ServiceConfig
+    svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=32,
+                                max_model_len=1024))
+    done = {}
+    try:
+        reqs = []
+        for i, case in enumerate(EXPECTED["cases"]):
+            images = [png(case["image"])] if "image" in case else []
+            reqs.append(svc.submit_skill(skill_of(case), images, max_tokens=case.get("max_tokens"), temperature=0.0,
+                                         on_event=lambda r, kind, p, i=i: done.__setitem__(i, (kind, p))
+                                         if kind != "chunk" else None))
+        svc.run_until(lambda: len(done) == len(reqs), 300)
+        for i, case in enumerate(EXPECTED["cases"]):
+            kind, payload = done[i]
+            assert kind == "done", payload
+            if "reasoning_token_ids" in expected_done(case):
+                payload = {**payload, "reasoning_token_ids": payload["reasoning"]["token_ids"]}
+            assert {k: payload[k] for k in expected_done(case)} == expected_done(case), case_id(case)
+        a = png("dev-a.png")
+        for skill, images, field in (
+                ({"skill": "query", "question": "Why?", "spatial_refs": [[0.1, 1.5]]}, [a], "spatial_refs"),
+                ({"skill": "query", "question": "Why?", "spatial_refs": [[0.1, 0.5]]}, [], "spatial_refs"),
+                ({"skill": "segment", "object": "cat"}, [a], "skill"),
+                ({"skill": "caption", "length": "epic"}, [a], "length"),
+                ({"skill": "query", "question": "why " * 2000}, [a], "question"),
+                ({"skill": "point", "object": "cat", "max_objects": 0}, [a], "max_objects")):
+            with pytest.raises(ValueError, match=field):
+                svc.submit_skill(skill, images)
+        got = {}
+        case = next(c for c in EXPECTED["cases"] if c["skill"] == "point")
+        svc.submit_skill(skill_of(case), [png(case["image"])], on_event=lambda r, k, p: got.update({k: p}))
+        svc.run_until(lambda: "done" in got or "error" in got, 120)
+        assert got["done"]["output"] == expected_done(case)["output"]
+        svc.run_until(svc.idle, 60)
+    finally:
+        svc.close()
+
+
+def test_zeromq_generate_takes_skills(checkpoints):
+    """ZeroMQ ``generate`` with ``skill`` (a raw DEALER socket: the contract as any client sees it):
+    detect and a reasoning query answer as the reference; a bad skill field is a bad_request naming
+    it, and the server serves on."""
+    import msgpack
+    import threading
+    import zmq
+
+    from frontend.server import Server
+    from frontend.service import Service, ServiceConfig
+    svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=8,
+                                max_model_len=1024))
+    server = Server(svc, "tcp://127.0.0.1:*")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(server.endpoint)
+    try:
+        def ask(id_, **fields):
+            sock.send_multipart([b"TANDEM1", msgpack.packb({"type": "generate", "id": id_, "stream": False,
+                                                            **fields}, use_bin_type=True)])
+            while True:
+                assert sock.poll(180_000), "no answer"
+                msg = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+                if msg["type"] in ("done", "error"):
+                    return msg
+
+        detect = next(c for c in EXPECTED["cases"] if c["skill"] == "detect")
+        done = ask("d", images=[png(detect["image"])], **skill_of(detect))
+        assert done["type"] == "done" and done["output"] == expected_done(detect)["output"]
+        why = next(c for c in EXPECTED["cases"] if c.get("reasoning"))
+        done = ask("r", images=[png(why["image"])], max_tokens=why["max_tokens"], temperature=0.0, **skill_of(why))
+        assert done["token_ids"] == why["token_ids"] and done["reasoning"]["token_ids"] == why["reasoning_token_ids"]
+        assert done["reasoning"]["grounding"] == why["grounding"]
+        err = ask("e", images=[png("dev-a.png")], skill="query", question="Why?", spatial_refs=[[2.0, 0.5]])
+        assert err["type"] == "error" and err["code"] == "bad_request" and "spatial_refs" in err["message"]
+        err = ask("f", prompt="hi", length="short")
+        assert err["code"] == "bad_request" and "length" in err["message"]
+        err = ask("g", prompt="<image> hi", images=[png("dev-a.png")])
+        assert err["code"] == "bad_request" and "skill" in err["message"]
+        err = ask("h", skill="detect", object="cat")
+        assert err["code"] == "bad_request" and "images" in err["message"]
+        text = next(c for c in EXPECTED["cases"] if c["skill"] == "query" and "image" not in c)
+        done = ask("t", max_tokens=text["max_tokens"], temperature=0.0, **skill_of(text))
+        assert done["token_ids"] == text["token_ids"]
+        # The Python client's skill methods take the same path.
+        from frontend.client import Client
+        point = next(c for c in EXPECTED["cases"] if c["skill"] == "point")
+        with Client(server.endpoint, timeout=180) as client:
+            assert client.point(png(point["image"]), "cat", max_objects=3) == {"points": point["points"]}
+            assert client.detect(png(detect["image"]), "cat", max_objects=3) == expected_done(detect)["output"]
+            got = client.query(png(why["image"]), "Why?", reasoning=True, max_tokens=8, temperature=0.0)
+            assert got["reasoning"]["token_ids"] == why["reasoning_token_ids"]
+    finally:
+        sock.close(0)
+        server.stop()
+        thread.join(60)
+        svc.close()
+
+
+def test_http_moondream_client_gets_the_reference_answers(checkpoints):
+    """The unmodified ``moondream`` client over HTTP: point and detect are the reference's (boxes
+    clamped), a caption streams and completes, a spatial ref outside [0, 1] is a 400 naming it."""
+    import base64
+    import threading
+
+    import httpx
+    import moondream
+    from PIL import Image
+
+    from frontend.http import HttpListener
+    from frontend.server import Server
+    from frontend.service import Service, ServiceConfig
+    svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=8,
+                                max_model_len=1024))
+    server = Server(svc, "tcp://127.0.0.1:*")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    http = HttpListener(server, "127.0.0.1", 0).start()
+    try:
+        point = next(c for c in EXPECTED["cases"] if c["skill"] == "point")
+        detect = next(c for c in EXPECTED["cases"] if c["skill"] == "detect" and c["image"] == point["image"])
+        url = "data:image/png;base64," + base64.b64encode(png(point["image"])).decode()
+        # The exact pixels (PNG): the reference's values.
+        r = httpx.post(http.url + "/v1/detect", json={"image_url": url, "object": "cat", "settings": {"max_objects": 3}},
+                       timeout=300)
+        assert r.json()["objects"] == expected_done(detect)["output"]["objects"]
+        # The moondream client (it sends JPEG, so the pixels and the answers differ a little).
+        md = moondream.vl(endpoint=http.url + "/v1")
+        h, w, salt = EXPECTED["images"][point["image"]]
+        img = Image.fromarray(make_image(h, w, salt))
+        points = md.point(img, "cat", settings={"max_objects": 3})["points"]
+        assert 1 <= len(points) <= 3 and all(0 <= p["x"] <= 1 and 0 <= p["y"] <= 1 for p in points)
+        objects = md.detect(img, "cat", settings={"max_objects": 2})["objects"]
+        assert 1 <= len(objects) <= 2 and all(0 <= o["x_min"] <= o["x_max"] <= 1 for o in objects)
+        caption = md.caption(img, length="short", stream=True, settings={"max_tokens": 4, "temperature": 0})
+        assert "".join(caption["caption"]) == ""  # the stand-in tokenizer has no text for these ids
+        r = httpx.post(http.url + "/v1/query", json={"question": "Why?", "spatial_refs": [[0.5, 1.5]], "image_url": url})
+        assert r.status_code == 400 and "spatial_refs" in r.text
+    finally:
+        http.stop()
+        server.stop()
+        thread.join(60)
+        svc.close()
+
+
+def test_cli_generate_skill(checkpoints, tmp_path):
+    """``tandem generate OBJECT --skill detect --image FILE --json`` on a Moondream directory."""
+    from click.testing import CliRunner
+
+    from frontend.cli import main as cli
+    detect = next(c for c in EXPECTED["cases"] if c["skill"] == "detect")
+    image = tmp_path / "image.png"
+    image.write_bytes(png(detect["image"]))
+    result = CliRunner().invoke(cli, ["generate", "cat", "--skill", "detect", "--max-objects", "3", "--image",
+                                      str(image), "--model", str(checkpoints["plain"]), "--device", "cpu",
+                                      "--dtype", "float32", "--max-batch", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["output"] == expected_done(detect)["output"]

@@ -1,4 +1,4 @@
-"""The prefix cache (gpu_worker/prefix_cache.py): the same tokens with the cache on and
+"""The prefix cache (gpu_worker/page_pool.py): the same tokens with the cache on and
 off, refcounts under a random walk of submits, cancels, stops and evictions, and no
 hit on pages an in-flight prefill is still writing."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.engine import Engine, EngineConfig
-from gpu_worker.prefix_cache import PagePool, chain
+from gpu_worker.page_pool import PagePool, chain
 from shared.sampling import SamplingParams
 from workload import BannedByLastToken
 
@@ -117,11 +117,11 @@ def test_identical_prompts_in_flight_do_not_share_pages_being_written():
     prompt = list(range(1000, 1000 + 6 * PAGE))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     a = eng.submit(prompt, params)
-    eng.step()
-    eng.step()  # a's first pages are written (maybe committed), b comes now
+    eng.tick()
+    eng.tick()  # a's first pages are written (maybe committed), b comes now
     b = eng.submit(prompt, params)
     while eng.has_work:
-        eng.step()
+        eng.tick()
         pool_consistent(eng)
     # b only maps pages a had committed before b was admitted, never the ones still being written.
     assert b.cached_tokens < a.prompt_len - PAGE
@@ -135,7 +135,7 @@ def test_debug_check_catches_a_write_into_a_cached_page():
     writes it (a bug the commit-time registration prevents) is caught at the next launch."""
     eng = make_engine()
     s = eng.submit(list(range(50, 50 + 3 * PAGE)), SamplingParams(max_tokens=10, ignore_eos=True))
-    eng.step()
+    eng.tick()
     page = s.pages[-1]  # a page its decode steps will write
     eng.alloc.pages.register(page, b"not-yet-written")
     with pytest.raises(AssertionError, match="shared or cached kv page"):
@@ -165,7 +165,7 @@ def test_refcounts_under_a_random_walk_with_evictions():
             eng.cancel(live.pop(rng.randrange(len(live))))  # any phase: queued, prefilling, decoding, zombie
             cancels += 1
         if eng.has_work:
-            result = eng.step(masks=words)
+            result = eng.tick(masks=words)
             words = masks(result.mask_requests, result.mask_step)[0] if result.mask_requests else None
         pool_consistent(eng)
         live = [s for s in live if not s.released]
@@ -213,8 +213,8 @@ def test_cached_tokens_reach_the_client_through_both_processes():
             for _ in range(2):
                 done = {}
                 req = svc.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True),
-                                 on_event=lambda r, kind, payload: done.update(payload) if kind == "done" else None)
-                svc.run_until(lambda: req.ended, 60)
+                                 on_event=lambda r, kind, payload, done=done: done.update(payload) if kind == "done" else None)
+                svc.run_until(lambda req=req: req.ended, 60)
                 usages.append(done["usage"])
             assert [u["cached_tokens"] for u in usages] == ([0, 5 * PAGE] if on else [0, 0])
             assert all(u["prompt_tokens"] == len(prompt) for u in usages)

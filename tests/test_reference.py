@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct as Tandem converts it (``shared.models``), in float32,
 through the whole serving path (``Service``: a worker process, the pipelined
-engine, the frontend's commit), against transformers' ``generate`` loading the
+engine, the frontend's delivery), against transformers' ``generate`` loading the
 same converted directory. Three chat prompts, batched on both sides (left
 padding and an explicit attention mask for transformers), greedy, up to 32 new
 tokens each.

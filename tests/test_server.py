@@ -567,7 +567,7 @@ def test_64_concurrent_clients_with_cancels_and_disconnects(live, ctx):
     counts = defaultdict(int)
     for c in clients:
         assert not c.stray, (c.i, c.stray[:3])
-        for rid, (kind, req, msgs) in c.results.items():
+        for kind, req, msgs in c.results.values():
             term = check_request(msgs, stream=req.get("stream", True))
             assert term["type"] == "done", term
             if kind in ("normal", "nostream"):

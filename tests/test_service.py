@@ -138,8 +138,8 @@ def test_stop_strings_end_requests_and_are_never_streamed(service):
     for stops in cases:
         log = []
         req = service.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True), stop=stops,
-                             on_event=lambda r, k, p: log.append((k, p)))
-        service.run_until(lambda: req.ended)
+                             on_event=lambda r, k, p, log=log: log.append((k, p)))
+        service.run_until(lambda req=req: req.ended)
         chunks = [p["text"] for k, p in log if k == "chunk"]
         done = log[-1][1]
         assert log[-1][0] == "done" and done["finish_reason"] == "stop"

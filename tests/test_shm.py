@@ -128,7 +128,7 @@ def test_entries_carry_region_values_beside_their_tokens(arena):
     values = np.array([[0.5, 0.25, 1e-3], [np.float32(0.1), 0.0, 2.0 ** -10]], np.float32)
     p = w.reserve()
     p.token_ids[:2] = [5, 6]
-    w.commit(p, 1, Kind.DECODE, [3, 4], [0, 0], None, None, values)
+    w.stamp(p, 1, Kind.DECODE, [3, 4], [0, 0], None, None, values)
     e = r.poll()
     assert e.token_ids.tolist() == [5, 6] and e.logprobs is None
     assert e.values.dtype == np.float32 and np.array_equal(e.values.view(np.uint32), values.view(np.uint32))
@@ -137,24 +137,24 @@ def test_entries_carry_region_values_beside_their_tokens(arena):
     assert e.values is None and e.logprobs.tolist() == [-0.5]
     p = w.reserve()
     with pytest.raises(ValueError, match="values must have shape"):
-        w.commit(p, 3, Kind.DECODE, [3], [0], None, [9], np.zeros((1, 2), np.float32))
-    w.commit(p, 3, Kind.DECODE, [3], [0], np.array([-1.0]), [9], values[:1])
+        w.stamp(p, 3, Kind.DECODE, [3], [0], None, [9], np.zeros((1, 2), np.float32))
+    w.stamp(p, 3, Kind.DECODE, [3], [0], np.array([-1.0]), [9], values[:1])
     e = r.poll()
     assert e.logprobs.tolist() == [-1.0] and np.array_equal(e.values, values[:1])
 
 
-def test_reserve_commit_device_path(arena):
-    """The staging view is where a device copy lands; commit stamps the tags."""
+def test_reserve_stamp_device_path(arena):
+    """The staging view is where a device copy lands; stamp writes the tags."""
     w, r = arena.token_writer(), arena.token_reader()
     p1 = w.reserve()
     p2 = w.reserve()   # pipelined: two in flight
     p1.token_ids[:3] = [7, 8, 9]          # stands in for tensor.copy_(non_blocking=True)
     p2.token_ids[:2] = [1, 2]
     with pytest.raises(ValueError, match="out of order"):
-        w.commit(p2, 11, Kind.DECODE, [0, 1], [0, 0], [0.0, 0.0])
+        w.stamp(p2, 11, Kind.DECODE, [0, 1], [0, 0], [0.0, 0.0])
     assert r.poll() is None  # reserved is not published
-    w.commit(p1, 10, Kind.DECODE, [4, 5, 6], [0, 0, 0])
-    w.commit(p2, 11, Kind.DECODE, [0, 1], [0, 0], np.array([-1.5, -2.5]))
+    w.stamp(p1, 10, Kind.DECODE, [4, 5, 6], [0, 0, 0])
+    w.stamp(p2, 11, Kind.DECODE, [0, 1], [0, 0], np.array([-1.5, -2.5]))
     e1, e2 = r.poll(), r.poll()
     assert e1.token_ids.tolist() == [7, 8, 9] and e1.seq_ids.tolist() == [4, 5, 6]
     assert e2.step == 11 and e2.logprobs.tolist() == [-1.5, -2.5]

@@ -521,7 +521,7 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
         return engine.submit(ids, greedy, images=images or None)
 
     def step():
-        for image in engine.step().tiles_done:
+        for image in engine.tick().tiles_done:
             handed_back[id(image)] += 1
             for block in image.tiles:  # the caller reuses the memory at once
                 block[...] = np.random.default_rng(len(handed_back)).integers(0, 256, block.shape, np.uint8)
@@ -589,7 +589,7 @@ def test_a_prefix_hit_inside_an_image_skips_its_tiles(ours, vlm_path, params, hf
     try:
         first = engine.submit(ids, greedy, images=own_tiles(prepared))
         while not positions[len(positions) // 2] < first.num_prefilled:
-            engine.step()
+            engine.tick()
         engine.cancel(first)
         engine.run_until_idle()
         assert engine.stats()["encoder_cache_entries"] == 0  # its partly encoded entry is gone
@@ -597,7 +597,7 @@ def test_a_prefix_hit_inside_an_image_skips_its_tiles(ours, vlm_path, params, hf
         again = engine.submit(ids, greedy, images=own_tiles(prepared))
         steps, handed_back, released = 0, None, None
         while engine.has_work:
-            result = engine.step()
+            result = engine.tick()
             steps += 1
             if result.tiles_done:
                 handed_back = steps
@@ -636,7 +636,7 @@ def test_a_failed_encode_mid_image_forgets_the_entry(pipeline, ours, vlm_path, p
     try:
         first = engine.submit(ids, greedy, images=own_tiles(prepared))
         while engine.has_work:
-            handed_back.update(id(im) for im in engine.step().tiles_done)
+            handed_back.update(id(im) for im in engine.tick().tiles_done)
         assert first.finish_reason == FinishReason.ERROR and "boom" in first.error
         assert len(calls) == 2 and calls[0] < len(prepared[0].tiles)  # it failed mid-image
         assert engine.stats()["encoder_cache_entries"] == 0 and engine.idle

@@ -141,7 +141,8 @@ class TandemIngress:
         tokenizer = load_tokenizer(info["model"])
         self._bridge = ClusterBridge(replicas, tokenizer)
         self._ctx = Context(bridge=self._bridge, model=info["model"], tokenizer=tokenizer,
-                            adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")))
+                            adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")),
+                            family=info.get("family", "llama"))
         self._api_key = api_key
         self._metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from shared.arith import ceil_div
+
 BITMASK_DTYPE = np.int32
 
 
 def mask_words(vocab_size: int) -> int:
     """Number of int32 words in one bitmask row for ``vocab_size`` tokens."""
-    return (int(vocab_size) + 31) // 32
+    return ceil_div(int(vocab_size), 32)
 
 
 def allocate_bitmask(vocab_size: int, batch_size: int | None = None) -> np.ndarray:

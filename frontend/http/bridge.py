@@ -6,7 +6,10 @@ the ZeroMQ protocol (``TANDEM1`` + msgpack) over the server's
 request table are the server's own. One ``zmq.asyncio`` DEALER per loop
 carries every HTTP request; a reader task routes each reply by request id to
 that request's queue, and a writer task sends (so a cancel can be queued from
-anywhere, even from a ``finally`` of a cancelled task, without awaiting).
+anywhere, even from a ``finally`` of a cancelled task, without awaiting). The
+routing and the messages are the Python client's I/O-free core
+(``frontend/client.py``: ``_Demux``, ``_decode``, the info query): only the
+transport and the raw-message API the HTTP routes need are this module's.
 
 Fields are passed through as the HTTP layer mapped them: the server checks
 types and ranges and answers ``bad_request`` naming the field. A value that
@@ -20,10 +23,10 @@ import asyncio
 import itertools
 from typing import Any, AsyncIterator
 
-import msgpack
 import zmq
 import zmq.asyncio
 
+from ..client import _CLOSED, _Demux, _cancel_msg, _decode, _info
 from ..protocol import encode_message
 
 TERMINAL = ("done", "error")
@@ -35,9 +38,9 @@ class Bridge:
         self._ctx = zmq.asyncio.Context(shadow=context or zmq.Context.instance())
         self._endpoint = endpoint
         self._ids = itertools.count(1)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._infos: list[asyncio.Future] = []  # info answers come back in request order
-        self._outbox: asyncio.Queue | None = None
+        self._demux = _Demux()
+        self._closed_with = ("internal", "the server connection is closed")
+        self._to_send: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._sock: zmq.asyncio.Socket | None = None
 
@@ -48,7 +51,7 @@ class Bridge:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self._endpoint)
         self._sock = sock
-        self._outbox = asyncio.Queue()
+        self._to_send = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
 
     async def close(self, code: str = "internal", message: str = "the server connection is closed") -> None:
@@ -58,12 +61,13 @@ class Bridge:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
-        for q in self._queues.values():
-            q.put_nowait({"type": "error", "id": None, "code": code, "message": message})
-        self._queues.clear()
-        for f in self._infos:
-            if not f.done():
-                f.set_exception(ConnectionError("the server connection is closed"))
+        self._closed_with = (code, message)  # what each waiting call's error says
+        self._demux.close_all()  # each waiting call gets the closed mark
+
+    def gone(self) -> dict[str, Any]:
+        """The error a call gets when the connection closed under it (``close``'s code and message)."""
+        code, message = self._closed_with
+        return {"type": "error", "id": None, "code": code, "message": message}
 
     # ------------------------------------------------------------------ requests
     def generate(self, fields: dict[str, Any], session: str | None = None) -> "Call":
@@ -72,27 +76,34 @@ class Bridge:
         rid = f"h{next(self._ids)}"
         frames = encode_message({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = q
-        self._outbox.put_nowait(frames)
+        self._demux.add_request(rid, q)
+        self._to_send.put_nowait(frames)
         return Call(self, rid, q)
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
-        fut = asyncio.get_running_loop().create_future()
-        self._infos.append(fut)
-        self._send({"type": "info"})
-        return await asyncio.wait_for(fut, timeout)
+        """The server's info (``TimeoutError`` if it does not answer in time)."""
+        query, q = _info(), asyncio.Queue()
+        self._demux.add_query(query, q)
+        try:
+            self._send(query.msg)
+            reply = await asyncio.wait_for(q.get(), timeout)
+        except asyncio.TimeoutError:
+            reply = None
+        finally:
+            self._demux.remove_query(query, q)
+        return query.answer(reply)
 
     def cancel(self, rid: str) -> None:
         """Ask the server to end a request (its terminal ``done`` still arrives)."""
-        self._send({"type": "cancel", "id": rid})
+        self._send(_cancel_msg(rid))
 
     def _send(self, msg: dict) -> None:
-        self._outbox.put_nowait(encode_message(msg))
+        self._to_send.put_nowait(encode_message(msg))
 
     # ------------------------------------------------------------------ tasks
     async def _write(self) -> None:
         while True:
-            frames = await self._outbox.get()
+            frames = await self._to_send.get()
             await self._sock.send_multipart(frames)
 
     async def _read(self) -> None:
@@ -110,21 +121,9 @@ class Bridge:
                 self._route(frames)
 
     def _route(self, frames: list[bytes]) -> None:
-        msg = msgpack.unpackb(frames[1], raw=False)
-        t = msg.get("type")
-        if t == "info":
-            while self._infos:
-                fut = self._infos.pop(0)
-                if not fut.done():  # (one whose caller timed out is skipped)
-                    fut.set_result(msg)
-                    break
-            return
-        q = self._queues.get(msg.get("id"))
-        if q is None:
-            return  # a late reply to a request already finished here
-        if t in TERMINAL:
-            self._queues.pop(msg["id"], None)
-        q.put_nowait(msg)
+        msg = _decode(frames)
+        if msg is not None:
+            self._demux.dispatch(msg)  # (a late reply to a request already finished here is dropped)
 
 
 class Call:
@@ -147,7 +146,10 @@ class Call:
                 batch = [await q.get()]
                 while batch[-1]["type"] not in TERMINAL and not q.empty():
                     batch.append(q.get_nowait())
-                self.ended = batch[-1]["type"] in TERMINAL
+                if batch[-1] is _CLOSED:
+                    batch[-1] = self._bridge.gone()
+                if batch[-1]["type"] in TERMINAL:
+                    self._finish()
                 yield batch
                 if self.ended:
                     return
@@ -171,7 +173,9 @@ class Call:
 
     def abandon(self) -> None:
         if not self.ended:
-            self.ended = True
-            self._bridge._queues.pop(self.id, None)
+            self._finish()
             self._bridge.cancel(self.id)
 
+    def _finish(self) -> None:
+        self.ended = True
+        self._bridge._demux.remove_request(self.id)

@@ -27,6 +27,7 @@ class Context:
     tokenizer: Any = None  # for logprobs' token strings (decoding only)
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (--lora): OpenAI routes take them as models
     vision: bool = False  # the model takes images
+    family: str = "llama"  # llama | idefics3 | moondream (a Moondream model renders its own skill prompts)
     max_body_bytes: int = MAX_BODY_BYTES
 
 

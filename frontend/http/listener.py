@@ -8,6 +8,7 @@ message); the thread's loop runs the app and one ``Bridge`` into the server's
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import socket
 import threading
@@ -101,8 +102,10 @@ class HttpListener:
         bridge = Bridge(self._server.inproc_endpoint, self._server.ctx)
         await bridge.start()
         service = self._server.service
-        ctx = Context(bridge=bridge, model=service.config.model, tokenizer=service.tokenizer,
-                      adapters=tuple(service.adapters), vision=service.image_params is not None)
+        # The loop thread's tokenizer is its own (a Rust tokenizer borrowed by two threads at once
+        # may raise "Already borrowed"): this thread decodes logprobs' token strings with a copy.
+        ctx = Context(bridge=bridge, model=service.config.model, tokenizer=copy.deepcopy(service.tokenizer),
+                      adapters=tuple(service.adapters), vision=service.model.vision, family=service.model.family)
         app = build_app(ctx, self._server.metrics, self._health, self._api_key)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, ws="none", http=JsonErrorsH11Protocol)

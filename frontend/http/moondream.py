@@ -28,16 +28,23 @@ async def caption(ctx: Context, request: Request):
     body = await _body(ctx, request)
     images = _image(ctx, body, required=True)
     length = field(body, "length", str, "one of normal, short, long") or "normal"
-    fields = _skill(skills.caption, length, body.get("settings"))
+    if ctx.family == "moondream":
+        fields = _skill(skills.native, "caption", {"length": length}, body.get("settings"))
+    else:
+        fields = _skill(skills.caption, length, body.get("settings"))
     return await _text_answer(ctx, request, body, {**fields, **images}, "caption")
 
 
 async def query(ctx: Context, request: Request):
     body = await _body(ctx, request)
-    if body.get("reasoning"):
-        raise bad_request("reasoning is not supported by this model")
     images = _image(ctx, body, required=False)
-    fields = _skill(skills.query, body.get("question"), body.get("settings"))
+    if ctx.family == "moondream":
+        own = {k: body.get(k) for k in ("question", "reasoning", "spatial_refs")}
+        fields = _skill(skills.native, "query", own, body.get("settings"))
+    else:
+        if body.get("reasoning"):
+            raise bad_request("reasoning is not supported by this model")
+        fields = _skill(skills.query, body.get("question"), body.get("settings"))
     return await _text_answer(ctx, request, body, {**fields, **images}, "answer")
 
 
@@ -78,7 +85,11 @@ def _skill(fn, *args) -> dict[str, Any]:
 async def _located(ctx: Context, request: Request, fn, key: str):
     body = await _body(ctx, request)
     images = _image(ctx, body, required=True)
-    fields = _skill(fn, body.get("object"), body.get("settings"))
+    if ctx.family == "moondream":
+        fields = _skill(skills.native, "point" if key == "points" else "detect", {"object": body.get("object")},
+                        body.get("settings"))
+    else:
+        fields = _skill(fn, body.get("object"), body.get("settings"))
     call = ctx.bridge.generate({**fields, **images, "stream": False}, session=session_of(request, body))
     done = await run_to_end(request, call)
     if "output" not in done and done["finish_reason"] == "length":  # the settings' doing, not the server's
@@ -95,8 +106,9 @@ async def _text_answer(ctx: Context, request: Request, body: dict, fields: dict,
     call = ctx.bridge.generate({**fields, "stream": stream}, session=session_of(request, body))
     if not stream:
         done = await run_to_end(request, call)
-        return JSONResponse({key: done["text"], "finish_reason": done["finish_reason"], "usage": done["usage"],
-                             "request_id": done["id"]})
+        reasoning = {"reasoning": done["reasoning"]} if "reasoning" in done else {}
+        return JSONResponse({key: done["text"], **reasoning, "finish_reason": done["finish_reason"],
+                             "usage": done["usage"], "request_id": done["id"]})
     events = call.events()
     first = await first_event(request, events)
     return sse_response(_stream(call, events, first))

@@ -54,8 +54,8 @@ Device copies: the worker may page-lock the whole mapping once (e.g.
 long) and let the GPU write sampled token ids straight into a reserved slot:
 ``p = writer.reserve()``; ``torch.from_numpy(p.token_ids[:n]).copy_(dev_ids,
 non_blocking=True)``; record an event; later, once the event has completed,
-``writer.commit(p, step, kind, seq_ids, flags)`` stamps the tagged words (from
-the staging row) and the commit word. Reservations commit in order.
+``writer.stamp(p, step, kind, seq_ids, flags)`` stamps the tagged words (from
+the staging row) and the commit word. Reservations are stamped in order.
 
 Each ring has exactly one writer object and one reader object, each used from
 a single thread.

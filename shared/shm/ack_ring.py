@@ -9,7 +9,7 @@ import numpy as np
 from .errors import AckRingFull, RingCorrupt
 from shared.finish import FinishReason
 
-from .layout import _H_ACK_CONSUMED, _H_CONSUMED
+from .layout import _H_ACK_CONSUMED
 from .tags import _LOW, _SHIFT, _U32, _TornClock, _prev_tag, _tag, _tags
 
 if TYPE_CHECKING:
@@ -74,10 +74,6 @@ class AckReader:
         self._next = arena._hword(_H_ACK_CONSUMED)
         self._chunk = min(chunk, self._cap)
         self._torn = _TornClock(corrupt_after_s)
-
-    def consumed_seq(self) -> int:
-        """Token-ring entries the frontend has consumed (its ``consumed`` word)."""
-        return self._a._hword(_H_CONSUMED)
 
     def poll(self) -> list[AckEvent]:
         # Fast path for the common "nothing new" case: one scalar read.

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shared.arith import ceil_div
+
 if TYPE_CHECKING:
     from .arena import Arena
 
 
 def slots_for(num_tiles: int, slot_tiles: int) -> int:
-    return -(-num_tiles // slot_tiles)
+    return ceil_div(num_tiles, slot_tiles)
 
 
 class ImageSlotWriter:

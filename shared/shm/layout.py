@@ -9,6 +9,8 @@ from enum import IntEnum, IntFlag
 
 import numpy as np
 
+from shared.arith import ceil_div
+
 MAGIC = int.from_bytes(b"TANDEMAR", "little")
 LAYOUT_VERSION = 4  # 4: token-ring rows carry region values
 CACHE_LINE = 64
@@ -59,7 +61,7 @@ _MAX_ROWS_LIMIT = 1 << 24
 
 
 def _align(n: int, a: int = CACHE_LINE) -> int:
-    return (n + a - 1) // a * a
+    return ceil_div(n, a) * a
 
 
 # ---------------------------------------------------------------------- layout
@@ -87,7 +89,7 @@ class Layout:
     @property
     def mask_words(self) -> int:
         """int32 words per mask row: ceil(vocab / 32)."""
-        return (self.vocab_size + 31) // 32
+        return ceil_div(self.vocab_size, 32)
 
     def regions(self) -> dict[str, tuple[int, tuple[int, ...], np.dtype]]:
         """name -> (offset, shape, dtype). Row strides are padded so that every

@@ -1,7 +1,7 @@
 """The token ring, worker -> frontend: one slot per committed step
 (``TokenRingWriter`` in the worker, ``TokenRingReader`` in the frontend).
 
-The slot layout, back-pressure and device copies (``reserve`` / ``commit``)
+The slot layout, back-pressure and device copies (``reserve`` / ``stamp``)
 are described in the package docstring (``shared.shm``)."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Entry(NamedTuple):
 class PendingEntry:
     """A reserved slot. ``token_ids`` is its int32 staging row (``max_rows``
     long, page-locked arena memory) that a device copy may write into before
-    ``commit``; what the entry holds (step, kind, rows) is decided at commit."""
+    ``stamp``; what the entry holds (step, kind, rows) is decided when it is stamped."""
     position: int
     slot: int
     token_ids: np.ndarray
@@ -60,10 +60,10 @@ def _as_u32(name: str, a, n: int) -> np.ndarray:
 
 
 class TokenRingWriter:
-    """Worker side of the token ring. ``publish`` = ``reserve`` + ``commit``.
+    """Worker side of the token ring. ``publish`` = ``reserve`` + ``stamp``.
 
     Several reservations may be outstanding (pipelined device copies) but they
-    must be committed in reservation order.
+    must be stamped in reservation order.
     """
 
     def __init__(self, arena: Arena, spin_s: float = 2e-5, slice_s: float = 0.05):
@@ -74,7 +74,7 @@ class TokenRingWriter:
         self._rows = arena.region("ring_rows")
         self._stage = arena.region("ring_stage")
         self._next = 0         # next position to reserve
-        self._commit_next = 0  # next position to commit
+        self._stamp_next = 0  # next position to stamp
         self._waiter = _Waiter(arena.wake.space, spin_s, slice_s)
         self.blocked = 0       # reservations that found the ring full
 
@@ -108,15 +108,15 @@ class TokenRingWriter:
                               f"(consumed={self.consumed()}, next={self._next})")
         return self.try_reserve()
 
-    def commit(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, logprobs=None,
-               token_ids=None, values=None) -> int:
+    def stamp(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, logprobs=None,
+              token_ids=None, values=None) -> int:
         """Fill a reserved entry with one step's rows and publish it. Token ids
         come from ``token_ids`` if given, else from the first rows of
         ``p.token_ids`` (the staging row a device copy wrote: that copy must
         have completed, e.g. after ``event.synchronize()``). ``values``: float32 [rows, 3]
         region values (Moondream). Returns the ring position."""
-        if p.position != self._commit_next:
-            raise ValueError(f"commit out of order: got position {p.position}, expected {self._commit_next}")
+        if p.position != self._stamp_next:
+            raise ValueError(f"stamp out of order: got position {p.position}, expected {self._stamp_next}")
         return self._write(p, *self._validate(step, kind, seq_ids, flags, token_ids, logprobs, values))
 
     def _validate(self, step: int, kind: Kind, seq_ids, flags, token_ids, logprobs, values=None) -> tuple:
@@ -152,19 +152,19 @@ class TokenRingWriter:
         meta[_M_STEP_HI] = hi | (step >> 32)
         # ... the commit word last: readers key on it.
         meta[_M_COMMIT] = hi | n | (int(kind) << 24) | (int(has_lp) << 28) | (int(has_values) << 29)
-        self._commit_next += 1
+        self._stamp_next += 1
         _signal(self._a.wake.tokens)
         return p.position
 
     def _no_outstanding(self) -> None:
-        if self._commit_next != self._next:
-            raise ValueError("publish while reservations are outstanding: commit them first")
+        if self._stamp_next != self._next:
+            raise ValueError("publish while reservations are outstanding: stamp them first")
 
     def try_publish(self, step: int, kind: Kind, seq_ids, token_ids, flags, logprobs=None
                     ) -> Optional[int]:
         """Non-blocking publish: the ring position, or None if the ring is full."""
         if token_ids is None:
-            raise ValueError("publish needs token_ids (use reserve/commit for device copies)")
+            raise ValueError("publish needs token_ids (use reserve/stamp for device copies)")
         entry = self._validate(step, kind, seq_ids, flags, token_ids, logprobs)
         self._no_outstanding()
         p = self.try_reserve()
@@ -175,7 +175,7 @@ class TokenRingWriter:
         """Publish one step; blocks while the ring is full (see ``reserve``)."""
         # Validate before reserving so a bad call never leaves a dangling slot.
         if token_ids is None:
-            raise ValueError("publish needs token_ids (use reserve/commit for device copies)")
+            raise ValueError("publish needs token_ids (use reserve/stamp for device copies)")
         entry = self._validate(step, kind, seq_ids, flags, token_ids, logprobs)
         self._no_outstanding()
         p = self.reserve(timeout=timeout, abort=abort)

@@ -1,4 +1,4 @@
-"""KV pages shared by refcount, with a prefix cache of full pages (docs/DESIGN.md §4.8).
+"""The KV page pool: pages shared by refcount, with the prefix cache of full pages (docs/DESIGN.md §4.8).
 
 A full page is named by a chained hash: the hash of its parent page's hash,
 its token ids and a salt (what else decides its KV: an adapter, image
