@@ -46,7 +46,7 @@ class ClusterBridge:
         self._stream = replicas.options(stream=True)
         self._tokenizer = tokenizer
         self._ids = itertools.count(1)
-        self._queues: dict[str, asyncio.Queue] = {}  # Call.abandon drops its own
+        self._queues: dict[str, asyncio.Queue] = {}  # Call.forget drops its own
         self._pumps: dict[str, asyncio.Task] = {}
 
     def generate(self, fields: dict[str, Any], session: str | None = None) -> Call:
@@ -62,6 +62,9 @@ class ClusterBridge:
         info = await asyncio.wait_for(self._replicas.info.remote(), timeout)
         _note_replica(info["replica"])
         return info
+
+    def forget(self, rid: str) -> None:
+        self._queues.pop(rid, None)
 
     def cancel(self, rid: str) -> None:
         pump = self._pumps.get(rid)

@@ -64,6 +64,10 @@ class Bridge:
         self._closed_with = (code, message)  # what each waiting call's error says
         self._demux.close_all()  # each waiting call gets the closed mark
 
+    def forget(self, rid: str) -> None:
+        """A call ended (or was abandoned): a late message for it is dropped."""
+        self._demux.remove_request(rid)
+
     def gone(self) -> dict[str, Any]:
         """The error a call gets when the connection closed under it (``close``'s code and message)."""
         code, message = self._closed_with
@@ -178,4 +182,4 @@ class Call:
 
     def _finish(self) -> None:
         self.ended = True
-        self._bridge._demux.remove_request(self.id)
+        self._bridge.forget(self.id)
