@@ -110,7 +110,7 @@ def profile(args) -> None:
             model(prompt, prefill, kv, prefill_rows)
         ids = torch.from_numpy(rng.integers(3, model.config.vocab_size, streams)).to(dev)
 
-        def step(i, m=model):
+        def step(i, m=model, tables=tables, pages_per_seq=pages_per_seq, ids=ids, kv=kv, streams=streams):
             batch = Batch.build([(args.context + i, 1, t) for t in tables], page, device=dev,
                                 num_pages_per_seq=pages_per_seq)
             return m(ids, batch, kv, torch.arange(streams, device=dev))
@@ -120,7 +120,9 @@ def profile(args) -> None:
             step(0)
         first_s = time.perf_counter() - t0
         if plain is not None:
-            compare_pack(model, plain, step, lambda m: m(prompt, prefill, kv, prefill_rows), args.steps)
+            def prefill_step(m, prompt=prompt, prefill=prefill, kv=kv, rows=prefill_rows):
+                return m(prompt, prefill, kv, rows)
+            compare_pack(model, plain, step, prefill_step, args.steps)
         times, cpu = [], []
         with torch.inference_mode():
             for i in range(args.steps):
