@@ -16,6 +16,8 @@ neither ``close()`` nor a killed frontend leaves a pool process behind.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import multiprocessing
 import os
@@ -330,7 +332,9 @@ def test_bad_image_input_is_a_bad_request_for_that_request_only(case, server):
 
 
 def test_images_to_a_text_only_model_are_refused(server, monkeypatch):
-    monkeypatch.setattr(server.svc, "image_params", None)  # what a text-only model's service has
+    # what a text-only model's service has
+    monkeypatch.setattr(server.svc, "model", dataclasses.replace(server.svc.model, vision=False))
+    monkeypatch.setattr(server.svc, "image_params", None)
     server.send({"type": "generate", "id": "t", "prompt": "<image>x", "images": [WIDE[0]]})
     msg = server.until_terminal("t")
     assert msg["code"] == "bad_request" and "takes no images" in msg["message"]
