@@ -209,7 +209,7 @@ def test_malformed_http_framing_is_a_json_400(live, request_bytes):
 def test_as_many_messages_as_the_context_has_tokens_are_refused_before_rendering(live, http):
     """30,000 empty messages rendered by the chat template hold the server loop for about a
     second before the prompt is found too long; they are refused by their count instead."""
-    limit = live.server.max_model_len - 1
+    limit = live.server.gate.max_model_len - 1
     body = {"messages": [{"role": "user", "content": ""}] * 30_000, "max_tokens": 2}
     err = error_of(http.post(CHAT, json=body), 413)
     assert err["code"] == "too_long" and f"30000 entries, the limit is {limit}" in err["message"], err
@@ -289,7 +289,7 @@ def test_an_internal_error_ends_its_request_for_every_client(live, http):
     def broken(msg):
         raise RuntimeError("a bug while rendering")
 
-    live.server._prompt_ids = broken  # read by the server thread at each admission
+    live.server.gate._prompt_ids = broken  # read by the server thread (its Gate) at each admission
     try:
         r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2}, timeout=20)
         err = error_of(r, 500)
@@ -304,7 +304,7 @@ def test_an_internal_error_ends_its_request_for_every_client(live, http):
             conn.close()
             zctx.term()
     finally:
-        del live.server._prompt_ids
+        del live.server.gate._prompt_ids
     still_serves(http)
     live.wait_idle()
 
