@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpu_worker.batch import Batch
+from gpu_worker.cpu_kernels import MAX_QUERY_LEN as MAX_FUSED_QUERY_LEN
+from gpu_worker.cpu_kernels import CpuKernels
 from gpu_worker.kv_cache import PagedKVCache
 
 # Default cap on the rope table length when the engine does not pass max_model_len.
@@ -167,13 +169,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     """Attention of the packed queries q [T, H, D] over their sequences' cached keys, after
     writing this forward's k, v [T, Hkv, D] into the cache -> [T, H * D]. ``mask``: see
     :func:`attention_mask`."""
-    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+    Hkv, D = k.shape[1], k.shape[2]
     # Write the new K/V into their slots first, so the gather below sees
     # the whole sequence (cached prefix + this chunk) in one place.
-    page_size = kv.k.shape[2]
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
     k_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    return attend_pages(q, layer_idx, batch, kv, mask)
+
+
+def attend_pages(q: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache, mask: torch.Tensor) -> torch.Tensor:
+    """The attention half of :func:`paged_attention`: q [T, H, D] over the cached keys (this
+    forward's already written) -> [T, H * D]."""
+    H, D = q.shape[1], q.shape[2]
+    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
 
     # Gather each sequence's pages into a contiguous [S, L, Hkv, D], L = P * page_size;
     # key slot j of that layout is position j of the sequence. index_select copies whole
@@ -303,6 +313,8 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_model_len = max_model_len or min(config.max_position_embeddings, MAX_ROPE_LEN)
+        # The fused CPU kernels (cpu_kernels.py), attached by the runner for bf16 on a CPU; None: eager.
+        self.cpu_kernels: CpuKernels | None = None
         if torch.device(device).type != "meta":
             self._init_rope(device)
 
@@ -327,9 +339,11 @@ class Llama(nn.Module):
         if image_features is not None:
             index, features = image_features
             x = x.index_copy(0, index, features.to(x.dtype))
+        kernels = self.cpu_kernels
+        if kernels is not None and x.dtype == kv.k.dtype:
+            return self.lm_head(self._fused_layers(x, batch, kv, kernels)[logits_indices]).float()
         cos = self.rope_cos[batch.positions].to(x.dtype)
         sin = self.rope_sin[batch.positions].to(x.dtype)
-
         mask = attention_mask(batch, kv, self.config.num_attention_heads // self.config.num_key_value_heads)
 
         for layer in self.layers:
@@ -338,6 +352,39 @@ class Llama(nn.Module):
         # during prefill that is one row per sequence, not every prompt token.
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
+
+    def _fused_layers(self, x: torch.Tensor, batch: Batch, kv: PagedKVCache, kernels: "CpuKernels") -> torch.Tensor:
+        """The decoder layers and the final norm through the fused CPU kernels (``cpu_kernels.c``): the
+        eager layers' math, with the four matmuls between five kernel calls per layer. ``x`` is updated
+        in place (the residual stream); returns norm(x) for every row."""
+        cfg = self.config
+        H, Hkv, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        # Decode (a chunk of at most MAX_FUSED_QUERY_LEN tokens): attention reads the pages where
+        # they are. A batch with longer chunks runs SDPA over the gathered pages, then the kernel
+        # rewrites its short chunks' rows, so a row's numerics never depend on its batch.
+        seq_of_token = batch.token_to_padded // batch.max_query_len
+        mask = short_rows = None
+        if batch.max_query_len > MAX_FUSED_QUERY_LEN:
+            mask = attention_mask(batch, kv, H // Hkv)
+            chunk_len = torch.bincount(seq_of_token, minlength=batch.num_seqs)[seq_of_token]
+            short_rows = torch.nonzero(chunk_len <= MAX_FUSED_QUERY_LEN).view(-1)
+        h = kernels.add_rmsnorm(x, None, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = kv.k[i], kv.v[i]
+            q = kernels.rope_kv(attn.qkv_proj(h), self.rope_cos, self.rope_sin, batch.positions, batch.slot_mapping,
+                                k_cache, v_cache, H, Hkv, D)
+            if mask is None:
+                o = kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv)
+            else:
+                o = attend_pages(q, i, batch, kv, mask)
+                if short_rows.numel():
+                    kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv,
+                                      short_rows, o)
+            h = kernels.add_rmsnorm(x, attn.o_proj(o), layer.post_attention_layernorm.weight, eps)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = kernels.add_rmsnorm(x, mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h))), after.weight, eps)
+        return h
 
     def num_params(self) -> int:
         """Parameter count, tied embeddings counted once."""

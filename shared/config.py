@@ -40,6 +40,7 @@ class EngineConfig:
                                      "else float32).")
     cuda_graphs: bool = True
     prepack: bool = True  # bf16 on a CPU: matmul weights prepacked for oneDNN (gpu_worker.model.PackedLinear)
+    cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused (gpu_worker/cpu_kernels.c)
     encoder_cache_mb: float = _about(256.0, "Vision models: device memory for image features kept for reuse "
                                             "(unreferenced ones, LRU).")
     debug: bool = False

@@ -1,0 +1,152 @@
+"""The fused CPU kernels of ``cpu_kernels.c``: built once per machine, called through ctypes.
+
+:func:`load` compiles the C file with the system's C compiler (``cc -O3
+-march=native -fopenmp``, about a second) into ``~/.cache/tandem/kernels/``
+under a name that hashes the source, the flags and the CPU, and loads it;
+without a compiler it returns None and the model keeps its eager path
+(``Llama.forward`` uses the kernels only when a :class:`CpuKernels` is attached).
+
+Each method takes contiguous CPU tensors of one dtype (bfloat16 or float32) and
+allocates its output. ctypes drops the GIL for the call, so another Python thread
+runs while a kernel does.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC")
+# The attention kernel is two plain passes per (token, kv head): right for decode (a few
+# queries per sequence), slower than SDPA's blocked kernel for a long prompt chunk. A sequence's
+# chunk of at most this many tokens goes to the kernel, a longer one to SDPA, whatever else
+# shares the batch: a row's numerics never depend on its neighbours.
+MAX_QUERY_LEN = 4
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "add_rmsnorm": (_P, _P, _P, _P, _I, _I, _F, ctypes.c_int),
+    "rope_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int),
+    "attention": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_int),
+    "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
+}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU model and its flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """The shared library, compiled if this machine has none yet; raises if it cannot be."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode() + _cpu_id().encode()).hexdigest()[:16]
+    cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem" / "kernels"
+    lib = cache_dir / f"cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: processes building at once never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+class CpuKernels:
+    """Typed wrappers of the library's functions; see ``cpu_kernels.c`` for what each computes."""
+
+    def __init__(self, lib: Path):
+        self.path = lib
+        dll = ctypes.CDLL(str(lib))
+        self._fn = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, sfx in _SUFFIX.items():
+                fn = getattr(dll, f"{name}_{sfx}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fn[name, dtype] = fn
+        self._scratch = torch.empty(0)
+
+    def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x += y`` in place (rounded as the eager add), then rmsnorm(x) * weight -> a new tensor."""
+        h = torch.empty_like(x)
+        self._fn["add_rmsnorm", x.dtype](x.data_ptr(), None if y is None else y.data_ptr(), weight.data_ptr(),
+                                         h.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return h
+
+    def rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+                head_dim: int) -> torch.Tensor:
+        """Rotary on q and k of the fused qkv rows [T, (H + 2 Hkv) D] at ``positions`` (float32 tables
+        [len, D / 2]); k and v written into the cache slots ``slot_mapping``; -> q [T, H, D]."""
+        T = qkv.shape[0]
+        q = torch.empty((T, heads, head_dim), dtype=qkv.dtype)
+        self._fn["rope_kv", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                       slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+                                       T, heads, kv_heads, head_dim, torch.get_num_threads())
+        return q
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_of_token: torch.Tensor, positions: torch.Tensor, kv_heads: int, rows: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of q [T, H, D] over the pages of each token's sequence -> [T, H * D].
+        ``rows`` (int64): only these tokens, written into ``out``; the other rows are left as they are."""
+        T, H, D = q.shape
+        page_size = k_cache.shape[1]
+        max_len = block_tables.shape[1] * page_size
+        threads = torch.get_num_threads()
+        need = threads * (H // kv_heads) * max_len
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        if out is None:
+            out = torch.empty((T, H * D), dtype=q.dtype)
+        self._fn["attention", q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                                       block_tables.shape[1], page_size, seq_of_token.data_ptr(), positions.data_ptr(),
+                                       out.data_ptr(), None if rows is None else rows.data_ptr(),
+                                       T if rows is None else rows.numel(), H, kv_heads, D, max_len,
+                                       self._scratch.data_ptr(), threads)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused [T, 2 I] rows -> [T, I]."""
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._fn["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                                            torch.get_num_threads())
+        return out
+
+
+def load(cache_dir: Path | None = None) -> CpuKernels | None:
+    """The kernels for this machine, or None (logged) where they cannot be built."""
+    try:
+        return CpuKernels(build(cache_dir))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("fused CPU kernels unavailable, using the eager forward: %s", e)
+        return None

@@ -1,0 +1,219 @@
+"""The fused CPU kernels (gpu_worker/cpu_kernels.c) against the eager PyTorch ops they replace.
+
+Each kernel alone, in float32 (agreement to float32 rounding) and bfloat16 (the eager path's
+op-by-op rounding, so equal or one bf16 ulp apart), on shapes with vector tails (dims that are
+not multiples of 16), GQA groups and sequences that end mid-page; then the whole forward, fused
+against eager, and the invariant the engine relies on: which attention a row gets does not depend on the
+other rows of its batch (decode rows beside a long prompt chunk).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker import cpu_kernels
+from gpu_worker.batch import Batch
+from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.model import Llama, LlamaConfig, RMSNorm, apply_rope, attention_mask, paged_attention
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    assert k is not None, "the fused CPU kernels did not build (is a C compiler installed?)"
+    return k
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in units of b's last place at its own dtype (bf16: 8 bits, fp32: 24)."""
+    bits = 8 if b.dtype == torch.bfloat16 else 24
+    a, b = a.double(), b.double()
+    scale = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - (bits - 1))
+    return ((a - b).abs() / scale).max().item()
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 40), (33, 576)])
+def test_add_rmsnorm(kernels, dtype, rows, dim):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, dim, generator=g).to(dtype)
+    y = torch.randn(rows, dim, generator=g).to(dtype)
+    norm = RMSNorm(dim, 1e-5, dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype)
+    with torch.inference_mode():
+        want_x = x + y
+        want = norm(want_x)
+        got_x = x.clone()
+        got = kernels.add_rmsnorm(got_x, y, norm.weight, 1e-5)
+        assert torch.equal(got_x, want_x)  # the residual add rounds as the eager add
+        assert ulps(got, want) <= (1 if dtype == torch.bfloat16 else 8)
+        alone = kernels.add_rmsnorm(want_x.clone(), None, norm.weight, 1e-5)  # no residual: the norm alone
+        assert torch.equal(alone, got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_writes_the_cache_and_ropes_q(kernels, dtype):
+    T, H, Hkv, D, page_size = 5, 6, 2, 24, 4
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), 1.0 / (10000 ** (torch.arange(0, D, 2) / D)))
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.tensor([0, 7, 8, 30, 63])
+    slots = torch.tensor([3, 17, 4, 9, 30])
+    k_cache = torch.zeros(8, page_size, Hkv, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    with torch.inference_mode():
+        q = kernels.rope_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, H, Hkv, D)
+        c, s = cos[positions].to(dtype), sin[positions].to(dtype)
+        qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), c, s)
+        assert torch.equal(q, qk[:, :H])
+        assert torch.equal(k_cache.view(-1, Hkv, D)[slots], qk[:, H:])
+        assert torch.equal(v_cache.view(-1, Hkv, D)[slots], qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
+        untouched = torch.ones(k_cache.view(-1, Hkv, D).shape[0], dtype=torch.bool)
+        untouched[slots] = False
+        assert not k_cache.view(-1, Hkv, D)[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(kernels, dtype):
+    g = torch.Generator().manual_seed(1)
+    gate_up = (4 * torch.randn(7, 2 * 100, generator=g)).to(dtype)
+    with torch.inference_mode():
+        gate, up = gate_up.chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        got = kernels.silu_mul(gate_up)
+    assert ulps(got, want) <= (1 if dtype == torch.bfloat16 else 16)
+
+
+def _paged_case(dtype, lens, chunk, H=6, Hkv=2, D=24, page_size=4):
+    """Sequences of ``lens`` cached tokens whose last ``chunk[i]`` tokens are this forward's queries."""
+    g = torch.Generator().manual_seed(2)
+    pages_per_seq = max(-(-n // page_size) for n in lens)
+    kv = PagedKVCache(1, 1 + len(lens) * pages_per_seq, page_size, Hkv, D, dtype)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    # Pages handed out backwards, so no sequence's pages are contiguous or in order.
+    tables = [list(range(1 + (i + 1) * pages_per_seq - 1, i * pages_per_seq, -1)) for i in range(len(lens))]
+    batch = Batch.build([(n - c, c, t) for n, c, t in zip(lens, chunk, tables)], page_size)
+    q = torch.randn(batch.num_tokens, H, D, generator=g).to(dtype)
+    return q, kv, batch, Hkv
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_over_pages_in_place(kernels, dtype):
+    """Decode (one query per sequence) and short chunks (causal within the chunk) against SDPA over
+    the gathered pages; lengths end mid-page and cross pages."""
+    q, kv, batch, Hkv = _paged_case(dtype, lens=[1, 5, 13, 32], chunk=[1, 2, 4, 1])
+    seq = batch.token_to_padded // batch.max_query_len
+    with torch.inference_mode():
+        got = kernels.attention(q, kv.k[0], kv.v[0], batch.block_tables, seq, batch.positions, Hkv)
+        from gpu_worker.model import attend_pages
+        want = attend_pages(q, 0, batch, kv, attention_mask(batch, kv, q.shape[1] // Hkv))
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    # rows: only the listed tokens are written.
+    out = torch.full_like(want, 7.0)
+    rows = torch.tensor([0, 3])
+    kernels.attention(q, kv.k[0], kv.v[0], batch.block_tables, seq, batch.positions, Hkv, rows, out)
+    assert torch.equal(out[rows], got[rows])
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert (out[others] == 7.0).all()
+
+
+TINY = LlamaConfig(vocab_size=96, hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=6,
+                   num_key_value_heads=2, head_dim=24, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+
+def _forward(model, kv, chunks, ids):
+    batch = Batch.build(chunks, kv.page_size)
+    ends = torch.cumsum(torch.tensor([c[1] for c in chunks]), 0) - 1
+    return model(ids, batch, kv, ends)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_forward_matches_eager_and_is_batch_independent(kernels, dtype):
+    """Prefill (a long chunk: SDPA), then decode steps, fused against eager on copies of one cache;
+    then a decode row batched beside a long prompt chunk still takes the kernel."""
+    model = Llama.random(TINY, seed=3, dtype=dtype)
+    page_size = 4
+    g = torch.Generator().manual_seed(4)
+    caches = {name: PagedKVCache.from_config(TINY, 40, page_size, dtype, "cpu") for name in ("eager", "fused")}
+    tables = [list(range(1, 9)), list(range(9, 17))]
+    prompt = torch.randint(0, TINY.vocab_size, (2 * 11,), generator=g)
+    steps = [((0, 11, tables[0]), (0, 11, tables[1]), prompt)]
+    for i in range(4):
+        steps.append(((11 + i, 1, tables[0]), (11 + i, 1, tables[1]), torch.randint(0, 96, (2,), generator=g)))
+    tol = dict(atol=0.1, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-5)
+    with torch.inference_mode():
+        for a, b, ids in steps:
+            model.cpu_kernels = None
+            eager = _forward(model, caches["eager"], [a, b], ids)
+            model.cpu_kernels = kernels
+            fused = _forward(model, caches["fused"], [a, b], ids)
+            torch.testing.assert_close(fused, eager, **tol)
+        if dtype == torch.bfloat16:  # non-vacuity: the fused path really ran (bf16 rounds differently)
+            assert not torch.equal(fused, eager)
+        torch.testing.assert_close(caches["fused"].k, caches["eager"].k, **tol)
+
+        # Batch independence: beside a 9-token chunk of a third sequence (the SDPA branch for that
+        # chunk), sequence 0's decode row still goes through the kernel, alone (its output rows are
+        # computed row by row, test_attention_over_pages_in_place), in every layer.
+        calls = []
+
+        class Recording:
+            def __getattr__(self, name):
+                return getattr(kernels, name)
+
+            def attention(self, *args, **kw):
+                calls.append(None if len(args) < 8 else args[7].tolist())
+                return kernels.attention(*args, **kw)
+
+        model.cpu_kernels = Recording()
+        other = torch.randint(0, 96, (9,), generator=g)
+        _forward(model, caches["fused"], [(15, 1, tables[0]), (0, 9, list(range(17, 20)))],
+                 torch.cat([torch.tensor([5]), other]))
+        assert calls == [[0]] * TINY.num_hidden_layers
+        calls.clear()
+        _forward(model, caches["fused"], [(16, 1, tables[0]), (9, 1, list(range(17, 20)))], torch.tensor([5, 6]))
+        assert calls == [None] * TINY.num_hidden_layers  # decode only: every row, no SDPA
+
+
+def test_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch):
+    lib = cpu_kernels.build(tmp_path)
+    stamp = lib.stat().st_mtime_ns
+    assert cpu_kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    assert cpu_kernels.load() is None
+
+
+def test_engine_attaches_the_kernels_for_bf16_on_a_cpu_only():
+    from gpu_worker.engine import Engine, EngineConfig
+
+    for dtype, enabled, want in (("bfloat16", True, True), ("bfloat16", False, False), ("float32", True, False)):
+        eng = Engine(EngineConfig(model="tiny-random", device="cpu", dtype=dtype, cpu_kernels=enabled, kv_pages=64))
+        try:
+            assert (eng.runner.model.cpu_kernels is not None) == want, (dtype, enabled)
+        finally:
+            eng.close()
+
+
+def test_paged_attention_eager_still_writes_then_attends():
+    """The eager path the fused one falls back to: paged_attention = write k, v + attend_pages."""
+    q, kv, batch, Hkv = _paged_case(torch.float32, lens=[6], chunk=[6])
+    k = torch.randn(batch.num_tokens, Hkv, q.shape[2])
+    v = torch.randn_like(k)
+    mask = attention_mask(batch, kv, q.shape[1] // Hkv)
+    out = paged_attention(q, k, v, 0, batch, kv, mask)
+    assert torch.equal(kv.k[0].reshape(-1, Hkv, q.shape[2])[batch.slot_mapping], k)
+    assert out.shape == (batch.num_tokens, q.shape[1] * q.shape[2])
