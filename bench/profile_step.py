@@ -10,7 +10,9 @@ profiler. Printed: the ops that take the time (self CPU time per step, calls per
 step) and a per-part breakdown (attention, MLP, norms, lm_head, the rest of the
 forward), from profiler ranges around each module.
 
-The model is the engine's: bf16 linears prepacked for oneDNN on a CPU (``--no-pack``: plain).
+The model is the engine's: bf16 linears prepacked for oneDNN on a CPU (``--no-pack``: plain), and
+the fused CPU kernels for everything else (``--no-kernels``: the eager ops; in the profile each
+kernel call is a range ``cpu_kernels::<name>``).
 """
 from __future__ import annotations
 
@@ -51,6 +53,23 @@ def _part_ranges(model):
             wrap(m, "norm")
     wrap(model.lm_head, "lm_head")
     return handles
+
+
+class _Ranged:
+    """The fused CPU kernels, each call inside a profiler range named ``cpu_kernels::<name>``."""
+
+    def __init__(self, kernels):
+        self._kernels = kernels
+
+    def __getattr__(self, name):
+        import torch
+
+        fn = getattr(self._kernels, name)
+
+        def ranged(*args, **kw):
+            with torch.profiler.record_function(f"cpu_kernels::{name}"):
+                return fn(*args, **kw)
+        return ranged
 
 
 def compare_pack(packed, plain, step, prefill, steps: int) -> None:
@@ -94,9 +113,14 @@ def profile(args) -> None:
         plain = load_model(args.model, args.device, args.dtype, 0, 2048).llama
     if args.pack:
         pack_linears(model)
+    if args.kernels and dev == "cpu" and loaded.dtype == torch.bfloat16:
+        from gpu_worker import cpu_kernels
+
+        model.cpu_kernels = cpu_kernels.load()
     page = 16
     print(f"model {args.model} dtype {loaded.dtype} threads {torch.get_num_threads()} "
           f"packed linears {any(isinstance(m, PackedLinear) for m in model.modules())} "
+          f"fused kernels {model.cpu_kernels is not None} "
           f"load {os.getloadavg()[0]:.2f}")
     for streams in args.streams:
         pages_per_seq = -(-(args.context + args.steps + 1) // page)
@@ -138,6 +162,9 @@ def profile(args) -> None:
               f"CPU {statistics.median(cpu):.2f} ms; "
               f"first call {first_s:.1f} s; load {os.getloadavg()[0]:.2f}")
         handles = _part_ranges(model)
+        kernels = model.cpu_kernels
+        if kernels is not None:  # ctypes calls are invisible to the profiler: a range around each
+            model.cpu_kernels = _Ranged(kernels)
         acts = [torch.profiler.ProfilerActivity.CPU]
         on_gpu = dev != "cpu"
         if on_gpu:
@@ -149,6 +176,7 @@ def profile(args) -> None:
                 torch.cuda.synchronize()
         for h in handles:
             h.remove()
+        model.cpu_kernels = kernels
         events = prof.key_averages()
         # On a GPU an op's time is its kernels' (self device time); on a CPU its self CPU time.
         own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
@@ -178,6 +206,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", default=20, type=int)
     ap.add_argument("--threads", default=0, type=int, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="plain linears (no oneDNN prepacking)")
+    ap.add_argument("--no-kernels", dest="kernels", action="store_false",
+                    help="the eager forward (no fused CPU kernels, gpu_worker/cpu_kernels.c)")
     ap.add_argument("--compare-pack", action="store_true",
                     help="also time packed vs plain linears, alternating (CPU time, decode and prefill)")
     ap.add_argument("--top", default=14, type=int)

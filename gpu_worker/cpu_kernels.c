@@ -158,7 +158,7 @@ static inline vf v_exp(vf x) {
 
 /* Work below this many elements runs on the calling thread alone: a parallel
  * region costs more than it saves there. */
-#define PAR_MIN 16384
+#define PAR_MIN 65536
 
 /* OpenMP outlines a parallel loop's body before the `is_bf16` constant reaches it, so each loop
  * calls a per-row function with a literal flag (`bf ? row(.., 1) : row(.., 0)`): two
