@@ -117,8 +117,12 @@ def engines(args) -> list[tuple[str, list[str], dict]]:
                                  "--gpu-memory-utilization", "0.2"],
                     {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}))
     if args.llama_server:
+        # The HF directory's chat template, so that llama.cpp renders the same prompt as the others
+        # (the GGUF's own template has no default system prompt: 37 tokens instead of 47).
+        template = Path(args.hf_dir) / "chat_template.jinja"
+        same_prompt = ["--jinja", "--chat-template-file", str(template)] if template.exists() else []
         out.append(("llama.cpp", [args.llama_server, "-m", args.gguf, "-t", str(os.cpu_count()), "--port", "{port}",
-                                  "-np", "32", "-c", str(32 * 512), "--no-webui"], {}))
+                                  "-np", "32", "-c", str(32 * 512), "--no-webui", *same_prompt], {}))
     return out
 
 

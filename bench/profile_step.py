@@ -72,28 +72,42 @@ class _Ranged:
         return ranged
 
 
-def compare_pack(packed, plain, step, prefill, steps: int) -> None:
-    """CPU ms of a decode step and of the prefill, packed vs plain linears, alternating call by call
-    (so a noisy neighbour hits both alike)."""
+def compare(a: tuple, b: tuple, step, prefill, steps: int) -> None:
+    """Wall and CPU ms of a decode step and of the prefill, variant ``a`` vs ``b`` (each (name, model)),
+    alternating call by call (so a noisy neighbour hits both alike)."""
     import torch
 
-    decode = {"packed": [], "plain": []}
-    fill = {"packed": [], "plain": []}
+    wall = {a[0]: [], b[0]: []}
+    cpu = {a[0]: [], b[0]: []}
+    fill = {a[0]: [], b[0]: []}
     with torch.inference_mode():
         for i in range(steps):
-            for name, m in (("packed", packed), ("plain", plain))[::1 if i % 2 else -1]:
-                c0 = time.process_time()
+            for name, m in (a, b)[::1 if i % 2 else -1]:
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(i, m)
-                decode[name].append((time.process_time() - c0) * 1e3)
+                wall[name].append((time.perf_counter() - t0) * 1e3)
+                cpu[name].append((time.process_time() - c0) * 1e3)
                 if i < 4:
-                    c0 = time.process_time()
+                    t0 = time.perf_counter()
                     prefill(m)
-                    fill[name].append((time.process_time() - c0) * 1e3)
-    med = {k: statistics.median(v) for k, v in decode.items()}
-    fmed = {k: statistics.median(v) for k, v in fill.items()}
-    print(f"packed vs plain linears, CPU ms (median): decode {med['packed']:.2f} vs {med['plain']:.2f} "
-          f"({med['plain'] / med['packed']:.2f}x); prefill {fmed['packed']:.2f} vs {fmed['plain']:.2f} "
-          f"({fmed['plain'] / fmed['packed']:.2f}x); load {os.getloadavg()[0]:.2f}")
+                    fill[name].append((time.perf_counter() - t0) * 1e3)
+    (x, y) = (a[0], b[0])
+    med = {k: {n: statistics.median(v[n]) for n in v} for k, v in (("wall", wall), ("cpu", cpu), ("fill", fill))}
+    print(f"{x} vs {y} (median ms): decode wall {med['wall'][x]:.2f} vs {med['wall'][y]:.2f} "
+          f"({med['wall'][y] / med['wall'][x]:.2f}x), CPU {med['cpu'][x]:.2f} vs {med['cpu'][y]:.2f} "
+          f"({med['cpu'][y] / med['cpu'][x]:.2f}x); prefill wall {med['fill'][x]:.2f} vs {med['fill'][y]:.2f} "
+          f"({med['fill'][y] / med['fill'][x]:.2f}x); load {os.getloadavg()[0]:.2f}")
+
+
+class _WithKernels:
+    """The model with the fused kernels attached (or not) for each call: one model, two variants."""
+
+    def __init__(self, model, kernels):
+        self.model, self.kernels = model, kernels
+
+    def __call__(self, *args):
+        self.model.cpu_kernels = self.kernels
+        return self.model(*args)
 
 
 def profile(args) -> None:
@@ -117,6 +131,7 @@ def profile(args) -> None:
         from gpu_worker import cpu_kernels
 
         model.cpu_kernels = cpu_kernels.load()
+    kernels_loaded = model.cpu_kernels
     page = 16
     print(f"model {args.model} dtype {loaded.dtype} threads {torch.get_num_threads()} "
           f"packed linears {any(isinstance(m, PackedLinear) for m in model.modules())} "
@@ -143,10 +158,15 @@ def profile(args) -> None:
         with torch.inference_mode():
             step(0)
         first_s = time.perf_counter() - t0
+        def prefill_step(m, prompt=prompt, prefill=prefill, kv=kv, rows=prefill_rows):
+            return m(prompt, prefill, kv, rows)
         if plain is not None:
-            def prefill_step(m, prompt=prompt, prefill=prefill, kv=kv, rows=prefill_rows):
-                return m(prompt, prefill, kv, rows)
-            compare_pack(model, plain, step, prefill_step, args.steps)
+            plain.cpu_kernels = model.cpu_kernels
+            compare(("packed", model), ("plain", plain), step, prefill_step, args.steps)
+        if args.compare_kernels and model.cpu_kernels is not None:
+            compare(("fused", _WithKernels(model, model.cpu_kernels)), ("eager", _WithKernels(model, None)), step,
+                    prefill_step, args.steps)
+            model.cpu_kernels = kernels_loaded
         times, cpu = [], []
         with torch.inference_mode():
             for i in range(args.steps):
@@ -209,7 +229,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="the eager forward (no fused CPU kernels, gpu_worker/cpu_kernels.c)")
     ap.add_argument("--compare-pack", action="store_true",
-                    help="also time packed vs plain linears, alternating (CPU time, decode and prefill)")
+                    help="also time packed vs plain linears, alternating (decode and prefill)")
+    ap.add_argument("--compare-kernels", action="store_true",
+                    help="also time the fused kernels vs the eager ops, alternating (decode and prefill)")
     ap.add_argument("--top", default=14, type=int)
     profile(ap.parse_args(argv))
 
