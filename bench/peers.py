@@ -8,9 +8,12 @@ The workload (issue 24): SmolLM2-135M-Instruct in bf16, a 47-token chat prompt
 (the chat template included), 128 output tokens with EOS ignored, greedy,
 OpenAI chat completions streamed over HTTP, with ``bench/serve.py``'s HTTP client;
 first 1 stream (``--one-requests`` requests one after another), then 32 streams
-(closed-loop clients) over 64 requests. Each engine is started by this command
-(``nice`` 0, on a free port), warmed up with two requests, measured, and stopped
-before the next one starts, so they never share the cores. Per engine and level:
+(closed-loop clients) over 64 requests. Every engine is started by this command
+(``nice`` 0, on a free port) and warmed up with two requests; then ``--rounds`` rounds
+measure each engine in turn while the others sit idle (so they never share the cores),
+each round starting one engine later. The rounds are there because this kind of VM's
+speed drifts by up to 2x within minutes: a ratio is taken between the engines of one
+round, minutes apart, not between runs. Per engine, round and level:
 output tokens/s, ITL p50, TTFT p50, and the server's CPU (utime + stime of its
 process tree, in cores, over the level's wall time); the machine's load average
 is printed with each row (numbers taken on a loaded machine are not comparable).
@@ -147,13 +150,17 @@ def _text(words: int) -> str:
     return " ".join(WORDS[i % len(WORDS)] for i in range(words))
 
 
-def level(url: str, model: str, concurrency: int, requests: int, words: int, max_tokens: int, pid: int) -> dict:
-    """One level over HTTP; adds the server's CPU (cores) and the load average."""
+def level(url: str, model: str, concurrency: int, requests: int, words: int, max_tokens: int, pid: int,
+          idle_pids: tuple[int, ...] = ()) -> dict:
+    """One level over HTTP; adds the server's CPU (cores), the idle engines' (``idle_pids``: they
+    should take none) and the load average."""
     work = [Work(list(range(words)), max_tokens) for _ in range(requests)]  # Work.text: WORDS in order
+    idle0 = sum(tree_cpu_s(p) for p in idle_pids)
     cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
     row = asyncio.run(run_level("", concurrency, work, True, True, 600.0, http=(url, model)))
     wall = time.perf_counter() - t0
     row["server_cpu_cores"] = round((tree_cpu_s(pid) - cpu0) / wall, 2)
+    row["idle_engines_cpu_cores"] = round((sum(tree_cpu_s(p) for p in idle_pids) - idle0) / wall, 3)
     row["load"] = round(os.getloadavg()[0], 2)
     return row
 
@@ -176,26 +183,44 @@ def run(args) -> dict:
                "machine": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg()[0],
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
                "engines": {}}
-    for name, argv, env in engines(args):
-        port = free_port()
-        argv = [a.format(port=port, zmq=free_port()) for a in argv]
-        print(f"== {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
-        server = Server(name, argv, port, env)
-        try:
-            t0 = time.perf_counter()
-            model = server.wait_ready(args.start_timeout)
-            entry = {"start_s": round(time.perf_counter() - t0, 1), "prompt_tokens": prompt_tokens(server.url, model,
-                                                                                                  words)}
-            level(server.url, model, 1, 2, words, args.max_tokens, server.proc.pid)  # warm-up
-            entry["one"] = level(server.url, model, 1, args.one_requests, words, args.max_tokens, server.proc.pid)
-            entry["many"] = level(server.url, model, args.streams, args.requests, words, args.max_tokens,
-                                  server.proc.pid)
-            results["engines"][name] = entry
-            print(row_text(name, entry), file=sys.stderr, flush=True)
-        except (RuntimeError, TimeoutError, OSError) as e:
-            results["engines"][name] = {"error": str(e)}
-            print(f"!! {name}: {e}", file=sys.stderr, flush=True)
-        finally:
+    servers = {}
+    try:
+        for name, argv, env in engines(args):  # all started first, then measured in turns (below)
+            port = free_port()
+            argv = [a.format(port=port, zmq=free_port()) for a in argv]
+            print(f"== {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
+            server = Server(name, argv, port, env)
+            servers[name] = server
+            try:
+                t0 = time.perf_counter()
+                model = server.wait_ready(args.start_timeout)
+                results["engines"][name] = {"start_s": round(time.perf_counter() - t0, 1), "model": model,
+                                            "prompt_tokens": prompt_tokens(server.url, model, words), "rounds": []}
+                level(server.url, model, 1, 2, words, args.max_tokens, server.proc.pid)  # warm-up
+            except (RuntimeError, TimeoutError, OSError) as e:
+                results["engines"][name] = {"error": str(e)}
+                print(f"!! {name}: {e}", file=sys.stderr, flush=True)
+                server.stop()
+        ready = [n for n, e in results["engines"].items() if "error" not in e]
+        for r in range(args.rounds):
+            for name in ready[r % len(ready):] + ready[:r % len(ready)]:  # each round starts one engine later
+                entry, server = results["engines"][name], servers[name]
+                if "error" in entry:
+                    continue
+                idle = tuple(servers[n].proc.pid for n in ready if n != name)
+                try:
+                    one = level(server.url, entry["model"], 1, args.one_requests, words, args.max_tokens,
+                                server.proc.pid, idle)
+                    many = level(server.url, entry["model"], args.streams, args.requests, words, args.max_tokens,
+                                 server.proc.pid, idle)
+                except (RuntimeError, TimeoutError, OSError) as e:
+                    entry["error"] = str(e)
+                    print(f"!! {name}: {e}", file=sys.stderr, flush=True)
+                    continue
+                entry["rounds"].append({"one": one, "many": many})
+                print(f"round {r + 1}: " + row_text(name, entry["rounds"][-1]), file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
             server.stop()
     return results
 
@@ -203,29 +228,35 @@ def run(args) -> dict:
 # --------------------------------------------------------------------------- the table
 
 
-def row_text(name: str, e: dict) -> str:
-    one, many = e["one"], e["many"]
+def row_text(name: str, r: dict) -> str:
+    one, many = r["one"], r["many"]
     return (f"{name}: 1 stream {one['output_tokens_per_s']} tok/s ITL p50 {one['itl_ms']['p50']} ms | "
             f"{many['concurrency']} streams {many['output_tokens_per_s']} tok/s TTFT p50 {many['ttft_ms']['p50']} ms "
-            f"CPU {many['server_cpu_cores']} | errors {one['errors'] + many['errors']} | load {many['load']}")
+            f"CPU {many['server_cpu_cores']} (idle engines {many['idle_engines_cpu_cores']}) | "
+            f"errors {one['errors'] + many['errors']} | load {many['load']}")
 
 
 def table(results: dict) -> str:
+    """One row per engine and round; a peer's ratio is Tandem's over the peer's in the same round
+    (measured minutes apart, so a drift in the machine's speed between rounds cancels)."""
     eng = {k: v for k, v in results["engines"].items() if "error" not in v}
     base = eng.get("tandem")
     n = results["workload"]["streams"]
-    lines = [f"| engine | prompt tokens | 1 stream tok/s | ITL p50 ms | {n} streams tok/s | TTFT p50 @{n} ms | "
-             f"server CPU @{n} | errors | load | Tandem / engine (1, {n} streams) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [f"| engine | round | prompt tokens | 1 stream tok/s | ITL p50 ms | {n} streams tok/s | "
+             f"TTFT p50 @{n} ms | server CPU @{n} | errors | load | Tandem / engine (1, {n} streams) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, e in eng.items():
-        one, many = e["one"], e["many"]
-        ratio = "-"
-        if base is not None and name != "tandem":
-            ratio = (f"{base['one']['output_tokens_per_s'] / one['output_tokens_per_s']:.2f}x, "
-                     f"{base['many']['output_tokens_per_s'] / many['output_tokens_per_s']:.2f}x")
-        lines.append(f"| {name} | {e['prompt_tokens']} | {one['output_tokens_per_s']} | {one['itl_ms']['p50']} | "
-                     f"{many['output_tokens_per_s']} | {many['ttft_ms']['p50']} | {many['server_cpu_cores']} | "
-                     f"{one['errors'] + many['errors']} | {one['load']}, {many['load']} | {ratio} |")
+        for i, r in enumerate(e["rounds"]):
+            one, many = r["one"], r["many"]
+            ratio = "-"
+            if base is not None and name != "tandem" and i < len(base["rounds"]):
+                t = base["rounds"][i]
+                ratio = (f"{t['one']['output_tokens_per_s'] / one['output_tokens_per_s']:.2f}x, "
+                         f"{t['many']['output_tokens_per_s'] / many['output_tokens_per_s']:.2f}x")
+            lines.append(f"| {name} | {i + 1} | {e['prompt_tokens']} | {one['output_tokens_per_s']} | "
+                         f"{one['itl_ms']['p50']} | {many['output_tokens_per_s']} | {many['ttft_ms']['p50']} | "
+                         f"{many['server_cpu_cores']} | {one['errors'] + many['errors']} | "
+                         f"{one['load']}, {many['load']} | {ratio} |")
     for name, e in results["engines"].items():
         if "error" in e:
             lines.append(f"| {name} | failed: {e['error'][:120]} |")
@@ -248,6 +279,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--one-requests", type=int, default=8, help="requests at 1 stream")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--requests", type=int, default=64, help="requests at --streams streams")
+    ap.add_argument("--rounds", type=int, default=2, help="measurements of every engine, in turns")
     ap.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds an engine may take to start (vLLM compiles)")
     ap.add_argument("--json-out", default=None)

