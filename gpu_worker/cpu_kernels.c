@@ -46,26 +46,6 @@ static inline bf16 f2bf(float f) {
     return (bf16)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
-/* exp(x) in float32 to about 1 ulp (Cephes' polynomial; torch's vectorised exp is Sleef's, also
- * ~1 ulp), written branch-free so that gcc vectorizes the loops that call it; libm's expf does
- * not vectorize without -ffast-math. Below -87.3 the result flushes to 0 (as a softmax wants). */
-static inline float exp_approx(float x) {
-    x = x < -88.0f ? -88.0f : x > 88.0f ? 88.0f : x;
-    const float n = (x * 1.44269504089f + 12582912.f) - 12582912.f; /* round(x / ln 2) */
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t e = (int32_t)n + 127;
-    uint32_t bits = (uint32_t)(e < 1 ? 0 : e) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
 
 /* The vector layer: every kernel below is written once over `vf`, VW float32 lanes, where a
  * load/store takes `n` elements (the tail of a row when n < VW) of bf16 or float32 memory.
@@ -136,6 +116,25 @@ static inline vf v_pow2i(vf n) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+#endif
+
+#if VW == 16
+/* The lane sums of sixteen vectors, in order: lane j of the result is the sum of d[j]'s lanes.
+ * Four rounds of pairwise shuffles and adds (unpack 32-bit, unpack 64-bit, then 128-bit lanes
+ * twice): 30 shuffles for sixteen sums, where sixteen separate reductions take 64. */
+static inline vf hsum16(const vf d[16]) {
+    __m512 e[8], f[4], g[2];
+    for (int i = 0; i < 8; i++)
+        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(e[2 * i]), b = _mm512_castps_pd(e[2 * i + 1]);
+        f[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        g[i] = _mm512_add_ps(_mm512_shuffle_f32x4(f[2 * i], f[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(f[2 * i], f[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(g[0], g[1], 0x88), _mm512_shuffle_f32x4(g[0], g[1], 0xdd));
 }
 #endif
 
@@ -250,24 +249,50 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
         for (int64_t c = 0; c < chunks; c++) qv[g * chunks + c] = v_mul(v_load(qt, g * D + c * VW, D - c * VW, bf), scale);
     float mx[group];
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
-    /* Pass 1: the scores, key by key, page by page. */
+    /* Pass 1: the scores. */
+#if VW == 16
+    /* Sixteen keys at a time: per query head, sixteen dot-product vectors, summed across their lanes
+     * together (hsum16) instead of one horizontal reduction per key. */
+    int64_t page = 0, off = 0;
+    const char *page_keys = k_cache + (table[0] * page_size * kv_heads + kh) * D * el;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t nb = len - j0 < 16 ? len - j0 : 16;
+        const char *kp[16];
+        for (int64_t jj = 0; jj < nb; jj++) {
+            kp[jj] = page_keys + off * key_stride;
+            if (++off == page_size && j0 + jj + 1 < len) {
+                off = 0;
+                page_keys = k_cache + (table[++page] * page_size * kv_heads + kh) * D * el;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            vf dots[16];
+            for (int64_t jj = 0; jj < 16; jj++) {
+                dots[jj] = v_set(0.f);
+                if (jj < nb)
+                    for (int64_t c = 0; c < chunks; c++)
+                        dots[jj] = v_fma(qv[g * chunks + c], v_load(kp[jj], c * VW, D - c * VW, bf), dots[jj]);
+            }
+            const vf s = hsum16(dots);
+            v_store(scores + g * max_len, j0, nb, s, 0);
+            const float m = _mm512_mask_reduce_max_ps(tail(nb), s);
+            mx[g] = m > mx[g] ? m : mx[g];
+        }
+    }
+#else
     for (int64_t first = 0; first < len; first += page_size) {
         const char *k = k_cache + (table[first / page_size] * page_size * kv_heads + kh) * D * el;
         const int64_t in_page = len - first < page_size ? len - first : page_size;
         for (int64_t j = first; j < first + in_page; j++, k += key_stride) {
-            vf dots[group];
-            for (int64_t g = 0; g < group; g++) dots[g] = v_set(0.f);
-            for (int64_t c = 0; c < chunks; c++) {
-                const vf kc = v_load(k, c * VW, D - c * VW, bf);
-                for (int64_t g = 0; g < group; g++) dots[g] = v_fma(qv[g * chunks + c], kc, dots[g]);
-            }
             for (int64_t g = 0; g < group; g++) {
-                const float s = v_sum(dots[g]);
+                float s = 0.f;
+                for (int64_t d = 0; d < D; d++) s += qv[g * chunks + d] * v_load(k, d, 1, bf);
                 scores[g * max_len + j] = s;
                 mx[g] = s > mx[g] ? s : mx[g];
             }
         }
     }
+#endif
     /* Softmax per query head (exp vectorised; the tail's lanes are never stored). */
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * max_len, total = 0.f;
