@@ -93,6 +93,11 @@ class CpuKernels:
                 fn.argtypes, fn.restype = argtypes, None
                 self._fn[name, dtype] = fn
         self._scratch = torch.empty(0)
+        dll.gemv_supported.restype = ctypes.c_int
+        # The one-row bf16 GEMV needs AVX512-BF16; without it every matmul stays oneDNN's.
+        self.has_gemv = bool(dll.gemv_supported())
+        self._gemv = dll.gemv_bf16
+        self._gemv.argtypes, self._gemv.restype = (_P, _P, _P, _P, _I, _I, ctypes.c_int), None
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += y`` in place (rounded as the eager add), then rmsnorm(x) * weight -> a new tensor."""
@@ -133,6 +138,14 @@ class CpuKernels:
                                        T if rows is None else rows.numel(), H, kv_heads, D, max_len,
                                        self._scratch.data_ptr(), threads)
         return out
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """bf16 x [1, k] @ weight [n, k]^T (+ bias) -> [1, n]: one pass over the weight."""
+        n = weight.shape[0]
+        y = torch.empty((1, n), dtype=x.dtype)
+        self._gemv(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+                   weight.shape[1], torch.get_num_threads())
+        return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused [T, 2 I] rows -> [T, I]."""

@@ -216,6 +216,8 @@ class PackedLinear(nn.Linear):
     """
 
     packed: torch.Tensor
+    # The fused CPU kernels (attach_cpu_kernels): a one-row matmul (one sequence decoding) is their GEMV.
+    gemv: "CpuKernels | None" = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
@@ -229,7 +231,18 @@ class PackedLinear(nn.Linear):
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] == 1 and x.is_contiguous():
+            return self.gemv.gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def attach_cpu_kernels(model: nn.Module, kernels: "CpuKernels | None") -> None:
+    """Run ``model`` (a bf16 :class:`Llama` on a CPU) through the fused CPU kernels, or back through
+    the eager ops (None): the layers' small ops, and the packed matmuls' one-row GEMV."""
+    model.cpu_kernels = kernels
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.gemv = kernels if kernels is not None and kernels.has_gemv else None
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -94,6 +94,21 @@ def test_silu_mul(kernels, dtype):
     assert ulps(got, want) <= (1 if dtype == torch.bfloat16 else 16)
 
 
+@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (37, 70, True)])
+def test_gemv_matches_the_matmul(kernels, n, k, bias):
+    """One row: vector tails in k (not a multiple of 32) and n (not a multiple of the 4-row block)."""
+    if not kernels.has_gemv:
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    w = (0.1 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = kernels.gemv(x, w, b)
+    assert got.shape == (1, n) and got.dtype == torch.bfloat16
+    assert ulps(got, exact.to(torch.bfloat16)) <= 1  # float32 accumulation, one rounding to bf16
+
+
 def _paged_case(dtype, lens, chunk, H=6, Hkv=2, D=24, page_size=4):
     """Sequences of ``lens`` cached tokens whose last ``chunk[i]`` tokens are this forward's queries."""
     g = torch.Generator().manual_seed(2)
@@ -199,11 +214,15 @@ def test_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch):
 
 def test_engine_attaches_the_kernels_for_bf16_on_a_cpu_only():
     from gpu_worker.engine import Engine, EngineConfig
+    from gpu_worker.model import PackedLinear
 
     for dtype, enabled, want in (("bfloat16", True, True), ("bfloat16", False, False), ("float32", True, False)):
         eng = Engine(EngineConfig(model="tiny-random", device="cpu", dtype=dtype, cpu_kernels=enabled, kv_pages=64))
         try:
-            assert (eng.runner.model.cpu_kernels is not None) == want, (dtype, enabled)
+            model = eng.runner.model
+            assert (model.cpu_kernels is not None) == want, (dtype, enabled)
+            gemvs = {m.gemv is not None for m in model.modules() if isinstance(m, PackedLinear)}
+            assert gemvs <= {want and model.cpu_kernels is not None and model.cpu_kernels.has_gemv}
         finally:
             eng.close()
 
