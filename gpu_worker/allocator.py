@@ -98,6 +98,6 @@ class Allocator:
         size = self.page_size
         spans = [(int(p), int(p) + 1) for p in decode_pos] + [(c.start, c.start + c.length) for c in prefill]
         for seq, (start, end) in zip(seqs, spans):
-            for page in seq.pages[start // size:(end - 1) // size + 1]:
+            for page in seq.pages[start // size:ceil_div(end, size)]:
                 if not self.pages.exclusive(page):
                     raise AssertionError(f"request {seq.seq_id} would write shared or cached kv page {page}")
