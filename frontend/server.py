@@ -43,7 +43,8 @@ from .images import image_prompt_ids
 from .metrics import Metrics
 from .options import MAX_QUEUE
 from .outbox import Outbox, Sent
-from .service import Request, Service
+from .request import Request
+from .service import Service
 from .systemd import Notifier
 from .tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
