@@ -54,10 +54,6 @@ class Request:
     skill: moondream_skills.Plan | None = None  # a Moondream skill request
     values: list = field(default_factory=list)  # its tokens' region values (coord, w, h), from the ring
 
-    def chunk(self, text: str, token: int) -> None:
-        if self.on_event is not None:
-            self.on_event(self, "chunk", {"text": text, "token_ids": [token]})
-
     def end(self, reason: FinishReason = FinishReason.NONE, error: tuple[str, str] | None = None, *,
             decode: Callable[[list[int]], str], image_usage: bool) -> None:
         """The terminal event: ``error`` (code, message), else done with ``reason``; a no-op once ended.

@@ -398,7 +398,7 @@ class Service:
                 self._stop_worker_side(req, FinishReason.STOP)  # the worker stops generating at once
             elif finish:
                 text += req.detok.finish()
-            req.chunk(text, token)
+            self._emit_chunk(req, text, token)
             if finish:
                 self._end(req, reason=FinishReason(finish))
             elif req.constraint is not None:
@@ -410,6 +410,10 @@ class Service:
         self.worker.masks.write_rows([req.mask_row], mask_stamp(req.seq_id, len(req.token_ids)), words)
 
     # ------------------------------------------------------------------ events
+    def _emit_chunk(self, req: Request, text: str, token: int) -> None:
+        if req.on_event is not None:
+            req.on_event(req, "chunk", {"text": text, "token_ids": [token]})
+
     def _end(self, req: Request, reason: FinishReason = FinishReason.NONE,
              error: tuple[str, str] | None = None) -> None:
         """The request's one terminal event, with what only the service knows (its tokenizer, whether

@@ -375,10 +375,10 @@ class Engine:
         """The LoRA slot of each token of a launch (decode rows, then prefill chunks); None if no adapter."""
         if self.lora_slots is None:
             return None
-        slots = [s.lora_slot for s in plan.decode] + [c.seq.lora_slot for c in plan.prefill]
-        if not any(slots):
+        seq_slots = [s.lora_slot for s in plan.decode] + [c.seq.lora_slot for c in plan.prefill]
+        if not any(seq_slots):
             return None
-        return np.repeat(np.asarray(slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
+        return np.repeat(np.asarray(seq_slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
 
     # ------------------------------------------------------------------ sampling
     def _sample_constrained(self, words: np.ndarray | None, missing: np.ndarray | None,
