@@ -73,6 +73,16 @@ class Allocator:
         self.pages.release(pages)
         self.rows.free([row])
 
+    def stats(self) -> dict:
+        return {
+            "kv_pages_free": self.pages.num_free,  # free or cached: what an allocation can take
+            "kv_pages_total": self.pages.capacity,
+            "kv_pages_cached": self.pages.num_cached,
+            "prefix_cache_evictions": self.pages.evictions,
+            "rows_free": self.rows.num_free,
+            "rows_total": self.rows.capacity,
+        }
+
     @property
     def idle(self) -> bool:
         """Every page free or cached and unreferenced, every row free."""

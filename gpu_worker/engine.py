@@ -62,7 +62,7 @@ from shared.sampling import SamplingParams
 from .allocator import Allocator
 from .device import Device, DeviceError
 from .image_prefill import ImageInput, ImagePrefill
-from .lora_slots import LoraSlots
+from .lora_slots import LoraSlots, token_lora_slots
 from .model_runner import LaunchInputs, ModelRunner
 from .moondream_skills import SkillTask
 from .pipeline import NUM_SLOTS, Pipeline
@@ -203,12 +203,7 @@ class Engine:
             "bubble_busy_s": b.busy_s,
             "device_idle_fraction": b.idle_fraction,
             "device_overruns": b.overruns,  # sim: steps whose real CPU work did not fit the simulated time
-            "kv_pages_free": self.alloc.pages.num_free,  # free or cached: what an allocation can take
-            "kv_pages_total": self.alloc.pages.capacity,
-            "kv_pages_cached": self.alloc.pages.num_cached,
-            "prefix_cache_evictions": self.alloc.pages.evictions,
-            "rows_free": self.alloc.rows.num_free,
-            "rows_total": self.alloc.rows.capacity,
+            **self.alloc.stats(),
             "cuda_graphs": len(self.runner.graphs),
             "graph_capture_s": self.runner.graph_capture_s,
             "waiting": len(self.scheduler.waiting),
@@ -360,7 +355,7 @@ class Engine:
             any_random=any(p.temperature > 0 for p in params),
             any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
-            token_lora=self._token_lora(plan),
+            token_lora=token_lora_slots(plan) if self.lora_slots is not None else None,
             **(launch.images.inputs() if launch.images else {}),
         )
         if ref_values:
@@ -370,15 +365,6 @@ class Engine:
                 inp.prefill_coord[start:start + len(coord)] = coord
                 inp.prefill_size[start:start + len(size)] = size
         return inp, sample_seqs
-
-    def _token_lora(self, plan: Plan) -> np.ndarray | None:
-        """The LoRA slot of each token of a launch (decode rows, then prefill chunks); None if no adapter."""
-        if self.lora_slots is None:
-            return None
-        seq_slots = [s.lora_slot for s in plan.decode] + [c.seq.lora_slot for c in plan.prefill]
-        if not any(seq_slots):
-            return None
-        return np.repeat(np.asarray(seq_slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
 
     # ------------------------------------------------------------------ sampling
     def _sample_constrained(self, words: np.ndarray | None, missing: np.ndarray | None,
@@ -448,12 +434,12 @@ class Engine:
         if error is not None:
             return (None, *self._device_failed(launch, error))
         self.device.account(launch.marks, launch.copy_done)
+        self._count(launch)
         if launch.images:
             self.images.committed(launch.images)
         n = len(launch.sample_seqs)
         tokens, flags, logprobs, values = self.runner.read_step(pipeline_slot, n)
         live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs, values)
-        self.stats_.committed(launch.prefill, live)
         committed = CommittedStep(step, launch.prefill, launch.sample_seqs, tokens.astype(np.int32), finish, live,
                                   cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None,
                                   values)
@@ -474,6 +460,15 @@ class Engine:
             assert seq.inflight_refs >= 0, "inflight_refs underflow"
         if self.lora_slots is not None:
             self.lora_slots.committed(s.lora_slot for s in launch.seqs)
+
+    def _count(self, launch: Launch) -> None:
+        s = self.stats_
+        s.steps += 1
+        if launch.prefill:
+            s.prefill_steps += 1
+        else:
+            s.decode_steps += 1
+        s.sample_rows += len(launch.sample_seqs)
 
     def _commit_rows(self, seqs: list[Sequence], tokens, flags, logprobs, values):
         """Append each live row's token to its sequence and end it on a stop or its length cap.
@@ -501,6 +496,9 @@ class Engine:
             elif flags[i] & FLAG_LENGTH or len(seq.output_ids) >= seq.max_tokens:
                 seq.finalize(FinishReason.LENGTH)
             finish[i] = seq.finish_reason
+        zombies = n - int(live.sum())
+        self.stats_.zombie_rows += zombies
+        self.stats_.committed_tokens += n - zombies
         return live, finish, cached
 
     # ------------------------------------------------------------------ release and failure

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass
 class EngineStats:
@@ -25,15 +23,3 @@ class EngineStats:
     failed: int = 0
     prefix_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
-
-    def committed(self, prefill: bool, live: np.ndarray) -> None:
-        """One committed launch; ``live`` per sampled row (False: a zombie row, its token dropped)."""
-        self.steps += 1
-        if prefill:
-            self.prefill_steps += 1
-        else:
-            self.decode_steps += 1
-        rows, useful = len(live), int(live.sum())
-        self.sample_rows += rows
-        self.zombie_rows += rows - useful
-        self.committed_tokens += useful
