@@ -450,4 +450,3 @@ class Service:
                 self._end(req, error=("internal", "the server is shutting down"))
             self.worker.shutdown()
             self.worker = None
-

@@ -129,10 +129,10 @@ class Engine:
         if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
-        if self.runner.skills is None and task is not None:
-            raise ValueError("skill: this model has no skills")
-        if self.runner.skills is not None:  # default: the caption/query rules
+        if self.runner.skills is not None:  # a Moondream model: the caption/query rules by default
             task = (task or SkillTask()).checked(len(prompt), params.temperature)
+        elif task is not None:
+            raise ValueError("skill: this model has no skills")
         seq_images, positions, whole_spans = self.images.check(prompt, images or [])
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
