@@ -115,8 +115,11 @@ class Engine:
         tokens (as many as the image has feature rows) take their features.
         ``task``: a Moondream model's skill (default: caption/query rules); with an image, the
         prompt's first positions are the image block (its ids are placeholders)."""
-        params = params or SamplingParams()
-        params.validate(self.vocab_size)
+        params = params or SamplingParams()  # its ranges were checked when it was built (frozen)
+        # token ids, the prompt's and the stop ids, are checked here against this vocabulary
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains an invalid token id {bad[0]!r}")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt: at least one token is needed")
@@ -126,7 +129,7 @@ class Engine:
             raise ValueError(f"prompt: {len(prompt)} tokens do not fit the context of {self.max_model_len} "
                              "(prompt + at least one generated token)")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
-        if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
+        if len(prompt) + max_tokens > self.alloc.pages.capacity * self.alloc.page_size:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
         if self.runner.skills is not None:  # a Moondream model: the caption/query rules by default
@@ -417,8 +420,7 @@ class Engine:
     def _commit(self) -> tuple[CommittedStep | None, list[Sequence], list[int]]:
         """Phase 3: commit the oldest launched step. Returns it (None if its device work failed),
         the sequences released, and the steps dropped after a device failure."""
-        step, pipeline_slot = self.pipeline.pop_commit()
-        launch = self.pipeline.item(step)
+        step, pipeline_slot, launch = self.pipeline.pop_commit()
         assert launch.copy_done is not None, step
         t = time.perf_counter()
         self.device_wait_since = time.monotonic()
@@ -535,8 +537,7 @@ class Engine:
         self.pipeline.release(launch.step)
         self.awaiting_masks = None
         while self.pipeline.in_flight:  # later steps ran on a failed stream: drop them too
-            step, _ = self.pipeline.pop_commit()
-            later = self.pipeline.item(step)
+            step, _, later = self.pipeline.pop_commit()
             later.dropped = True
             victims += later.seqs
             if later.copy_done is not None:
