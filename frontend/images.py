@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -176,11 +175,11 @@ def _tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
     """Both sides rounded up to multiples of the tile size (transformers' resize_for_vision_encoder)."""
     aspect = width / height
     if width >= height:
-        width = math.ceil(width / tile) * tile
-        height = math.ceil(int(width / aspect) / tile) * tile
+        width = ceil_div(width, tile) * tile
+        height = ceil_div(int(width / aspect), tile) * tile
     else:
-        height = math.ceil(height / tile) * tile
-        width = math.ceil(int(height * aspect) / tile) * tile
+        height = ceil_div(height, tile) * tile
+        width = ceil_div(int(height * aspect), tile) * tile
     return height, width
 
 

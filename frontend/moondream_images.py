@@ -21,6 +21,8 @@ import math
 import numpy as np
 from PIL import Image
 
+from shared.arith import ceil_div
+
 from .images import PreparedImage, check_image_count, decode_image
 
 CROP_SIZE = 378
@@ -35,7 +37,7 @@ def select_tiling(height: int, width: int, window: int = WINDOW_PX, max_crops: i
     """How many crops (rows, columns) cover a ``height × width`` area of ``window``-sized windows."""
     if height <= window or width <= window:
         return 1, 1
-    min_h, min_w = math.ceil(height / window), math.ceil(width / window)
+    min_h, min_w = ceil_div(height, window), ceil_div(width, window)
     if min_h * min_w > max_crops:
         ratio = math.sqrt(max_crops / (min_h * min_w))
         return max(1, math.floor(min_h * ratio)), max(1, math.floor(min_w * ratio))

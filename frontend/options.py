@@ -27,11 +27,6 @@ DTYPES = ["auto", "float32", "bfloat16", "float16"]
 MAX_QUEUE = 1024  # requests in flight before 'overloaded' (the Server's default too)
 GROUPS = ("Request", "Sampling", "Output", "Engine", "Server", "Connection", "Other")
 
-# The options that configure the in-process engine (the worker that `generate` and `serve` start),
-# by their parameter names.
-ENGINE_OPTIONS = ["model", "device", "dtype", "no_pipeline", "no_prefix_cache", "max_batch", "max_model_len",
-                  "prefill_budget", "kv_pages", "kv_memory_fraction", "lora", "max_loras", "lora_kernel"]
-
 
 class GroupedOption(click.Option):
     """A ``click.Option`` listed under a section of the help (``group``)."""
@@ -96,6 +91,12 @@ def engine_options(fn: Callable) -> Callable:
         engine_option("--max-loras", "max_loras", type=click.IntRange(min=1)),
         engine_option("--lora-kernel", "lora_kernel", type=click.Choice(KERNELS)),
     ])
+
+
+# The options that configure the in-process engine (the worker that `generate` and `serve` start), by
+# their parameter names: read from ``engine_options`` itself, so a new engine option is never left out.
+# (click.option appends each decorator's parameter to ``__click_params__``, the last applied first.)
+ENGINE_OPTIONS = [p.name for p in reversed(engine_options(lambda: None).__click_params__)]
 
 
 def normalize_endpoint(ctx, param, value: str | None) -> str | None:

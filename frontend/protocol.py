@@ -166,9 +166,6 @@ class GenerateRequest:
     skill: dict[str, Any] | None = None  # {"skill": name, and its own fields as given}
     explicit: frozenset = frozenset()  # the sampling fields the message gave (a skill has its own defaults)
 
-    def sampling_params(self) -> SamplingParams:
-        return self.sampling
-
     def __getattr__(self, name: str) -> Any:  # only called for names not found otherwise
         if name in SAMPLING_FIELD_NAMES:
             return getattr(self.sampling, name)

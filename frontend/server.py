@@ -43,7 +43,8 @@ from .images import image_prompt_ids
 from .metrics import Metrics
 from .options import MAX_QUEUE
 from .outbox import Outbox, Sent
-from .service import Request, Service
+from .request import Request
+from .service import Service
 from .systemd import Notifier
 from .tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
@@ -103,9 +104,9 @@ class Gate:
                   user_data=user_data, adapter=msg.adapter)
         try:
             if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
-                return service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling_params(),
+                return service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling,
                                              **kw)
-            return service.submit(ids, msg.sampling_params(), **kw)
+            return service.submit(ids, msg.sampling, **kw)
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
 

@@ -11,7 +11,8 @@ Invariants:
 - a row of an unknown or already-ended request is skipped: a stale or zombie
   row never recreates per-request state, and nothing is sent after a terminal
   event;
-- every request gets exactly one terminal event (done or error);
+- every request gets exactly one terminal event (done or error: ``Request.end``,
+  ``request.py``);
 - a constrained request's mask for token k is written only after token k-1
   was committed here, stamped (request, k), so the worker can never sample
   with an older one;
@@ -36,8 +37,8 @@ import logging
 import select
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -53,7 +54,8 @@ from shared.vision_config import read_config
 
 from . import moondream_skills
 from .detokenizer import IncrementalDetokenizer
-from .image_intake import ImageIntake, Render, RequestImages, intake_family
+from .image_intake import ImageIntake, Render, intake_family
+from .request import Request
 from .worker_handle import WorkerFailed, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
@@ -77,39 +79,6 @@ class ServiceConfig(EngineConfig):
     image_slots: int | None = None  # arena image slots; None: room for one request of the largest images
     image_slot_tiles: int = 1  # tiles per image slot
     image_workers: int | None = None  # processes that decode and tile images; None: cores - 2, 1 to 4
-
-
-@dataclass(eq=False)
-class Request:
-    """Frontend state of one request. ``on_event(request, kind, payload)`` receives
-    ("chunk", {"text", "token_ids"}), then exactly one of ("done", {...}) / ("error", {"code", "message"})."""
-
-    seq_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]
-    constraint: Any  # a grammar matcher (fill_mask / accept / is_terminated / output) or None
-    logprobs: bool
-    on_event: Callable[["Request", str, dict], None] | None
-    user_data: Any = None
-    adapter: str | None = None  # a LoRA adapter's name, None = the base model
-    detok: IncrementalDetokenizer | None = None
-    token_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    mask_row: int = -1  # its row in the shared mask region while it holds one
-    images: RequestImages | None = None  # submit_images: its images until they are handed to the worker
-    submitted: bool = False  # sent to the worker (else waiting for a mask row)
-    ended: bool = False
-    finish_reason: FinishReason = FinishReason.NONE
-    error: tuple[str, str] | None = None
-    output: Any = None
-    text: str = ""
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None
-    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
-    t_end: float | None = None
-    skill: moondream_skills.Plan | None = None  # a Moondream skill request
-    values: list = field(default_factory=list)  # its tokens' region values (coord, w, h), from the ring
 
 
 class Service:
@@ -447,34 +416,9 @@ class Service:
 
     def _end(self, req: Request, reason: FinishReason = FinishReason.NONE,
              error: tuple[str, str] | None = None) -> None:
-        if req.ended:
-            return
-        req.ended = True
-        req.t_end = time.perf_counter()
-        req.text = req.detok.text if req.detok else ""
-        if error is not None:
-            req.error = error
-            if req.on_event is not None:
-                req.on_event(req, "error", {"code": error[0], "message": error[1]})
-            return
-        req.finish_reason = reason
-        payload = {"finish_reason": reason.wire, "text": req.text, "token_ids": list(req.token_ids),
-                   "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids),
-                             "cached_tokens": req.cached_tokens,
-                             **({"image_tokens": req.images.tokens if req.images else 0} if self.images else {})},
-                   "metrics": {"ttft_ms": _ms(req.t_submit, req.t_first), "total_ms": _ms(req.t_submit, req.t_end)}}
-        if req.skill is not None:
-            payload |= moondream_skills.answer(req.skill, req.token_ids, req.values, self.decode)
-        if req.constraint is not None and reason == FinishReason.STOP:
-            try:
-                req.output = req.constraint.output(req.text)
-                payload["output"] = req.output
-            except ValueError as e:  # incomplete structure: reported, never repaired
-                payload["output_error"] = str(e)
-        if req.logprobs:
-            payload["logprobs"] = list(req.token_logprobs)
-        if req.on_event is not None:
-            req.on_event(req, "done", payload)
+        """The request's one terminal event, with what only the service knows (its tokenizer, whether
+        the model takes images)."""
+        req.end(reason, error, decode=self.decode, image_usage=self.images is not None)
 
     # ------------------------------------------------------------------ helpers for tests and tools
     def run_until(self, cond: Callable[[], bool], timeout: float = 60.0) -> None:
@@ -506,7 +450,3 @@ class Service:
                 self._end(req, error=("internal", "the server is shutting down"))
             self.worker.shutdown()
             self.worker = None
-
-
-def _ms(t0: float, t1: float | None) -> float | None:
-    return None if t1 is None else round((t1 - t0) * 1e3, 3)

@@ -73,6 +73,16 @@ class Allocator:
         self.pages.release(pages)
         self.rows.free([row])
 
+    def stats(self) -> dict:
+        return {
+            "kv_pages_free": self.pages.num_free,  # free or cached: what an allocation can take
+            "kv_pages_total": self.pages.capacity,
+            "kv_pages_cached": self.pages.num_cached,
+            "prefix_cache_evictions": self.pages.evictions,
+            "rows_free": self.rows.num_free,
+            "rows_total": self.rows.capacity,
+        }
+
     @property
     def idle(self) -> bool:
         """Every page free or cached and unreferenced, every row free."""
@@ -98,6 +108,6 @@ class Allocator:
         size = self.page_size
         spans = [(int(p), int(p) + 1) for p in decode_pos] + [(c.start, c.start + c.length) for c in prefill]
         for seq, (start, end) in zip(seqs, spans):
-            for page in seq.pages[start // size:(end - 1) // size + 1]:
+            for page in seq.pages[start // size:ceil_div(end, size)]:
                 if not self.pages.exclusive(page):
                     raise AssertionError(f"request {seq.seq_id} would write shared or cached kv page {page}")

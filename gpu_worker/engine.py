@@ -4,8 +4,8 @@
 and its sampling, numbered from 0) and commits at most one. Its inputs are
 explicit arguments (the masks of the constrained rows it samples, the host
 arrays its device copies write sampled ids into); its output is a ``Tick``
-(the ``CommittedStep``'s tokens and finish reasons, the sequences released)
-that the caller publishes.
+(``step.py``: the ``CommittedStep``'s tokens and finish reasons, the sequences
+released) that the caller publishes.
 The engine never calls back into its caller.
 
 One tick, pipelined (docs/DESIGN.md §4.1), each phase a method that returns
@@ -51,7 +51,6 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -62,85 +61,22 @@ from shared.sampling import SamplingParams
 
 from .allocator import Allocator
 from .device import Device, DeviceError
-from .image_prefill import ImageInput, ImagePrefill, LaunchImages
-from .lora_slots import LoraSlots
+from .image_prefill import ImageInput, ImagePrefill
+from .lora_slots import LoraSlots, token_lora_slots
 from .model_runner import LaunchInputs, ModelRunner
-from .moondream_skills import ANSWER_FIRST, DECIDE, REASON, SkillTask
+from .moondream_skills import SkillTask
 from .pipeline import NUM_SLOTS, Pipeline
 from .sampler import FLAG_LENGTH, FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence
+from .stats import EngineStats
+from .step import CommittedStep, Launch, Tick
 
 log = logging.getLogger("tandem.engine")
 
 # For in-process use (tests, benchmarks): (sequences needing masks, step) ->
 # (int32 bitmask words [n, ceil(V/32)], missing [n] bool or None).
 MaskFn = Callable[[list[Sequence], int], tuple[np.ndarray, "np.ndarray | None"]]
-
-
-@dataclass
-class Launch:
-    """One launched step, from launch to commit (the pipeline holds it meanwhile)."""
-    prefill: bool  # the launch holds prefill chunks (else pure decode)
-    seqs: list[Sequence]  # every sequence in the launch
-    kv_ends: list[int]  # per sequence of ``seqs``: the end of the positions whose KV this launch writes
-    step: int = -1  # its step number and pipeline slot, from ``Pipeline.launch``
-    slot: int = -1
-    sample_seqs: list[Sequence] = field(default_factory=list)  # one per logits row, in row order
-    inputs: LaunchInputs | None = None
-    marks: list = field(default_factory=list)  # compute-stream marks: forward begin/end, sampling begin/end
-    constrained: np.ndarray | None = None  # sampling rows still waiting for their masks
-    copy_into: np.ndarray | None = None  # the caller's host array its ids were also copied into
-    copy_done: object = None  # the device->host copy's event: what the commit waits on
-    dropped: bool = False  # discarded after a device failure
-    images: LaunchImages | None = None  # its image work (image_prefill.py), if a chunk has images
-
-
-@dataclass
-class CommittedStep:
-    """A launched step after its commit (phase 3). Row arrays are aligned with ``seqs``."""
-    step: int
-    prefill: bool
-    seqs: list[Sequence]  # one per sampled row
-    tokens: np.ndarray  # int32
-    finish: np.ndarray  # uint8 FinishReason of the row's token (NONE: the request runs on)
-    live: np.ndarray  # bool; False = a zombie row (its request ended before this commit)
-    cached: np.ndarray  # int32: on a request's first token, its prompt tokens from the prefix cache
-    logprobs: np.ndarray | None  # float32, when any row asked for them
-    values: np.ndarray | None  # float32 [rows, 3], Moondream: each token's region values (coord, w, h)
-
-    @property
-    def rows(self) -> int:
-        return len(self.seqs)
-
-
-@dataclass
-class Tick:
-    """What one ``Engine.tick`` produced, for its caller to publish."""
-    committed: CommittedStep | None = None  # None when this tick committed nothing
-    released: list[Sequence] = field(default_factory=list)  # resources freed this tick (exactly once each)
-    copied_steps: list[int] = field(default_factory=list)  # the steps whose ids went into ``copy_into``, in order
-    dropped_steps: list[int] = field(default_factory=list)  # steps discarded after a device failure
-    mask_requests: list[Sequence] = field(default_factory=list)  # the next tick() must bring their masks
-    mask_step: int | None = None  # the step those masks are for
-    tiles_done: list[ImageInput] = field(default_factory=list)  # host tiles never read again (free their memory)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0  # committed launches
-    decode_steps: int = 0
-    prefill_steps: int = 0
-    sample_rows: int = 0  # logits rows sampled (useful + zombie)
-    zombie_rows: int = 0
-    prefill_tokens: int = 0
-    committed_tokens: int = 0
-    host_s: float = 0.0  # host time inside tick(), excluding waits on the device
-    wait_s: float = 0.0
-    finished: int = 0
-    failed: int = 0
-    prefix_query_tokens: int = 0  # prompt tokens of admitted requests
-    prefix_hit_tokens: int = 0  # ... of which mapped from the prefix cache
 
 
 class Engine:
@@ -179,8 +115,11 @@ class Engine:
         tokens (as many as the image has feature rows) take their features.
         ``task``: a Moondream model's skill (default: caption/query rules); with an image, the
         prompt's first positions are the image block (its ids are placeholders)."""
-        params = params or SamplingParams()
-        params.validate(self.vocab_size)
+        params = params or SamplingParams()  # its ranges were checked when it was built (frozen)
+        # token ids, the prompt's and the stop ids, are checked here against this vocabulary
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains an invalid token id {bad[0]!r}")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt: at least one token is needed")
@@ -190,10 +129,13 @@ class Engine:
             raise ValueError(f"prompt: {len(prompt)} tokens do not fit the context of {self.max_model_len} "
                              "(prompt + at least one generated token)")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
-        if self.alloc.pages_for(len(prompt) + max_tokens) > self.alloc.pages.capacity:
+        if len(prompt) + max_tokens > self.alloc.pages.capacity * self.alloc.page_size:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
                              f"({self.alloc.pages.capacity}); lower max_tokens")
-        task = self._check_task(task, prompt, params)
+        if self.runner.skills is not None:  # a Moondream model: the caption/query rules by default
+            task = (task or SkillTask()).checked(len(prompt), params.temperature)
+        elif task is not None:
+            raise ValueError("skill: this model has no skills")
         seq_images, positions, whole_spans = self.images.check(prompt, images or [])
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: unknown adapter {adapter!r}; this server has "
@@ -207,22 +149,6 @@ class Engine:
                            image_positions=positions, whole_spans=whole_spans, adapter=adapter, task=task)
             self._inbox.append((None, seq))
         return seq
-
-    def _check_task(self, task: SkillTask | None, prompt: list[int], params: SamplingParams) -> SkillTask | None:
-        if self.runner.skills is None:
-            if task is not None:
-                raise ValueError("skill: this model has no skills")
-            return None
-        task = task or SkillTask()
-        if task.phase not in (ANSWER_FIRST, REASON, DECIDE) or min(task.limit, task.answer_limit) < 0:
-            raise ValueError(f"skill: phase {task.phase} / limits {task.limit}, {task.answer_limit} are invalid")
-        if task.phase == DECIDE and params.temperature != 0:
-            raise ValueError("temperature: point and detect are greedy (temperature 0)")
-        for name, values, shape in (("coord", task.prompt_coord, (len(prompt),)),
-                                    ("size", task.prompt_size, (len(prompt), 2))):
-            if values is not None and (values.dtype != np.float32 or values.shape != shape):
-                raise ValueError(f"spatial_refs: {name} values must be float32 {list(shape)}")
-        return task
 
     def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request early (thread-safe): cancellation, or a stop the frontend saw."""
@@ -280,12 +206,7 @@ class Engine:
             "bubble_busy_s": b.busy_s,
             "device_idle_fraction": b.idle_fraction,
             "device_overruns": b.overruns,  # sim: steps whose real CPU work did not fit the simulated time
-            "kv_pages_free": self.alloc.pages.num_free,  # free or cached: what an allocation can take
-            "kv_pages_total": self.alloc.pages.capacity,
-            "kv_pages_cached": self.alloc.pages.num_cached,
-            "prefix_cache_evictions": self.alloc.pages.evictions,
-            "rows_free": self.alloc.rows.num_free,
-            "rows_total": self.alloc.rows.capacity,
+            **self.alloc.stats(),
             "cuda_graphs": len(self.runner.graphs),
             "graph_capture_s": self.runner.graph_capture_s,
             "waiting": len(self.scheduler.waiting),
@@ -384,7 +305,7 @@ class Engine:
         launch = Launch(bool(plan.prefill), seqs, [])
         launch.inputs, launch.sample_seqs = inp, _ = self._inputs(plan, launch)
         launch.kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
-        launch.step, launch.slot = self.pipeline.launch(launch)
+        launch.step, launch.pipeline_slot = self.pipeline.launch(launch)
         for seq in seqs:
             seq.inflight_refs += 1
         if self.lora_slots is not None:
@@ -392,7 +313,7 @@ class Engine:
         if self.config.debug:
             self.alloc.check_exclusive(seqs, inp.decode_pos, plan.prefill)
         launch.marks.append(self.device.mark())
-        self.runner.enqueue_forward(launch.slot, inp)
+        self.runner.enqueue_forward(launch.pipeline_slot, inp)
         launch.marks.append(self.device.mark())
         return launch
 
@@ -437,7 +358,7 @@ class Engine:
             any_random=any(p.temperature > 0 for p in params),
             any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
-            token_lora=self._token_lora(plan),
+            token_lora=token_lora_slots(plan) if self.lora_slots is not None else None,
             **(launch.images.inputs() if launch.images else {}),
         )
         if ref_values:
@@ -447,15 +368,6 @@ class Engine:
                 inp.prefill_coord[start:start + len(coord)] = coord
                 inp.prefill_size[start:start + len(size)] = size
         return inp, sample_seqs
-
-    def _token_lora(self, plan: Plan) -> np.ndarray | None:
-        """The LoRA slot of each token of a launch (decode rows, then prefill chunks); None if no adapter."""
-        if self.lora_slots is None:
-            return None
-        slots = [s.lora_slot for s in plan.decode] + [c.seq.lora_slot for c in plan.prefill]
-        if not any(slots):
-            return None
-        return np.repeat(np.asarray(slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])
 
     # ------------------------------------------------------------------ sampling
     def _sample_constrained(self, words: np.ndarray | None, missing: np.ndarray | None,
@@ -472,7 +384,7 @@ class Engine:
                     self._fail(launch.sample_seqs[i], "mask_timeout",
                                "the constraint mask for this request did not arrive in time")
         launch.marks.append(self.device.mark())
-        self.runner.enqueue_sample(launch.slot, launch.inputs, rows, np.ascontiguousarray(words, dtype=np.int32))
+        self.runner.enqueue_sample(launch.pipeline_slot, launch.inputs, rows, np.ascontiguousarray(words, dtype=np.int32))
         launch.marks.append(self.device.mark())
         self._enqueue_copy(launch, targets)
         return launch
@@ -488,13 +400,13 @@ class Engine:
                                   np.int64)
         launch.marks.append(self.device.mark())
         if not len(constrained):
-            self.runner.enqueue_sample(launch.slot, launch.inputs)
+            self.runner.enqueue_sample(launch.pipeline_slot, launch.inputs)
             launch.marks.append(self.device.mark())
             self._enqueue_copy(launch, targets)
             return None
         free = np.setdiff1d(np.arange(len(launch.sample_seqs)), constrained)
         if len(free):
-            self.runner.enqueue_sample(launch.slot, launch.inputs, free)
+            self.runner.enqueue_sample(launch.pipeline_slot, launch.inputs, free)
         launch.marks.append(self.device.mark())
         launch.constrained = constrained
         return launch
@@ -502,14 +414,13 @@ class Engine:
     def _enqueue_copy(self, launch: Launch, targets: list[np.ndarray]) -> None:
         """The step's ids to the host, and into the caller's next host array if one is left."""
         launch.copy_into = targets.pop(0) if targets else None
-        launch.copy_done = self.runner.enqueue_copy(launch.slot, launch.inputs, launch.copy_into)
+        launch.copy_done = self.runner.enqueue_copy(launch.pipeline_slot, launch.inputs, launch.copy_into)
 
     # ------------------------------------------------------------------ commit
     def _commit(self) -> tuple[CommittedStep | None, list[Sequence], list[int]]:
         """Phase 3: commit the oldest launched step. Returns it (None if its device work failed),
         the sequences released, and the steps dropped after a device failure."""
-        step, slot = self.pipeline.pop_commit()
-        launch = self.pipeline.item(step)
+        step, pipeline_slot, launch = self.pipeline.pop_commit()
         assert launch.copy_done is not None, step
         t = time.perf_counter()
         self.device_wait_since = time.monotonic()
@@ -529,7 +440,7 @@ class Engine:
         if launch.images:
             self.images.committed(launch.images)
         n = len(launch.sample_seqs)
-        tokens, flags, logprobs, values = self.runner.read_step(slot, n)
+        tokens, flags, logprobs, values = self.runner.read_step(pipeline_slot, n)
         live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs, values)
         committed = CommittedStep(step, launch.prefill, launch.sample_seqs, tokens.astype(np.int32), finish, live,
                                   cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None,
@@ -626,8 +537,7 @@ class Engine:
         self.pipeline.release(launch.step)
         self.awaiting_masks = None
         while self.pipeline.in_flight:  # later steps ran on a failed stream: drop them too
-            step, _ = self.pipeline.pop_commit()
-            later = self.pipeline.item(step)
+            step, _, later = self.pipeline.pop_commit()
             later.dropped = True
             victims += later.seqs
             if later.copy_done is not None:

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from shared.arith import ceil_div
+
 from .encoder_cache import EncoderCache
 
 if TYPE_CHECKING:
@@ -232,7 +234,7 @@ class ImagePrefill:
             entry = image.entry
             first, end = max(lo, image.row_start) - image.row_start, min(hi, image.row_end) - image.row_start
             per = image.unit_rows
-            missing = entry.missing(first // per, -(-end // per))
+            missing = entry.missing(first // per, ceil_div(end, per))
             if len(missing):
                 assert image.holds_tiles, "units to encode without the host tiles"
                 if not work.encode:

@@ -13,11 +13,18 @@ the request waits.
 The same rule as the KV pages, checked the same way: ``launched``/``committed``
 count the in-flight steps reading each slot, and evicting or freeing a slot a
 launched step reads raises, as a double free of a KV page does.
+
+``token_lora_slots``: the slot each token of a launch reads (what the forward's LoRA kernel indexes).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .scheduler import Plan
 
 
 class LoraSlots:
@@ -92,3 +99,11 @@ class LoraSlots:
         return {"lora_slots_total": self.num_slots, "lora_slots_loaded": len(self.slot_of),
                 "lora_refs": self.total_refs, "lora_loads": self.loads, "lora_evictions": self.evictions,
                 "lora_hits": self.hits}
+
+
+def token_lora_slots(plan: Plan) -> np.ndarray | None:
+    """The LoRA slot of each token of a launch (decode rows, then prefill chunks); None if no adapter."""
+    seq_slots = [s.lora_slot for s in plan.decode] + [c.seq.lora_slot for c in plan.prefill]
+    if not any(seq_slots):
+        return None
+    return np.repeat(np.asarray(seq_slots, dtype=np.int64), [1] * len(plan.decode) + [c.length for c in plan.prefill])

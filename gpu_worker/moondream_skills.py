@@ -50,6 +50,18 @@ class SkillTask:
     prompt_coord: np.ndarray | None = None
     prompt_size: np.ndarray | None = None
 
+    def checked(self, prompt_len: int, temperature: float) -> SkillTask:
+        """This task, if it is valid for a prompt of ``prompt_len`` tokens; else ValueError naming the field."""
+        if self.phase not in (ANSWER_FIRST, REASON, DECIDE) or min(self.limit, self.answer_limit) < 0:
+            raise ValueError(f"skill: phase {self.phase} / limits {self.limit}, {self.answer_limit} are invalid")
+        if self.phase == DECIDE and temperature != 0:
+            raise ValueError("temperature: point and detect are greedy (temperature 0)")
+        for name, values, shape in (("coord", self.prompt_coord, (prompt_len,)),
+                                    ("size", self.prompt_size, (prompt_len, 2))):
+            if values is not None and (values.dtype != np.float32 or values.shape != shape):
+                raise ValueError(f"spatial_refs: {name} values must be float32 {list(shape)}")
+        return self
+
     @property
     def values_in_output(self) -> bool:
         """Reasoning, point and detect emit coord / size tokens whose values the ids do not show."""

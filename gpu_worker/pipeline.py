@@ -3,7 +3,8 @@
 A *slot* is one set of per-step buffers (staged metadata, logits, sampled ids,
 the host copy's destination, CUDA graphs); step n uses slot n % NUM_SLOTS. A
 step carries its caller's item (the engine's ``Launch``) from launch to
-release, so the queue of launched steps exists once.
+release (``pop_commit`` hands it back), so the queue of launched steps exists
+once.
 
 No torch here: this module only decides which slot a launch uses, which step is
 committed next and when a slot may be reused, so it is tested exhaustively on
@@ -79,13 +80,6 @@ class Pipeline:
     def drained(self) -> bool:
         return self.outstanding == 0
 
-    def item(self, step: int) -> object:
-        """What ``step`` was launched with (launched, not yet released)."""
-        rec = self.slots[self.slot_of(step)]
-        if rec.step != step:
-            raise PipelineError(f"step {step} is not outstanding")
-        return rec.item
-
     @property
     def in_flight_items(self) -> list:
         """The items of the steps launched and not yet popped for commit, in launch order."""
@@ -104,8 +98,8 @@ class Pipeline:
         self.next_step += 1
         return step, slot
 
-    def pop_commit(self) -> tuple[int, int]:
-        """Take the oldest in-flight step for commit; returns (step, slot)."""
+    def pop_commit(self) -> tuple[int, int, object]:
+        """Take the oldest in-flight step for commit; returns (step, slot, the item it was launched with)."""
         if self._committing is not None:
             raise PipelineError(f"step {self._committing} is still being committed")
         if not self._in_flight:
@@ -116,7 +110,7 @@ class Pipeline:
         assert rec.state is SlotState.IN_FLIGHT and rec.step == step  # guaranteed by launch()
         rec.state = SlotState.COMMITTING
         self._committing = step
-        return step, slot
+        return step, slot, rec.item
 
     def release(self, step: int) -> None:
         """Second phase: the committed step's slot becomes reusable."""

@@ -34,10 +34,11 @@ from shared.messages import (Cancel, ImagesCopied, Progress, Ready, Released, Re
 from shared.moondream_config import COORD_ID, SIZE_ID
 from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
-from .engine import Engine, Tick
+from .engine import Engine
 from .image_prefill import ImageInput
 from .moondream_skills import SkillTask
 from .sequence import Sequence
+from .step import Tick
 
 log = logging.getLogger("tandem.worker")
 

@@ -151,6 +151,14 @@ def test_engine_options_are_rejected_with_connect(option):
     assert plain.exit_code == 1 and "no server answered" in plain.stderr, plain.stderr
 
 
+def test_engine_options_are_the_declared_ones():
+    """``ENGINE_OPTIONS`` (what --connect refuses) is exactly the Engine options ``generate`` declares:
+    an engine option added to the decorator, or to ``generate`` beside it, cannot slip past --connect."""
+    declared = [p.name for p in main.commands["generate"].params if getattr(p, "group", None) == "Engine"]
+    assert declared == cli.ENGINE_OPTIONS
+    assert {"device", "max_batch", "lora_kernel"} <= set(cli.ENGINE_OPTIONS)  # non-vacuity
+
+
 def test_timeout_needs_connect():
     res = invoke("generate", "hi", "--timeout", "5")
     assert res.exit_code == 2 and "--timeout applies to --connect only" in res.stderr, res.stderr

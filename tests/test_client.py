@@ -323,7 +323,7 @@ def test_every_sampling_field_reaches_the_server(client, server):
     assert not unset, f"give these fields a non-default value in this test: {unset}"
     options = {n: getattr(params, n) for n in SAMPLING_FIELD_NAMES}
     client.generate("x", request_id="all-sampling", **options)
-    assert server.requests["all-sampling"].sampling_params() == params
+    assert server.requests["all-sampling"].sampling == params
     assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "grammar", "adapter", "images",
                                                               "skill", *P.SKILL_FIELDS}
 

@@ -220,6 +220,19 @@ def test_bad_input_fails_that_request_only():
     eng.close()
 
 
+def test_a_request_must_fit_the_whole_kv_cache_and_the_vocabulary():
+    eng = make_engine(kv_pages=5, max_model_len=256)
+    room = eng.alloc.pages.capacity * eng.alloc.page_size  # tokens the whole cache holds
+    assert room < 256
+    with pytest.raises(ValueError, match=r"max_tokens: prompt \+ max_tokens needs more KV pages than the cache has"):
+        eng.submit([1] * 10, SamplingParams(max_tokens=room - 9))
+    with pytest.raises(ValueError, match="stop_token_ids contains an invalid token id"):
+        eng.submit([1, 2], SamplingParams(stop_token_ids=[3, eng.vocab_size]))
+    full = eng.generate([[1] * 10], SamplingParams(max_tokens=room - 10, ignore_eos=True))[0]
+    assert len(full.output_ids) == room - 10 and eng.idle
+    eng.close()
+
+
 def test_mask_failure_fails_only_that_request():
     eng = make_engine()
 

@@ -8,17 +8,17 @@ from gpu_worker.pipeline import Pipeline, PipelineError, SlotState
 
 def test_slots_alternate_and_commit_fifo():
     p = Pipeline(2)
-    assert p.launch() == (0, 0)
-    assert p.launch() == (1, 1)
+    assert p.launch("a") == (0, 0)
+    assert p.launch("b") == (1, 1)
     assert not p.can_launch()  # both slots outstanding
-    assert p.pop_commit() == (0, 0)
+    assert p.pop_commit() == (0, 0, "a")  # a step comes back with the item it was launched with
     assert not p.can_launch()  # two-phase: slot 0 is committing, not free
     p.release(0)
     assert p.can_launch()
     assert p.launch() == (2, 0)
-    assert p.pop_commit() == (1, 1)
+    assert p.pop_commit() == (1, 1, "b")
     p.release(1)
-    assert p.pop_commit() == (2, 0)
+    assert p.pop_commit() == (2, 0, None)
     p.release(2)
     assert p.drained
 
@@ -27,7 +27,7 @@ def test_blocking_is_depth_one_use():
     p = Pipeline(2)
     for step in range(10):
         assert p.launch() == (step, step % 2)
-        assert p.pop_commit() == (step, step % 2)
+        assert p.pop_commit() == (step, step % 2, None)
         p.release(step)
         assert p.drained
 
@@ -76,7 +76,7 @@ def test_random_walk_keeps_invariants():
                 first_uncommitted = len(committed) + (committing is not None)
                 legal = committing is None and first_uncommitted < len(launched)
                 if legal:
-                    step, _ = p.pop_commit()
+                    step, _, _ = p.pop_commit()
                     assert step == first_uncommitted  # FIFO
                     committing = step
                 else:

@@ -58,7 +58,7 @@ def test_generate_defaults():
     assert r == GenerateRequest(id="r1", prompt="hello")
     assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed) == (256, 0.0, 1.0, 0, None)
     assert (r.stop, r.stop_token_ids, r.ignore_eos, r.stream, r.logprobs, r.grammar) == ((), (), False, True, False, None)
-    assert r.sampling_params() == SamplingParams()
+    assert r.sampling == SamplingParams()
 
 
 def test_generate_all_fields():
@@ -68,7 +68,7 @@ def test_generate_all_fields():
     assert r.temperature == 1.0 and isinstance(r.temperature, float)
     assert r.stop == ("\n", "END") and r.stop_token_ids == (0, 2) and r.grammar == g
     assert (r.ignore_eos, r.stream, r.logprobs) == (True, False, True)
-    sp = r.sampling_params()
+    sp = r.sampling
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.stop_token_ids, sp.ignore_eos) == (
         7, 1.0, 0.5, 40, 2**64 - 1, (0, 2), True)
 
@@ -209,11 +209,11 @@ def test_bad_messages(msg, code, message):
 def test_sampling_fields_are_read_as_sampling_params_declares_them(f):
     """Every SamplingParams field is a generate field of the same name; a wrong type is named
     with the field's ``must_be``; absent or nil gives SamplingParams' default."""
-    assert getattr(parse(gen(**{f.name: None})).sampling_params(), f.name) == f.default
+    assert getattr(parse(gen(**{f.name: None})).sampling, f.name) == f.default
     e = err(gen(**{f.name: "x"}))
     assert (e.code, e.message, e.id) == ("bad_request", f"{f.name} must be {f.must_be}, got str", "r1")
     value = {int: 1 + (f.default or 0), float: 0.5, bool: not f.default, tuple: [1]}[f.type]
-    parsed = getattr(parse(gen(**{f.name: value})).sampling_params(), f.name)
+    parsed = getattr(parse(gen(**{f.name: value})).sampling, f.name)
     assert parsed == (tuple(value) if f.type is tuple else value) and parsed != f.default
 
 
@@ -505,7 +505,7 @@ def test_fuzz_valid_messages_parse():
         assert r.stream == m.get("stream", True)
         for f in ("prompt", "messages", "prompt_token_ids"):
             assert getattr(r, f) == m.get(f)
-        r.sampling_params()
+        assert isinstance(r.sampling, SamplingParams)
 
 
 def test_images_envelope():

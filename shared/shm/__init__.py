@@ -18,13 +18,15 @@ Regions (every one 64-byte aligned; each cache line has exactly one writer):
 * header      static layout words (written once by the creator before the
               worker exists), one heartbeat line per side, one control line per
               side (frontend: ``consumed`` token entries; worker: ``ack_consumed``).
-* token ring  worker -> frontend. ``ring_entries`` slots, one per committed step:
+* token ring  worker -> frontend. ``ring_entries`` entries, one per committed step:
               a meta line (step, kind, row count) and a (4, max_rows) block of
               row columns (sequence id uint32, token id int32, flags uint32,
               optional float32 logprob), plus an int32 token staging row.
 * ack ring    frontend -> worker. (seq, FinishReason) events: the frontend ended it.
-* mask rows   frontend -> worker. One xgrammar-layout token bitmask per batch row
-              (bit j of word i allows token 32*i+j) plus a per-row step stamp.
+* mask rows   frontend -> worker. ``max_batch`` xgrammar-layout token bitmasks
+              (bit j of word i allows token 32*i+j), each with a step stamp; the
+              frontend lends one to each constrained request (its ``mask_row``,
+              not its batch row in the engine).
 
 Memory-ordering invariant (no fences are available from Python, and ARM may
 reorder both stores and loads): every 64-bit word a reader relies on carries
@@ -38,10 +40,10 @@ commit word and every payload word carry the expected tag. A copy that mixes
 tags is "not yet visible" and is retried; if the commit word has been visible
 for longer than ``corrupt_after_s`` while payload words still carry the wrong
 tag, or a commit word carries a tag that is neither the expected one nor the
-slot's previous occupant's, the reader raises ``RingCorrupt``. It never
+entry's previous occupant's, the reader raises ``RingCorrupt``. It never
 returns data it could not validate.
 
-Back-pressure: the token writer never reuses a slot the frontend has not
+Back-pressure: the token writer never reuses an entry the frontend has not
 consumed (``consumed`` word); it spins briefly, then sleeps on the ``space``
 eventfd that the reader signals after each ``consume``. The reader spins
 briefly, then sleeps on the ``tokens`` eventfd that the writer signals after
@@ -51,7 +53,7 @@ never lost; waiters drain the fd and re-check the shared words.
 
 Device copies: the worker may page-lock the whole mapping once (e.g.
 ``cudaHostRegister`` on the address of ``arena.buffer``, ``layout.total_bytes``
-long) and let the GPU write sampled token ids straight into a reserved slot:
+long) and let the GPU write sampled token ids straight into a reserved entry:
 ``p = writer.reserve()``; ``torch.from_numpy(p.token_ids[:n]).copy_(dev_ids,
 non_blocking=True)``; record an event; later, once the event has completed,
 ``writer.stamp(p, step, kind, seq_ids, flags)`` stamps the tagged words (from

@@ -95,7 +95,7 @@ class AckReader:
         tags = _tags(pos, k)
         ok = (words[:, 1] >> _SHIFT) == tags
         n = k if ok.all() else int(np.argmin(ok))
-        if n < k:  # first unpublished slot: must hold its previous occupant's tag
+        if n < k:  # first unpublished entry: must hold its previous occupant's tag
             got, prev = int(words[n, 1]) >> 32, _prev_tag(pos + n, self._cap)
             if got != prev:
                 raise RingCorrupt(f"ack ring position {pos + n}: commit tag {got:#x}, expected "

@@ -1,6 +1,6 @@
 """What both processes agree on about the arena's bytes: the header's magic
 and version, the enums stored in ring words, the header word indices, the
-token-ring slot layout and the region offsets (``Layout``)."""
+token-ring entry layout and the region offsets (``Layout``)."""
 from __future__ import annotations
 
 import mmap
@@ -50,10 +50,10 @@ _H_CONSUMED = 32       # frontend: token entries consumed (next seq not consumed
 _H_ACK_CONSUMED = 40   # worker: ack events consumed
 _HEADER_BYTES = 512
 
-# Token-ring meta words per slot (one cache line per slot).
+# Token-ring meta words per entry (one cache line per entry).
 _M_STEP_LO, _M_STEP_HI, _M_COMMIT = 0, 1, 2
 # commit payload: nrows in bits 0-23, kind in 24-27, has-logprobs in bit 28, has-values in bit 29.
-# Row columns of a slot (one (7, rows) block so an entry is one vectorised op); the last three
+# Row columns of an entry (one (7, rows) block so an entry is one vectorised op); the last three
 # are a Moondream row's region values (coordinate, width, height; float32).
 _C_SEQ, _C_TOK, _C_FLAGS, _C_LOGP, _C_VALUES, _NCOLS = 0, 1, 2, 3, 4, 7
 NUM_VALUES = _NCOLS - _C_VALUES
@@ -71,7 +71,7 @@ class Layout:
     vocab_size: int
     ring_entries: int = 64
     max_rows: int = 1024        # rows per token-ring entry
-    max_batch_rows: int = 256   # mask rows
+    max_batch_rows: int = 256   # mask rows: as many as the batch has rows, lent per request (not by batch row)
     ack_entries: int = 4096
     image_slots: int = 0        # image region: slots of slot_tiles uint8 tiles [3, tile_size, tile_size]
     slot_tiles: int = 1

@@ -25,7 +25,7 @@ def _tags(first: int, n: int) -> np.ndarray:
 
 
 def _prev_tag(pos: int, capacity: int) -> int:
-    """Tag left in a slot by its previous occupant (0 = never written)."""
+    """Tag left in a ring entry by its previous occupant (0 = never written)."""
     return _tag(pos - capacity) if pos >= capacity else 0
 
 

@@ -1,7 +1,7 @@
-"""The token ring, worker -> frontend: one slot per committed step
+"""The token ring, worker -> frontend: one entry per committed step
 (``TokenRingWriter`` in the worker, ``TokenRingReader`` in the frontend).
 
-The slot layout, back-pressure and device copies (``reserve`` / ``stamp``)
+The entry layout, back-pressure and device copies (``reserve`` / ``stamp``)
 are described in the package docstring (``shared.shm``)."""
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ class Entry(NamedTuple):
 
 @dataclass
 class PendingEntry:
-    """A reserved slot. ``token_ids`` is its int32 staging row (``max_rows``
+    """A reserved entry. ``token_ids`` is its int32 staging row (``max_rows``
     long, page-locked arena memory) that a device copy may write into before
     ``stamp``; what the entry holds (step, kind, rows) is decided when it is stamped."""
     position: int
-    slot: int
+    index: int  # its place in the ring: position % ring_entries
     token_ids: np.ndarray
 
 
@@ -89,12 +89,12 @@ class TokenRingWriter:
         return self._next - self.consumed() < self._cap
 
     def try_reserve(self) -> Optional[PendingEntry]:
-        """Reserve the next slot, or None if the ring is full."""
+        """Reserve the next entry, or None if the ring is full."""
         if not self.has_space():
             return None
-        position, slot = self._next, self._next % self._cap
+        position, index = self._next, self._next % self._cap
         self._next += 1
-        return PendingEntry(position, slot, self._stage[slot])
+        return PendingEntry(position, index, self._stage[index])
 
     def reserve(self, *, timeout: Optional[float] = None, abort: AbortFn = None) -> PendingEntry:
         """Like ``try_reserve`` but blocks while the ring is full; raises
@@ -134,7 +134,7 @@ class TokenRingWriter:
         return (step, Kind(kind), *_normalize_rows(n, seq_ids, flags, token_ids, logprobs), values)
 
     def _write(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, tok, lp, values=None) -> int:
-        tag, slot, n = _tag(p.position), p.slot, len(seq_ids)
+        tag, index, n = _tag(p.position), p.index, len(seq_ids)
         if tok is None:
             tok = p.token_ids[:n]
         has_lp, has_values = lp is not None, values is not None
@@ -146,8 +146,8 @@ class TokenRingWriter:
         if has_values:
             payload[_C_VALUES:] = np.ascontiguousarray(values.T).view(np.uint32)
         # Payload words first ...
-        _tagged(tag, payload, self._rows[slot, :ncols, :n])
-        meta, hi = self._meta[slot], tag << 32
+        _tagged(tag, payload, self._rows[index, :ncols, :n])
+        meta, hi = self._meta[index], tag << 32
         meta[_M_STEP_LO] = hi | (step & _U32)
         meta[_M_STEP_HI] = hi | (step >> 32)
         # ... the commit word last: readers key on it.
@@ -173,7 +173,7 @@ class TokenRingWriter:
     def publish(self, step: int, kind: Kind, seq_ids, token_ids, flags, logprobs=None, *,
                 timeout: Optional[float] = None, abort: AbortFn = None) -> int:
         """Publish one step; blocks while the ring is full (see ``reserve``)."""
-        # Validate before reserving so a bad call never leaves a dangling slot.
+        # Validate before reserving so a bad call never leaves a dangling reservation.
         if token_ids is None:
             raise ValueError("publish needs token_ids (use reserve/stamp for device copies)")
         entry = self._validate(step, kind, seq_ids, flags, token_ids, logprobs)
@@ -245,24 +245,24 @@ class TokenRingReader:
         """The next entry in order, or None if it is not (fully) visible yet.
         Raises ``RingCorrupt`` instead of ever returning unvalidated data."""
         pos = self._next
-        slot, tag = pos % self._cap, _tag(pos)
-        step_lo, step_hi, commit = self._meta[slot, :3].tolist()
+        index, tag = pos % self._cap, _tag(pos)
+        step_lo, step_hi, commit = self._meta[index, :3].tolist()
         ctag = commit >> 32
         if ctag != tag:
             prev = _prev_tag(pos, self._cap)
             if ctag == prev:
                 return None
-            raise RingCorrupt(f"token ring slot {slot}: commit tag {ctag:#x} is neither the "
+            raise RingCorrupt(f"token ring entry {index}: commit tag {ctag:#x} is neither the "
                               f"expected {tag:#x} (position {pos}) nor the previous {prev:#x}")
         n, kind_v, has_lp, has_values = commit & 0xFFFFFF, (commit >> 24) & 0xF, (commit >> 28) & 1, (commit >> 29) & 1
         if n > self._max_rows or kind_v not in (Kind.PREFILL, Kind.DECODE) or commit >> 30 & 0x3:
-            raise RingCorrupt(f"token ring slot {slot}: invalid commit word {commit:#018x}")
+            raise RingCorrupt(f"token ring entry {index}: invalid commit word {commit:#018x}")
         # Copy first, then validate the copy. Load order does not matter: a
         # step or row word read "too early" carries an older tag and fails.
-        rows = self._rows[slot, :_NCOLS if has_values else _C_VALUES if has_lp else _C_LOGP, :n].copy()
+        rows = self._rows[index, :_NCOLS if has_values else _C_VALUES if has_lp else _C_LOGP, :n].copy()
         if not ((step_lo >> 32) == (step_hi >> 32) == tag and _tags_ok(rows, tag)):
             if self._torn.expired(pos):
-                raise RingCorrupt(f"token ring slot {slot} (position {pos}) has been published "
+                raise RingCorrupt(f"token ring entry {index} (position {pos}) has been published "
                                   f"for > {self._torn.limit_s} s but its row words carry the wrong tag")
             return None
         self._torn.clear()
@@ -279,7 +279,7 @@ class TokenRingReader:
         return self._waiter.wait(self.ready, timeout, abort)
 
     def consume(self, upto_position: int) -> None:
-        """Hand slots up to and including ``upto_position`` back to the writer."""
+        """Hand entries up to and including ``upto_position`` back to the writer."""
         if upto_position >= self._next:
             raise ValueError(f"cannot consume position {upto_position}: only {self._next} polled")
         if upto_position + 1 > self._consumed:
