@@ -1,8 +1,9 @@
 """The fused CPU kernels of ``cpu_kernels.c``: built once per machine, called through ctypes.
 
 :func:`load` compiles the C file with the system's C compiler (``cc -O3
--march=native -fopenmp``, about a second) into ``~/.cache/tandem/kernels/``
-under a name that hashes the source, the flags and the CPU, and loads it;
+-march=native -fopenmp``, about a second) into the cache directory's ``kernels/``
+(``~/.cache/tandem/kernels/`` by default) under a name that hashes the source, the
+flags and the CPU, and loads it;
 without a compiler it returns None and the model keeps its eager path
 (``Llama.forward`` uses the kernels only when a :class:`CpuKernels` is attached).
 
@@ -23,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from shared.models import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ def build(cache_dir: Path | None = None) -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode() + _cpu_id().encode()).hexdigest()[:16]
-    cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem" / "kernels"
+    cache_dir = cache_dir or cache_root().parent / "kernels"  # beside the converted models
     lib = cache_dir / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib

@@ -208,7 +208,7 @@ def test_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch):
     stamp = lib.stat().st_mtime_ns
     assert cpu_kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "empty"))
     assert cpu_kernels.load() is None
 
 
