@@ -318,18 +318,17 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
 }
 
 /* q [tokens, heads, D]; token t of sequence seq[t] sees keys 0 .. pos[t] of that sequence, whose
- * pages are tables[seq[t] * table_width ...]; out [tokens, heads * D], written only at the tokens
- * rows[0 .. n_rows - 1] (rows NULL: every token). Query head h reads kv head h / (heads / kv_heads),
- * as in transformers. scratch: nthreads * group * max_len floats. */
+ * pages are tables[seq[t] * table_width ...]; out [tokens, heads * D]. Query head h reads kv head
+ * h / (heads / kv_heads), as in transformers. scratch: nthreads * group * max_len floats. */
 static void attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
                       int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos, void *out,
-                      const int64_t *rows, int64_t n_rows, int64_t heads, int64_t kv_heads, int64_t D,
-                      int64_t max_len, float *scratch, int nthreads, int bf) {
+                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, float *scratch,
+                      int nthreads, int bf) {
     const size_t el = bf ? 2 : 4;
-    const int64_t group = heads / kv_heads, work = n_rows * kv_heads;
+    const int64_t group = heads / kv_heads, work = tokens * kv_heads;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (work > 1)
     for (int64_t item = 0; item < work; item++) {
-        const int64_t t = rows ? rows[item / kv_heads] : item / kv_heads, kh = item % kv_heads;
+        const int64_t t = item / kv_heads, kh = item % kv_heads;
         const int64_t at = (t * heads + kh * group) * D * el;
         float *mine = scratch + (int64_t)omp_get_thread_num() * group * max_len;
 #define ITEM(B)                                                                                                   \
@@ -375,10 +374,10 @@ static void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
     }                                                                                                            \
     void attention_##SFX(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,        \
                          int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos,         \
-                         void *out, const int64_t *rows, int64_t n_rows, int64_t heads, int64_t kv_heads,       \
-                         int64_t D, int64_t max_len, float *scratch, int nthreads) {                             \
-        attention(q, k_cache, v_cache, tables, table_width, page_size, seq, pos, out, rows, n_rows, heads,      \
-                  kv_heads, D, max_len, scratch, nthreads, BF);                                                  \
+                         void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, \
+                         float *scratch, int nthreads) {                                                         \
+        attention(q, k_cache, v_cache, tables, table_width, page_size, seq, pos, out, tokens, heads, kv_heads,  \
+                  D, max_len, scratch, nthreads, BF);                                                            \
     }                                                                                                            \
     void silu_mul_##SFX(const void *gate_up, void *out, int64_t rows, int64_t inter, int nthreads) {            \
         silu_mul(gate_up, out, rows, inter, nthreads, BF);                                                       \
@@ -386,37 +385,3 @@ static void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
 
 EXPORT(bf16, 1)
 EXPORT(f32, 0)
-
-/* bf16 x [1, k] @ w [n, k]^T (+ bias [n]) -> y [1, n], a decode step of one sequence: one pass over
- * the weight with a few microseconds of call overhead, where a oneDNN matmul costs 20-30 us of
- * primitive overhead per call (121 calls a step). vdpbf16ps multiplies bf16 pairs exactly and
- * accumulates in float32; the result is rounded to bf16 once. Threads split the output features.
- * Without AVX512-BF16, gemv_supported() is 0 and nothing calls gemv_bf16. */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-int gemv_supported(void) { return 1; }
-
-#define GEMV_BLOCK 4 /* output features per inner step: each chunk of x is loaded once for four */
-
-void gemv_bf16(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t n, int64_t k, int nthreads) {
-    const int64_t blocks = (n + GEMV_BLOCK - 1) / GEMV_BLOCK;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * k >= PAR_MIN)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * GEMV_BLOCK, nb = n - n0 < GEMV_BLOCK ? n - n0 : GEMV_BLOCK;
-        __m512 acc[GEMV_BLOCK];
-        for (int64_t j = 0; j < GEMV_BLOCK; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < k; i += 32) {
-            const __mmask32 m = k - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - i)) - 1);
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i);
-            for (int64_t j = 0; j < nb; j++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(m, w + (n0 + j) * k + i), xv);
-        }
-        for (int64_t j = 0; j < nb; j++)
-            y[n0 + j] = f2bf(_mm512_reduce_add_ps(acc[j]) + (bias ? bf2f(bias[n0 + j]) : 0.f));
-    }
-}
-#else
-int gemv_supported(void) { return 0; }
-void gemv_bf16(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t n, int64_t k, int nthreads) {
-    (void)x, (void)w, (void)bias, (void)y, (void)n, (void)k, (void)nthreads;
-}
-#endif

@@ -31,17 +31,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC")
-# The attention kernel is two plain passes per (token, kv head): right for decode (a few
-# queries per sequence), slower than SDPA's blocked kernel for a long prompt chunk. A sequence's
-# chunk of at most this many tokens goes to the kernel, a longer one to SDPA, whatever else
-# shares the batch: a row's numerics never depend on its neighbours.
-MAX_QUERY_LEN = 4
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rmsnorm": (_P, _P, _P, _P, _I, _I, _F, ctypes.c_int),
     "rope_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int),
-    "attention": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_int),
+    "attention": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_int),
     "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -96,11 +91,6 @@ class CpuKernels:
                 fn.argtypes, fn.restype = argtypes, None
                 self._fn[name, dtype] = fn
         self._scratch = torch.empty(0)
-        dll.gemv_supported.restype = ctypes.c_int
-        # The one-row bf16 GEMV needs AVX512-BF16; without it every matmul stays oneDNN's.
-        self.has_gemv = bool(dll.gemv_supported())
-        self._gemv = dll.gemv_bf16
-        self._gemv.argtypes, self._gemv.restype = (_P, _P, _P, _P, _I, _I, ctypes.c_int), None
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += y`` in place (rounded as the eager add), then rmsnorm(x) * weight -> a new tensor."""
@@ -122,10 +112,8 @@ class CpuKernels:
         return q
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_of_token: torch.Tensor, positions: torch.Tensor, kv_heads: int, rows: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of q [T, H, D] over the pages of each token's sequence -> [T, H * D].
-        ``rows`` (int64): only these tokens, written into ``out``; the other rows are left as they are."""
+                  seq_of_token: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """Causal attention of q [T, H, D] over the pages of each token's sequence -> [T, H * D]."""
         T, H, D = q.shape
         page_size = k_cache.shape[1]
         max_len = block_tables.shape[1] * page_size
@@ -133,22 +121,11 @@ class CpuKernels:
         need = threads * (H // kv_heads) * max_len
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        if out is None:
-            out = torch.empty((T, H * D), dtype=q.dtype)
+        out = torch.empty((T, H * D), dtype=q.dtype)
         self._fn["attention", q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                                        block_tables.shape[1], page_size, seq_of_token.data_ptr(), positions.data_ptr(),
-                                       out.data_ptr(), None if rows is None else rows.data_ptr(),
-                                       T if rows is None else rows.numel(), H, kv_heads, D, max_len,
-                                       self._scratch.data_ptr(), threads)
+                                       out.data_ptr(), T, H, kv_heads, D, max_len, self._scratch.data_ptr(), threads)
         return out
-
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """bf16 x [1, k] @ weight [n, k]^T (+ bias) -> [1, n]: one pass over the weight."""
-        n = weight.shape[0]
-        y = torch.empty((1, n), dtype=x.dtype)
-        self._gemv(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-                   weight.shape[1], torch.get_num_threads())
-        return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused [T, 2 I] rows -> [T, I]."""

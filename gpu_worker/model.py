@@ -25,7 +25,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpu_worker.batch import Batch
-from gpu_worker.cpu_kernels import MAX_QUERY_LEN as MAX_FUSED_QUERY_LEN
 from gpu_worker.cpu_kernels import CpuKernels
 from gpu_worker.kv_cache import PagedKVCache
 
@@ -216,9 +215,6 @@ class PackedLinear(nn.Linear):
     """
 
     packed: torch.Tensor
-    # The fused CPU kernels (attach_cpu_kernels): a one-row matmul (one sequence decoding) is their GEMV.
-    gemv: "CpuKernels | None" = None
-
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
         packed = cls.__new__(cls)
@@ -231,18 +227,13 @@ class PackedLinear(nn.Linear):
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] == 1 and x.is_contiguous():
-            return self.gemv.gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def attach_cpu_kernels(model: nn.Module, kernels: "CpuKernels | None") -> None:
     """Run ``model`` (a bf16 :class:`Llama` on a CPU) through the fused CPU kernels, or back through
-    the eager ops (None): the layers' small ops, and the packed matmuls' one-row GEMV."""
+    the eager ops (None)."""
     model.cpu_kernels = kernels
-    for m in model.modules():
-        if isinstance(m, PackedLinear):
-            m.gemv = kernels if kernels is not None and kernels.has_gemv else None
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -372,28 +363,17 @@ class Llama(nn.Module):
         in place (the residual stream); returns norm(x) for every row."""
         cfg = self.config
         H, Hkv, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-        # Decode (a chunk of at most MAX_FUSED_QUERY_LEN tokens): attention reads the pages where
-        # they are. A batch with longer chunks runs SDPA over the gathered pages, then the kernel
-        # rewrites its short chunks' rows, so a row's numerics never depend on its batch.
+        # Every token's attention is the kernel's, prompt chunks' too: a token's numerics then depend
+        # neither on its batch nor on how its prompt was chunked (SDPA for long chunks and the kernel
+        # for decode rows gave different tokens for the same request under different schedules).
         seq_of_token = batch.token_to_padded // batch.max_query_len
-        mask = short_rows = None
-        if batch.max_query_len > MAX_FUSED_QUERY_LEN:
-            mask = attention_mask(batch, kv, H // Hkv)
-            chunk_len = torch.bincount(seq_of_token, minlength=batch.num_seqs)[seq_of_token]
-            short_rows = torch.nonzero(chunk_len <= MAX_FUSED_QUERY_LEN).view(-1)
         h = kernels.add_rmsnorm(x, None, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv.k[i], kv.v[i]
             q = kernels.rope_kv(attn.qkv_proj(h), self.rope_cos, self.rope_sin, batch.positions, batch.slot_mapping,
                                 k_cache, v_cache, H, Hkv, D)
-            if mask is None:
-                o = kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv)
-            else:
-                o = attend_pages(q, i, batch, kv, mask)
-                if short_rows.numel():
-                    kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv,
-                                      short_rows, o)
+            o = kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv)
             h = kernels.add_rmsnorm(x, attn.o_proj(o), layer.post_attention_layernorm.weight, eps)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h = kernels.add_rmsnorm(x, mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h))), after.weight, eps)
