@@ -108,9 +108,7 @@ class _WithKernels:
         self.model, self.kernels = model, kernels
 
     def __call__(self, *args):
-        from gpu_worker.model import attach_cpu_kernels
-
-        attach_cpu_kernels(self.model, self.kernels)
+        self.model.cpu_kernels = self.kernels
         return self.model(*args)
 
 
@@ -121,7 +119,7 @@ def profile(args) -> None:
     from bench.decode import load_model
     from gpu_worker.batch import Batch
     from gpu_worker.kv_cache import PagedKVCache
-    from gpu_worker.model import PackedLinear, attach_cpu_kernels, pack_linears
+    from gpu_worker.model import PackedLinear, pack_linears
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     loaded = load_model(args.model, args.device, args.dtype, 0, 2048)
@@ -134,7 +132,7 @@ def profile(args) -> None:
     if args.kernels and dev == "cpu" and loaded.dtype == torch.bfloat16:
         from gpu_worker import cpu_kernels
 
-        attach_cpu_kernels(model, cpu_kernels.load())
+        model.cpu_kernels = cpu_kernels.load()
     kernels_loaded = model.cpu_kernels
     page = 16
     print(f"model {args.model} dtype {loaded.dtype} threads {torch.get_num_threads()} "
@@ -165,12 +163,12 @@ def profile(args) -> None:
         def prefill_step(m, prompt=prompt, prefill=prefill, kv=kv, rows=prefill_rows):
             return m(prompt, prefill, kv, rows)
         if plain is not None:
-            attach_cpu_kernels(plain, model.cpu_kernels)
+            plain.cpu_kernels = model.cpu_kernels
             compare(("packed", model), ("plain", plain), step, prefill_step, args.steps)
         if args.compare_kernels and model.cpu_kernels is not None:
             compare(("fused", _WithKernels(model, model.cpu_kernels)), ("eager", _WithKernels(model, None)), step,
                     prefill_step, args.steps)
-            attach_cpu_kernels(model, kernels_loaded)
+            model.cpu_kernels = kernels_loaded
         times, cpu = [], []
         with torch.inference_mode():
             for i in range(args.steps):
@@ -188,7 +186,7 @@ def profile(args) -> None:
         handles = _part_ranges(model)
         kernels = model.cpu_kernels
         if kernels is not None:  # ctypes calls are invisible to the profiler: a range around each
-            attach_cpu_kernels(model, _Ranged(kernels))
+            model.cpu_kernels = _Ranged(kernels)
         acts = [torch.profiler.ProfilerActivity.CPU]
         on_gpu = dev != "cpu"
         if on_gpu:
@@ -200,7 +198,7 @@ def profile(args) -> None:
                 torch.cuda.synchronize()
         for h in handles:
             h.remove()
-        attach_cpu_kernels(model, kernels)
+        model.cpu_kernels = kernels
         events = prof.key_averages()
         # On a GPU an op's time is its kernels' (self device time); on a CPU its self CPU time.
         own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)

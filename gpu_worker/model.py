@@ -215,6 +215,7 @@ class PackedLinear(nn.Linear):
     """
 
     packed: torch.Tensor
+
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
         packed = cls.__new__(cls)
@@ -228,12 +229,6 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def attach_cpu_kernels(model: nn.Module, kernels: "CpuKernels | None") -> None:
-    """Run ``model`` (a bf16 :class:`Llama` on a CPU) through the fused CPU kernels, or back through
-    the eager ops (None)."""
-    model.cpu_kernels = kernels
 
 
 def pack_linears(model: nn.Module) -> int:

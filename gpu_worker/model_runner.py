@@ -40,7 +40,7 @@ from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
 from . import cpu_kernels
-from .model import Llama, LlamaConfig, attach_cpu_kernels, pack_linears
+from .model import Llama, LlamaConfig, pack_linears
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS
@@ -138,7 +138,7 @@ class ModelRunner:
         if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)
             pack_linears(self.model)
         if config.cpu_kernels and isinstance(llama, Llama) and dev.type == "cpu" and self.dtype == torch.bfloat16:
-            attach_cpu_kernels(llama, cpu_kernels.load())  # None (logged) without a C compiler: eager
+            llama.cpu_kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
         # Moondream: its region heads and per-row skill state (moondream_skills.py); None otherwise.
         self.moondream = llama if isinstance(llama, Moondream) else None
         self.skills = SkillRows(max_rows + 1, dev) if self.moondream is not None else None
