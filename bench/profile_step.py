@@ -10,9 +10,12 @@ profiler. Printed: the ops that take the time (self CPU time per step, calls per
 step) and a per-part breakdown (attention, MLP, norms, lm_head, the rest of the
 forward), from profiler ranges around each module.
 
-The model is the engine's: bf16 linears prepacked for oneDNN on a CPU (``--no-pack``: plain), and
+The model is the engine's: bf16 linears packed once on a CPU (``--no-pack``: plain), for the
+fused kernels' AMX matmul where the CPU has AMX (else, and with ``--no-kernels``, for oneDNN), and
 the fused CPU kernels for everything else (``--no-kernels``: the eager ops; in the profile each
-kernel call is a range ``cpu_kernels::<name>``).
+kernel call is a range ``cpu_kernels::<name>``, the matmul's ``cpu_kernels::linear``).
+``--compare-matmul`` alternates the kernels' matmul with oneDNN's (both packed, the same fused
+kernels around them).
 """
 from __future__ import annotations
 
@@ -124,19 +127,24 @@ def profile(args) -> None:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     loaded = load_model(args.model, args.device, args.dtype, 0, 2048)
     model, dev = loaded.llama, loaded.torch_device
-    plain = None
-    if args.compare_pack:  # a second, unpacked copy of the weights
-        plain = load_model(args.model, args.device, args.dtype, 0, 2048).llama
-    if args.pack:
-        pack_linears(model)
     if args.kernels and dev == "cpu" and loaded.dtype == torch.bfloat16:
         from gpu_worker import cpu_kernels
 
         model.cpu_kernels = cpu_kernels.load()
     kernels_loaded = model.cpu_kernels
+    plain = onednn = None
+    if args.compare_pack:  # a second, unpacked copy of the weights
+        plain = load_model(args.model, args.device, args.dtype, 0, 2048).llama
+    if args.compare_matmul and kernels_loaded is not None:  # a second copy, packed for oneDNN
+        onednn = load_model(args.model, args.device, args.dtype, 0, 2048).llama
+        pack_linears(onednn)
+        onednn.cpu_kernels = kernels_loaded
+    if args.pack:
+        pack_linears(model, kernels_loaded)
     page = 16
     print(f"model {args.model} dtype {loaded.dtype} threads {torch.get_num_threads()} "
           f"packed linears {any(isinstance(m, PackedLinear) for m in model.modules())} "
+          f"(for the kernels' matmul {any(getattr(m, 'kernels', None) for m in model.modules())}) "
           f"fused kernels {model.cpu_kernels is not None} "
           f"load {os.getloadavg()[0]:.2f}")
     for streams in args.streams:
@@ -163,8 +171,10 @@ def profile(args) -> None:
         def prefill_step(m, prompt=prompt, prefill=prefill, kv=kv, rows=prefill_rows):
             return m(prompt, prefill, kv, rows)
         if plain is not None:
-            plain.cpu_kernels = model.cpu_kernels
+            plain.cpu_kernels = kernels_loaded
             compare(("packed", model), ("plain", plain), step, prefill_step, args.steps)
+        if onednn is not None:
+            compare(("kernels' matmul", model), ("oneDNN's", onednn), step, prefill_step, args.steps)
         if args.compare_kernels and model.cpu_kernels is not None:
             compare(("fused", _WithKernels(model, model.cpu_kernels)), ("eager", _WithKernels(model, None)), step,
                     prefill_step, args.steps)
@@ -187,6 +197,9 @@ def profile(args) -> None:
         kernels = model.cpu_kernels
         if kernels is not None:  # ctypes calls are invisible to the profiler: a range around each
             model.cpu_kernels = _Ranged(kernels)
+            for m in model.modules():
+                if getattr(m, "kernels", None) is kernels:
+                    m.kernels = model.cpu_kernels
         acts = [torch.profiler.ProfilerActivity.CPU]
         on_gpu = dev != "cpu"
         if on_gpu:
@@ -199,6 +212,9 @@ def profile(args) -> None:
         for h in handles:
             h.remove()
         model.cpu_kernels = kernels
+        for m in model.modules():
+            if isinstance(getattr(m, "kernels", None), _Ranged):
+                m.kernels = kernels
         events = prof.key_averages()
         # On a GPU an op's time is its kernels' (self device time); on a CPU its self CPU time.
         own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
@@ -232,6 +248,8 @@ def main(argv=None) -> None:
                     help="the eager forward (no fused CPU kernels, gpu_worker/cpu_kernels.c)")
     ap.add_argument("--compare-pack", action="store_true",
                     help="also time packed vs plain linears, alternating (decode and prefill)")
+    ap.add_argument("--compare-matmul", action="store_true",
+                    help="also time the kernels' AMX matmul vs oneDNN's, alternating (decode and prefill)")
     ap.add_argument("--compare-kernels", action="store_true",
                     help="also time the fused kernels vs the eager ops, alternating (decode and prefill)")
     ap.add_argument("--top", default=14, type=int)

@@ -317,6 +317,75 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
         for (int64_t c = 0; c < chunks; c++) v_store(ot, g * D + c * VW, D - c * VW, acc[g * chunks + c], bf);
 }
 
+#if VW == 16
+/* attention_item for head_dim = 16 * CH, CH a literal at the call (always inlined): the loops over
+ * a head's vectors unroll, the sixteen dot products and the value accumulators stay in registers
+ * (with a run-time D they lived on the stack: 1.6x slower at 32 streams). The same math in the
+ * same order as attention_item, so the two agree bit for bit. */
+static inline __attribute__((always_inline)) void attention_item_fixed(
+    const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
+    int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH) {
+    const int64_t D = 16 * CH;
+    const size_t el = bf ? 2 : 4, key_stride = kv_heads * D * el;
+    const vf scale = v_set(1.f / sqrtf((float)D));
+    vf qv[8 * 8]; /* group <= 8 (checked by the caller), CH <= 8 */
+    float mx[8];
+    for (int64_t g = 0; g < group; g++) {
+        for (int c = 0; c < CH; c++) qv[g * CH + c] = v_mul(v_load(qt, g * D + c * 16, 16, bf), scale);
+        mx[g] = -INFINITY;
+    }
+    /* Pass 1: the scores, sixteen keys at a time; a short last block repeats its last key. */
+    int64_t page = 0, off = 0;
+    const char *page_keys = k_cache + (table[0] * page_size * kv_heads + kh) * D * el;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t nb = len - j0 < 16 ? len - j0 : 16;
+        const char *kp[16];
+        for (int64_t jj = 0; jj < nb; jj++) {
+            kp[jj] = page_keys + off * key_stride;
+            if (++off == page_size && j0 + jj + 1 < len) {
+                off = 0;
+                page_keys = k_cache + (table[++page] * page_size * kv_heads + kh) * D * el;
+            }
+        }
+        for (int64_t jj = nb; jj < 16; jj++) kp[jj] = kp[nb - 1];
+        for (int64_t g = 0; g < group; g++) {
+            vf dots[16];
+            for (int jj = 0; jj < 16; jj++) {
+                dots[jj] = v_set(0.f);
+                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[g * CH + c], v_load(kp[jj], c * 16, 16, bf), dots[jj]);
+            }
+            const vf sv = hsum16(dots);
+            v_store(scores + g * max_len, j0, nb, sv, 0);
+            const float m = _mm512_mask_reduce_max_ps(tail(nb), sv);
+            mx[g] = m > mx[g] ? m : mx[g];
+        }
+    }
+    /* Softmax per query head, then pass 2 per head: the weighted values in CH registers. */
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * max_len, total = 0.f;
+        for (int64_t j = 0; j < len; j += 16) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx[g]))), 0);
+        for (int64_t j = 0; j < len; j++) total += sg[j];
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+        vf acc[8];
+        for (int c = 0; c < CH; c++) acc[c] = v_set(0.f);
+        for (int64_t first = 0; first < len; first += page_size) {
+            const char *v = v_cache + (table[first / page_size] * page_size * kv_heads + kh) * D * el;
+            const int64_t in_page = len - first < page_size ? len - first : page_size;
+            for (int64_t j = first; j < first + in_page; j++, v += key_stride) {
+                const vf w = v_set(sg[j]);
+                for (int c = 0; c < CH; c++) acc[c] = v_fma(w, v_load(v, c * 16, 16, bf), acc[c]);
+            }
+        }
+        for (int c = 0; c < CH; c++) v_store(ot, g * D + c * 16, 16, acc[c], bf);
+    }
+}
+#define FIXED_ITEM(D, group) (((D) == 64 || (D) == 128) && (group) <= 8)
+#else
+#define FIXED_ITEM(D, group) 0
+#define attention_item_fixed(...) ((void)0)
+#endif
+
 /* q [tokens, heads, D]; token t of sequence seq[t] sees keys 0 .. pos[t] of that sequence, whose
  * pages are tables[seq[t] * table_width ...]; out [tokens, heads * D]. Query head h reads kv head
  * h / (heads / kv_heads), as in transformers. scratch: nthreads * group * max_len floats. */
@@ -326,6 +395,7 @@ static void attention(const void *q, const void *k_cache, const void *v_cache, c
                       int nthreads, int bf) {
     const size_t el = bf ? 2 : 4;
     const int64_t group = heads / kv_heads, work = tokens * kv_heads;
+    const int fixed = FIXED_ITEM(D, group);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (work > 1)
     for (int64_t item = 0; item < work; item++) {
         const int64_t t = item / kv_heads, kh = item % kv_heads;
@@ -334,8 +404,18 @@ static void attention(const void *q, const void *k_cache, const void *v_cache, c
 #define ITEM(B)                                                                                                   \
     attention_item((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size, pos[t] + 1, \
                    kh, kv_heads, group, D, max_len, mine, (char *)out + at, B)
-        SPECIALISE(bf, ITEM);
+#define FIXED(B, CH)                                                                                              \
+    attention_item_fixed((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size,       \
+                         pos[t] + 1, kh, kv_heads, group, max_len, mine, (char *)out + at, B, CH)
+#define FIXED4(B) FIXED(B, 4)
+#define FIXED8(B) FIXED(B, 8)
+        if (fixed && D == 64) SPECIALISE(bf, FIXED4);
+        else if (fixed) SPECIALISE(bf, FIXED8);
+        else SPECIALISE(bf, ITEM);
 #undef ITEM
+#undef FIXED
+#undef FIXED4
+#undef FIXED8
     }
 }
 
@@ -385,3 +465,158 @@ static void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
 
 EXPORT(bf16, 1)
 EXPORT(f32, 0)
+
+/* ---- The bf16 matmul on AMX: y [M, N] = x [M, K] @ W^T (+ bias), W an nn.Linear weight [N, K].
+ *
+ * Why our own: oneDNN's per-call overhead and its blocking for few rows read the weights at about
+ * half the memory bandwidth at 1 and 32 rows (BENCHMARKS.md "Session 7"), and a row's result
+ * must not depend on the batch around it (a request's tokens would then depend on the schedule).
+ * Here every output element is one fp32 accumulation over K in blocks of 32, in the same order
+ * whatever M is and whichever thread computes it, then rounded to bf16 once: batch invariant by
+ * construction. Threads split the output columns (contiguous ranges, so each streams its part of
+ * the weight); the weight is read once per 32 rows, with software prefetch a few tiles ahead
+ * (without it the tile loads wait on memory: 1.4x slower at 1 row).
+ *
+ * Packed layout (linear_pack_bf16): for each block of 16 output columns, for each block of 32 k,
+ * one 1 KB tile in AMX's pair-interleaved (VNNI) form: row r holds W[n][k0 + 2r], W[n][k0 + 2r + 1]
+ * for n = 0..15. Needs N % 32 == 0 and K % 32 == 0 (linear_supported); others keep oneDNN. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VW == 16
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux grants AMX's 8 KB of tile state per process, on request. */
+int linear_ready(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+
+void linear_pack_bf16(const bf16 *w, bf16 *out, int64_t N, int64_t K) {
+#pragma omp parallel for
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kb = 0; kb < K / 32; kb++) {
+            bf16 *tile = out + (nb * (K / 32) + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int n = 0; n < 16; n++) {
+                    tile[r * 32 + 2 * n] = w[(nb * 16 + n) * K + kb * 32 + 2 * r];
+                    tile[r * 32 + 2 * n + 1] = w[(nb * 16 + n) * K + kb * 32 + 2 * r + 1];
+                }
+        }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Tiles: 0-3 C (fp32 16 x 16: rows 0-15 x columns 0-15 / 16-31, then rows 16-31), 4-5 A (rows of
+ * x, 32 k), 6-7 B (weight tiles). `rows` rows of x in this block (1..32). */
+static void configure_tiles(int rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const uint8_t top = (uint8_t)(rows < 16 ? rows : 16), bottom = (uint8_t)(rows > 16 ? rows - 16 : 1);
+    const uint8_t tile_rows[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = tile_rows[t];
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline void prefetch_tile(const bf16 *p) {
+    for (int line = 0; line < 16; line++) _mm_prefetch((const char *)(p + line * 32), _MM_HINT_T0);
+}
+
+/* rows x 16 fp32 accumulators (+ bias) -> bf16, rounded to nearest even. */
+static inline void store_block(const float *acc, const bf16 *bias, bf16 *y, int64_t ldy, int rows) {
+    const vf b = bias ? v_load(bias, 0, 16, 1) : v_set(0.f);
+    for (int r = 0; r < rows; r++) v_store(y + r * ldy, 0, 16, v_add(_mm512_loadu_ps(acc + r * 16), b), 1);
+}
+
+#define PREFETCH_TILES 4 /* ahead, per weight stream: 4 KB (2-6 measured alike, 16 slower) */
+
+/* One block of 1..32 rows of x (row stride K) times one pair of 16-column weight streams b0, b1
+ * -> 32 columns of y (row stride N). */
+static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, const bf16 *bias0, bf16 *out,
+                                int64_t K, int64_t N, int rows, int prefetch) {
+    const int64_t kbs = K / 32;
+    const int top = rows < 16 ? rows : 16;
+    const bf16 *bias1 = bias0 ? bias0 + 16 : NULL;
+    float acc[4][256] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            if (prefetch) {
+                prefetch_tile(b0 + (kb + PREFETCH_TILES) * 512);
+                prefetch_tile(b1 + (kb + PREFETCH_TILES) * 512);
+            }
+            _tile_loadd(4, a + kb * 32, K * 2);
+            _tile_loadd(5, a + 16 * K + kb * 32, K * 2);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            if (prefetch) {
+                prefetch_tile(b0 + (kb + PREFETCH_TILES) * 512);
+                prefetch_tile(b1 + (kb + PREFETCH_TILES) * 512);
+            }
+            _tile_loadd(4, a + kb * 32, K * 2);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    store_block(acc[0], bias0, out, N, top);
+    store_block(acc[1], bias1, out + 16, N, top);
+    if (rows > 16) {
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+        store_block(acc[2], bias0, out + 16 * N, N, rows - 16);
+        store_block(acc[3], bias1, out + 16 * N + 16, N, rows - 16);
+    }
+}
+
+/* Rows of x per pass over the weight: a chunk of x (256 x K bf16, 288 KB at K = 576) stays in the
+ * core's L2 while the weight streams by; the weight is read once per chunk. */
+#define ROWS_PER_PASS 256
+
+void linear_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
+                 int nthreads) {
+    const int64_t pairs = N / 32, kbs = K / 32;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int configured = -1;
+        for (int64_t chunk = 0; chunk < M; chunk += ROWS_PER_PASS) {
+            const int64_t chunk_end = M - chunk < ROWS_PER_PASS ? M : chunk + ROWS_PER_PASS;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < pairs; p++) {
+                const bf16 *b0 = wp + 2 * p * kbs * 512, *b1 = b0 + kbs * 512;
+                for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) {
+                    const int rows = (int)(chunk_end - m0 < 32 ? chunk_end - m0 : 32);
+                    if (rows != configured) configure_tiles(configured = rows);
+                    /* The chunk's first row block streams the weight in; the others find it in cache. */
+                    linear_block(x + m0 * K, b0, b1, bias ? bias + 32 * p : NULL, y + m0 * N + 32 * p, K, N, rows,
+                                 m0 == chunk);
+                }
+            }
+        }
+        _tile_release(); /* leaves the thread's tile state clean for oneDNN and cheap to context-switch */
+    }
+}
+#else
+int linear_ready(void) { return 0; }
+void linear_pack_bf16(const bf16 *w, bf16 *out, int64_t N, int64_t K) { (void)w, (void)out, (void)N, (void)K; }
+void linear_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
+                 int nthreads) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)nthreads;
+}
+#endif

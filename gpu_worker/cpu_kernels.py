@@ -10,6 +10,10 @@ without a compiler it returns None and the model keeps its eager path
 Each method takes contiguous CPU tensors of one dtype (bfloat16 or float32) and
 allocates its output. ctypes drops the GIL for the call, so another Python thread
 runs while a kernel does.
+
+Where the CPU has AMX (and the kernel grants it), :meth:`CpuKernels.linear` is also the
+bf16 matmul of every linear layer (``gpu_worker.model.PackedLinear``): a weight packed once
+by :meth:`CpuKernels.pack_linear`, each row's result independent of the batch.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ _SIGNATURES = {
     "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int)}
 
 
 def _cpu_id() -> str:
@@ -91,6 +96,36 @@ class CpuKernels:
                 fn.argtypes, fn.restype = argtypes, None
                 self._fn[name, dtype] = fn
         self._scratch = torch.empty(0)
+        for name, argtypes in _LINEAR.items():
+            fn = getattr(dll, name)
+            fn.argtypes, fn.restype = argtypes, None
+            self._fn[name] = fn
+        # AMX: compiled in (-march=native on a CPU that has it) and granted by the kernel.
+        self.has_matmul = bool(dll.linear_ready())
+
+    def can_matmul(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`linear` computes with ``weight`` [N, K]: bf16 on a CPU with AMX, N and K
+        multiples of 32."""
+        N, K = weight.shape
+        return self.has_matmul and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
+            and N % 32 == 0 and K % 32 == 0
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [N, K] (see :meth:`can_matmul`) in the tile layout :meth:`linear` reads."""
+        N, K = weight.shape
+        w = weight.detach().contiguous()
+        packed = torch.empty(N * K, dtype=torch.bfloat16)
+        self._fn["linear_pack_bf16"](w.data_ptr(), packed.data_ptr(), N, K)
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        """x [..., K] bf16 @ the packed weight^T (+ bias) -> [..., N] bf16, each row alone."""
+        K = x.shape[-1]
+        rows = x.reshape(-1, K).contiguous()
+        y = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
+        self._fn["linear_bf16"](rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), rows.shape[0], K, out_features, torch.get_num_threads())
+        return y.view(*x.shape[:-1], out_features)
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += y`` in place (rounded as the eager add), then rmsnorm(x) * weight -> a new tensor."""

@@ -206,35 +206,46 @@ def attend_pages(q: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache
 
 
 class PackedLinear(nn.Linear):
-    """``nn.Linear`` whose matmul reads a copy of the weight prepacked for oneDNN (bf16 on a CPU).
+    """``nn.Linear`` whose bf16 CPU matmul reads a copy of the weight packed once for it: the fused
+    kernels' AMX matmul where they can (``CpuKernels.linear``), else oneDNN's.
 
     oneDNN reorders a plain weight into its blocked (AVX512-BF16 / AMX) layout on
     every call; packed once, a call only multiplies (BENCHMARKS.md "The CPU
-    forward"). ``weight`` stays the plain parameter (tied embeddings, LoRA and
-    checkpoint code read it); the packed copy costs the weights' size once more.
+    forward"). The kernels' AMX matmul reads the weight at about twice oneDNN's rate
+    at 1 and 32 rows, and computes each row the same whatever the batch around it
+    (BENCHMARKS.md "Session 7"). ``weight`` stays the plain parameter (tied embeddings,
+    LoRA and checkpoint code read it); the packed copy costs the weights' size once more.
     """
 
     packed: torch.Tensor
+    kernels: CpuKernels | None  # set: ``packed`` is the kernels' tile layout
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
+    def from_linear(cls, linear: nn.Linear, kernels: CpuKernels | None = None) -> "PackedLinear":
         packed = cls.__new__(cls)
         nn.Module.__init__(packed)
         packed.in_features, packed.out_features = linear.in_features, linear.out_features
         packed.weight, packed.bias = linear.weight, linear.bias
-        # The batch-size hint picks oneDNN's blocking: 64 was as fast as 1 or faster at 1, 32
-        # and 512 rows (BENCHMARKS.md "The CPU forward").
-        packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
+        packed.kernels = kernels if kernels is not None and kernels.can_matmul(linear.weight) else None
+        if packed.kernels is not None:
+            packed.packed = packed.kernels.pack_linear(linear.weight)
+        else:
+            # The batch-size hint picks oneDNN's blocking: 64 was as fast as 1 or faster at 1, 32
+            # and 512 rows (BENCHMARKS.md "The CPU forward").
+            packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace, in place, every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`;
-    returns how many. fp32 keeps aten's matmul (the float32 reference tests match it exactly),
-    CUDA has no use for it, and a torch without mkldnn packs nothing."""
+def pack_linears(model: nn.Module, kernels: CpuKernels | None = None) -> int:
+    """Replace, in place, every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`
+    (for ``kernels``' matmul where it applies); returns how many. fp32 keeps aten's matmul (the
+    float32 reference tests match it exactly), CUDA has no use for it, and a torch without mkldnn
+    packs nothing."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return 0
     count = 0
@@ -242,7 +253,7 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             w = child.weight if type(child) is nn.Linear else None
             if w is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16:
-                setattr(parent, name, PackedLinear.from_linear(child))
+                setattr(parent, name, PackedLinear.from_linear(child, kernels))
                 count += 1
     return count
 

@@ -135,10 +135,13 @@ class ModelRunner:
                 image_params = ImageProcessorParams.from_model_dir(path)
         self.model = llama.eval()
         self.config = llama.config
+        kernels = None
+        if config.cpu_kernels and dev.type == "cpu" and self.dtype == torch.bfloat16:
+            kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
         if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)
-            pack_linears(self.model)
-        if config.cpu_kernels and isinstance(llama, Llama) and dev.type == "cpu" and self.dtype == torch.bfloat16:
-            llama.cpu_kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
+            pack_linears(self.model, kernels)
+        if isinstance(llama, Llama):
+            llama.cpu_kernels = kernels
         # Moondream: its region heads and per-row skill state (moondream_skills.py); None otherwise.
         self.moondream = llama if isinstance(llama, Moondream) else None
         self.skills = SkillRows(max_rows + 1, dev) if self.moondream is not None else None

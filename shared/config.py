@@ -39,8 +39,8 @@ class EngineConfig:
     dtype: str | None = _about(None, "Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, "
                                      "else float32).")
     cuda_graphs: bool = True
-    prepack: bool = True  # bf16 on a CPU: matmul weights prepacked for oneDNN (gpu_worker.model.PackedLinear)
-    cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused (gpu_worker/cpu_kernels.c)
+    prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.model.PackedLinear)
+    cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused, AMX matmul (gpu_worker/cpu_kernels.c)
     encoder_cache_mb: float = _about(256.0, "Vision models: device memory for image features kept for reuse "
                                             "(unreferenced ones, LRU).")
     debug: bool = False

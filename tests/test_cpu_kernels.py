@@ -5,6 +5,8 @@ op-by-op rounding, so equal or one bf16 ulp apart), on shapes with vector tails 
 not multiples of 16), GQA groups and sequences that end mid-page; then the whole forward, fused
 against eager, and the invariant the engine relies on: a token's result does not depend on how its prompt was
 chunked (the schedules of pipelined and blocking decoding, one process or two, differ).
+The AMX matmul (where the CPU has AMX): against float32 and oneDNN, and each row independent of
+the rows batched with it.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 from gpu_worker import cpu_kernels
 from gpu_worker.batch import Batch
 from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.model import Llama, LlamaConfig, RMSNorm, apply_rope, attention_mask, paged_attention
+from gpu_worker.model import (Llama, LlamaConfig, PackedLinear, RMSNorm, apply_rope, attention_mask, pack_linears,
+                              paged_attention)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -109,10 +112,11 @@ def _paged_case(dtype, lens, chunk, H=6, Hkv=2, D=24, page_size=4):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_over_pages_in_place(kernels, dtype):
+@pytest.mark.parametrize("D", [24, 64, 128])  # 64 and 128: the unrolled item (attention_item_fixed)
+def test_attention_over_pages_in_place(kernels, dtype, D):
     """Decode (one query per sequence) and short chunks (causal within the chunk) against SDPA over
-    the gathered pages; lengths end mid-page and cross pages."""
-    q, kv, batch, Hkv = _paged_case(dtype, lens=[1, 5, 13, 32], chunk=[1, 2, 4, 1])
+    the gathered pages; lengths end mid-page and cross pages, and a 16-key block."""
+    q, kv, batch, Hkv = _paged_case(dtype, lens=[1, 5, 13, 32, 37], chunk=[1, 2, 4, 1, 3], D=D)
     seq = batch.token_to_padded // batch.max_query_len
     with torch.inference_mode():
         got = kernels.attention(q, kv.k[0], kv.v[0], batch.block_tables, seq, batch.positions, Hkv)
@@ -176,20 +180,63 @@ def test_fused_forward_matches_eager_and_is_batch_independent(kernels, dtype):
         assert calls == [10] * TINY.num_hidden_layers
 
 
-def test_a_prompt_chunked_or_whole_gives_the_same_bits(kernels):
+# Every matmul of this one has N and K multiples of 32: the engine packs them all for the AMX matmul.
+TINY32 = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+
+def amx(kernels):
+    if not kernels.has_matmul:
+        pytest.skip("this CPU (or kernel) has no AMX: the matmuls stay oneDNN's")
+
+
+@pytest.mark.parametrize("cfg,packed", [(TINY, False), (TINY32, True)], ids=["plain-linears", "amx-linears"])
+def test_a_prompt_chunked_or_whole_gives_the_same_bits(kernels, cfg, packed):
     """The invariant the engine's schedule tests need: the same prompt, prefilled in one chunk or in
-    chunks of 3, 1 and the rest, leaves the same cache and the same last logits, bit for bit."""
-    model = Llama.random(TINY, seed=5, dtype=torch.bfloat16)
+    chunks of 3, 1 and the rest, leaves the same cache and the same last logits, bit for bit (with
+    the engine's packed linears too: the AMX matmul computes each row alone)."""
+    model = Llama.random(cfg, seed=5, dtype=torch.bfloat16)
     model.cpu_kernels = kernels
-    prompt = torch.randint(0, TINY.vocab_size, (11,), generator=torch.Generator().manual_seed(6))
+    if packed:
+        amx(kernels)
+        assert pack_linears(model, kernels) == 4 * cfg.num_hidden_layers + 1
+        assert all(m.kernels is kernels for m in model.modules() if isinstance(m, PackedLinear))
+    prompt = torch.randint(0, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(6))
     table = list(range(1, 5))
-    whole, chunked = (PagedKVCache.from_config(TINY, 8, 4, torch.bfloat16, "cpu") for _ in range(2))
+    whole, chunked = (PagedKVCache.from_config(cfg, 8, 4, torch.bfloat16, "cpu") for _ in range(2))
     with torch.inference_mode():
         a = _forward(model, whole, [(0, 11, table)], prompt)
         for start, n in ((0, 3), (3, 1), (4, 7)):
             b = _forward(model, chunked, [(start, n, table)], prompt[start:start + n])
     assert torch.equal(a[-1], b[-1])
     assert torch.equal(whole.k, chunked.k) and torch.equal(whole.v, chunked.v)
+
+
+@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (128, 1536, False)])
+def test_amx_matmul_matches_float32_and_each_row_is_alone(kernels, n, k, bias):
+    """The AMX matmul against float32 (one rounding of the exact-order sum: at most one bf16 ulp)
+    and oneDNN's prepacked matmul; a row's result is the same bits alone, in a block of 32 rows, in
+    a partial block (17, 33 rows) and past one pass of 256 rows (300)."""
+    amx(kernels)
+    g = torch.Generator().manual_seed(n + k)
+    linear = torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
+    linear.weight.data = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    if bias:
+        linear.bias.data = torch.randn(n, generator=g).bfloat16()
+    ours, onednn = PackedLinear.from_linear(linear, kernels), PackedLinear.from_linear(linear)
+    assert ours.kernels is kernels and onednn.kernels is None
+    x = torch.randn(300, k, generator=g).bfloat16()
+    with torch.inference_mode():
+        want = (x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)).bfloat16()
+        got = ours(x)
+        assert ulps(got, want) <= 1
+        assert ulps(got, onednn(x)) <= 2  # one bf16 ulp each side of the exact sum
+        assert not torch.equal(got, torch.zeros_like(got))
+        for rows in (1, 17, 32, 33):
+            assert torch.equal(ours(x[-rows:]), got[-rows:]), rows
+        assert torch.equal(ours(x.view(3, 100, k)), got.view(3, 100, n))  # leading dims kept
+    small = torch.nn.Linear(40, 96, dtype=torch.bfloat16)  # K not a multiple of 32: oneDNN's
+    assert not kernels.can_matmul(small.weight) and PackedLinear.from_linear(small, kernels).kernels is None
 
 
 def test_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch):
@@ -207,7 +254,13 @@ def test_engine_attaches_the_kernels_for_bf16_on_a_cpu_only():
     for dtype, enabled, want in (("bfloat16", True, True), ("bfloat16", False, False), ("float32", True, False)):
         eng = Engine(EngineConfig(model="tiny-random", device="cpu", dtype=dtype, cpu_kernels=enabled, kv_pages=64))
         try:
-            assert (eng.runner.model.cpu_kernels is not None) == want, (dtype, enabled)
+            kernels = eng.runner.model.cpu_kernels
+            assert (kernels is not None) == want, (dtype, enabled)
+            linears = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
+            assert bool(linears) == (dtype == "bfloat16")
+            # The AMX matmul where the CPU has it: all of tiny-random's dims are multiples of 32.
+            amx_on = want and kernels.has_matmul
+            assert all((m.kernels is not None) == amx_on for m in linears), (dtype, enabled)
         finally:
             eng.close()
 
