@@ -155,9 +155,10 @@ static inline vf v_exp(vf x) {
     return v_mul(p, v_pow2i(n));
 }
 
-/* Work below this many elements runs on the calling thread alone: a parallel
- * region costs more than it saves there. */
-#define PAR_MIN 65536
+/* Work below this many elements runs on the calling thread alone: a parallel region costs more
+ * than it saves there (4096: a 32-row norm or silu splits, a 1-row one does not; 1.04-1.10x per
+ * 32-stream step over 65536, BENCHMARKS.md "Session 7"). */
+#define PAR_MIN 4096
 
 /* OpenMP outlines a parallel loop's body before the `is_bf16` constant reaches it, so each loop
  * calls a per-row function with a literal flag (`bf ? row(.., 1) : row(.., 0)`): two
@@ -328,7 +329,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
     const int64_t D = 16 * CH;
     const size_t el = bf ? 2 : 4, key_stride = kv_heads * D * el;
     const vf scale = v_set(1.f / sqrtf((float)D));
-    vf qv[8 * 8]; /* group <= 8 (checked by the caller), CH <= 8 */
+    vf qv[8 * 8], keys[16 * 8], acc[8 * 8]; /* group <= 8 (checked by the caller), CH <= 8 */
     float mx[8];
     for (int64_t g = 0; g < group; g++) {
         for (int c = 0; c < CH; c++) qv[g * CH + c] = v_mul(v_load(qt, g * D + c * 16, 16, bf), scale);
@@ -348,11 +349,14 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
             }
         }
         for (int64_t jj = nb; jj < 16; jj++) kp[jj] = kp[nb - 1];
+        /* The block's keys in float32 once (exact), not once per query head. */
+        for (int jj = 0; jj < 16; jj++)
+            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(kp[jj], c * 16, 16, bf);
         for (int64_t g = 0; g < group; g++) {
             vf dots[16];
             for (int jj = 0; jj < 16; jj++) {
                 dots[jj] = v_set(0.f);
-                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[g * CH + c], v_load(kp[jj], c * 16, 16, bf), dots[jj]);
+                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[g * CH + c], keys[jj * CH + c], dots[jj]);
             }
             const vf sv = hsum16(dots);
             v_store(scores + g * max_len, j0, nb, sv, 0);
@@ -360,25 +364,42 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
             mx[g] = m > mx[g] ? m : mx[g];
         }
     }
-    /* Softmax per query head, then pass 2 per head: the weighted values in CH registers. */
+    /* Softmax per query head. */
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * max_len, total = 0.f;
         for (int64_t j = 0; j < len; j += 16) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx[g]))), 0);
         for (int64_t j = 0; j < len; j++) total += sg[j];
         const float inv = 1.f / total;
         for (int64_t j = 0; j < len; j++) sg[j] *= inv;
-        vf acc[8];
-        for (int c = 0; c < CH; c++) acc[c] = v_set(0.f);
-        for (int64_t first = 0; first < len; first += page_size) {
-            const char *v = v_cache + (table[first / page_size] * page_size * kv_heads + kh) * D * el;
-            const int64_t in_page = len - first < page_size ? len - first : page_size;
-            for (int64_t j = first; j < first + in_page; j++, v += key_stride) {
-                const vf w = v_set(sg[j]);
-                for (int c = 0; c < CH; c++) acc[c] = v_fma(w, v_load(v, c * 16, 16, bf), acc[c]);
+        for (int c = 0; c < CH; c++) acc[g * CH + c] = v_set(0.f);
+    }
+    /* Pass 2: the weighted values, sixteen keys at a time, each converted once for all heads; per
+     * head its CH accumulators stay in registers over the block. */
+    page = off = 0;
+    const char *page_values = v_cache + (table[0] * page_size * kv_heads + kh) * D * el;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t nb = len - j0 < 16 ? len - j0 : 16;
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const char *v = page_values + off * key_stride;
+            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(v, c * 16, 16, bf);
+            if (++off == page_size && j0 + jj + 1 < len) {
+                off = 0;
+                page_values = v_cache + (table[++page] * page_size * kv_heads + kh) * D * el;
             }
         }
-        for (int c = 0; c < CH; c++) v_store(ot, g * D + c * 16, 16, acc[c], bf);
+        for (int64_t g = 0; g < group; g++) {
+            const float *sg = scores + g * max_len + j0;
+            vf a[8];
+            for (int c = 0; c < CH; c++) a[c] = acc[g * CH + c];
+            for (int64_t jj = 0; jj < nb; jj++) {
+                const vf w = v_set(sg[jj]);
+                for (int c = 0; c < CH; c++) a[c] = v_fma(w, keys[jj * CH + c], a[c]);
+            }
+            for (int c = 0; c < CH; c++) acc[g * CH + c] = a[c];
+        }
     }
+    for (int64_t g = 0; g < group; g++)
+        for (int c = 0; c < CH; c++) v_store(ot, g * D + c * 16, 16, acc[g * CH + c], bf);
 }
 #define FIXED_ITEM(D, group) (((D) == 64 || (D) == 128) && (group) <= 8)
 #else
