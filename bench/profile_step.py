@@ -59,7 +59,8 @@ def _part_ranges(model):
 
 
 class _Ranged:
-    """The fused CPU kernels, each call inside a profiler range named ``cpu_kernels::<name>``."""
+    """The fused CPU kernels, each call inside a profiler range named ``cpu_kernels::<name>`` (and
+    without ``layers``, their one-call loop, so that the profile splits a step by kernel)."""
 
     def __init__(self, kernels):
         self._kernels = kernels
@@ -67,6 +68,8 @@ class _Ranged:
     def __getattr__(self, name):
         import torch
 
+        if name == "layers":  # the profile shows each kernel: the model runs its Python loop over them
+            raise AttributeError(name)
         fn = getattr(self._kernels, name)
         if not callable(fn):
             return fn

@@ -44,7 +44,9 @@ _SIGNATURES = {
     "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int)}
+_LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
+           "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
+                           _P, _P, _P, _P, _P, _P, _P, ctypes.c_int)}
 
 
 def _cpu_id() -> str:
@@ -117,6 +119,34 @@ class CpuKernels:
         packed = torch.empty(N * K, dtype=torch.bfloat16)
         self._fn["linear_pack_bf16"](w.data_ptr(), packed.data_ptr(), N, K)
         return packed
+
+    def layers(self, x: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+               seq_of_token: torch.Tensor, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+               eps: float) -> torch.Tensor:
+        """Every decoder layer in one call (``layers_bf16``): x [T, hidden] bf16 updated in place as the
+        residual stream; ``weights`` the int64 [layers, 11] addresses of ``Llama._layer_weights``; the
+        caches k, v [layers, pages, page_size, kv_heads, head_dim]. -> norm(x) after the last layer."""
+        T, hidden = x.shape
+        page_size = k.shape[2]
+        max_len = block_tables.shape[1] * page_size
+        threads = torch.get_num_threads()
+        need = threads * (heads // kv_heads) * max_len
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        h = torch.empty_like(x)
+        qkv = torch.empty((T, (heads + 2 * kv_heads) * head_dim), dtype=x.dtype)
+        q, o = (torch.empty((T, heads * head_dim), dtype=x.dtype) for _ in range(2))
+        proj = torch.empty_like(x)
+        gate_up = torch.empty((T, 2 * intermediate), dtype=x.dtype)
+        act = torch.empty((T, intermediate), dtype=x.dtype)
+        self._fn["layers_bf16"](x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(),
+                                v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
+                                seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden, intermediate, eps,
+                                max_len, qkv.data_ptr(), q.data_ptr(), o.data_ptr(), proj.data_ptr(), gate_up.data_ptr(),
+                                act.data_ptr(), self._scratch.data_ptr(), threads)
+        return h
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         """x [..., K] bf16 @ the packed weight^T (+ bias) -> [..., N] bf16, each row alone."""

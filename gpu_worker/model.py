@@ -241,6 +241,10 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def pack_linears(model: nn.Module, kernels: CpuKernels | None = None) -> int:
     """Replace, in place, every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`
     (for ``kernels``' matmul where it applies); returns how many. fp32 keeps aten's matmul (the
@@ -373,6 +377,11 @@ class Llama(nn.Module):
         # neither on its batch nor on how its prompt was chunked (SDPA for long chunks and the kernel
         # for decode rows gave different tokens for the same request under different schedules).
         seq_of_token = batch.token_to_padded // batch.max_query_len
+        weights = self._layer_weights(kernels)
+        if weights is not None:  # every layer in one C call: the same kernels, no Python between them
+            return kernels.layers(x, weights, kv.k, kv.v, self.rope_cos, self.rope_sin, batch.positions,
+                                  batch.slot_mapping, batch.block_tables, seq_of_token, H, Hkv, D,
+                                  cfg.intermediate_size, eps)
         h = kernels.add_rmsnorm(x, None, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -384,6 +393,26 @@ class Llama(nn.Module):
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h = kernels.add_rmsnorm(x, mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h))), after.weight, eps)
         return h
+
+    def _layer_weights(self, kernels: "CpuKernels") -> torch.Tensor | None:
+        """The addresses ``CpuKernels.layers`` reads, per layer (see ``layers_bf16``), taken afresh each
+        forward (nothing to go stale); None unless every layer's linears are packed for ``kernels``'
+        matmul (not with LoRA's wrapped linears, dims that are not multiples of 32, or no AMX)."""
+        if getattr(kernels, "layers", None) is None:
+            return None
+        rows = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(type(m) is PackedLinear and m.kernels is kernels for m in linears):
+                return None
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            qkv, o, gate_up, down = linears
+            rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                         qkv.packed.data_ptr(), _address(qkv.bias), o.packed.data_ptr(), gate_up.packed.data_ptr(),
+                         _address(gate_up.bias), down.packed.data_ptr(), _address(down.bias),
+                         after.weight.data_ptr(), 0])
+        return torch.tensor(rows, dtype=torch.int64)
 
     def num_params(self) -> int:
         """Parameter count, tied embeddings counted once."""

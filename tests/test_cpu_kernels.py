@@ -212,6 +212,38 @@ def test_a_prompt_chunked_or_whole_gives_the_same_bits(kernels, cfg, packed):
     assert torch.equal(whole.k, chunked.k) and torch.equal(whole.v, chunked.v)
 
 
+def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
+    """``layers_bf16`` (every decoder layer in one C call) against ``_fused_layers``' Python loop over
+    the same kernels: the same logits and caches, bit for bit, over a prefill and decode steps; a
+    model whose linears are not all packed for the AMX matmul keeps the Python loop."""
+    amx(kernels)
+    model = Llama.random(TINY32, seed=7, dtype=torch.bfloat16)
+    pack_linears(model, kernels)
+    assert model._layer_weights(kernels) is not None  # non-vacuity: the one-call path runs below
+
+    class PythonLoop:  # the same kernels without the one-call loop
+        layers = None
+
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+    g = torch.Generator().manual_seed(8)
+    caches = [PagedKVCache.from_config(TINY32, 12, 4, torch.bfloat16, "cpu") for _ in range(2)]
+    tables = [list(range(1, 6)), list(range(6, 11))]
+    steps = [([(0, 9, tables[0]), (0, 5, tables[1])], torch.randint(0, 96, (14,), generator=g))]
+    steps += [([(9 + i, 1, tables[0]), (5 + i, 1, tables[1])], torch.randint(0, 96, (2,), generator=g)) for i in range(3)]
+    with torch.inference_mode():
+        for chunks, ids in steps:
+            out = []
+            for impl, kv in zip((kernels, PythonLoop()), caches):
+                model.cpu_kernels = impl
+                out.append(_forward(model, kv, chunks, ids))
+            assert torch.equal(out[0], out[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    model.layers[1].mlp.down_proj = torch.nn.Linear(TINY32.intermediate_size, TINY32.hidden_size, dtype=torch.bfloat16)
+    assert model._layer_weights(kernels) is None  # e.g. LoRA's wrapped linears
+
+
 @pytest.mark.parametrize("n,k,bias", [(96, 64, True), (128, 1536, False)])
 def test_amx_matmul_matches_float32_and_each_row_is_alone(kernels, n, k, bias):
     """The AMX matmul against float32 (one rounding of the exact-order sum: at most one bf16 ulp)
