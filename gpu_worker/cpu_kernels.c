@@ -1,4 +1,4 @@
-/* Fused CPU kernels of the Llama decoder layer: everything but the matmuls.
+/* Fused CPU kernels of the Llama decoder layer.
  *
  * Built once per machine by gpu_worker/cpu_kernels.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes on raw pointers of contiguous tensors.
@@ -9,6 +9,11 @@
  *   rope_kv       rope on q and k of the fused qkv row; k, v written into their page slots
  *   attention     each query token attends over its sequence's pages in place (no gather copy, no mask)
  *   silu_mul      silu(gate) * up
+ *
+ * and, where the CPU has AMX, the matmuls and the whole loop over the layers:
+ *
+ *   linear_bf16   y = x @ W^T (+ bias) on AMX tiles, each row's result independent of the batch
+ *   layers_bf16   every decoder layer, the calls above in the Python loop's order, in one call
  *
  * Rounding follows the eager bf16 path op by op (each bf16 op of PyTorch computes
  * in float32 and rounds its result), so the two agree to a few bf16 ulps; in
@@ -235,6 +240,21 @@ static void rope_kv(const void *qkv, const float *cos_table, const float *sin_ta
     }
 }
 
+/* The addresses of a sequence's next nb keys (or values) of kv head kh in a cache [pages,
+ * page_size, kv_heads, D] (rows of row_bytes), walking its page table: (*page, *off) is where the
+ * next one is, and is moved past them. */
+static inline void walk_pages(const char *cache, const int64_t *table, int64_t page_size, int64_t kv_heads,
+                              int64_t kh, size_t row_bytes, int64_t nb, int64_t *page, int64_t *off,
+                              const char **out) {
+    for (int64_t jj = 0; jj < nb; jj++) {
+        out[jj] = cache + ((table[*page] * page_size + *off) * kv_heads + kh) * row_bytes;
+        if (++*off == page_size) {
+            *off = 0;
+            ++*page;
+        }
+    }
+}
+
 /* One (token, kv head): its group of query heads qt [group, D] over the keys 0 .. len - 1 of its
  * sequence, key j in page table[j / page_size] of the caches [pages, page_size, kv_heads, D]:
  * scores, softmax, then the weighted values -> ot [group, D]. scratch: group * max_len floats. */
@@ -255,17 +275,10 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
     /* Sixteen keys at a time: per query head, sixteen dot-product vectors, summed across their lanes
      * together (hsum16) instead of one horizontal reduction per key. */
     int64_t page = 0, off = 0;
-    const char *page_keys = k_cache + (table[0] * page_size * kv_heads + kh) * D * el;
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         const int64_t nb = len - j0 < 16 ? len - j0 : 16;
         const char *kp[16];
-        for (int64_t jj = 0; jj < nb; jj++) {
-            kp[jj] = page_keys + off * key_stride;
-            if (++off == page_size && j0 + jj + 1 < len) {
-                off = 0;
-                page_keys = k_cache + (table[++page] * page_size * kv_heads + kh) * D * el;
-            }
-        }
+        walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
         for (int64_t g = 0; g < group; g++) {
             vf dots[16];
             for (int64_t jj = 0; jj < 16; jj++) {
@@ -321,13 +334,13 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
 #if VW == 16
 /* attention_item for head_dim = 16 * CH, CH a literal at the call (always inlined): the loops over
  * a head's vectors unroll, the sixteen dot products and the value accumulators stay in registers
- * (with a run-time D they lived on the stack: 1.6x slower at 32 streams). The same math in the
- * same order as attention_item, so the two agree bit for bit. */
+ * (with a run-time D they lived on the stack: 1.5x slower, the kernel alone at 32 sequences). The
+ * same math in the same order as attention_item, so the two agree bit for bit. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
     int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH) {
     const int64_t D = 16 * CH;
-    const size_t el = bf ? 2 : 4, key_stride = kv_heads * D * el;
+    const size_t el = bf ? 2 : 4;
     const vf scale = v_set(1.f / sqrtf((float)D));
     vf qv[8 * 8], keys[16 * 8], acc[8 * 8]; /* group <= 8 (checked by the caller), CH <= 8 */
     float mx[8];
@@ -337,17 +350,10 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
     }
     /* Pass 1: the scores, sixteen keys at a time; a short last block repeats its last key. */
     int64_t page = 0, off = 0;
-    const char *page_keys = k_cache + (table[0] * page_size * kv_heads + kh) * D * el;
+    const char *kp[16];
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         const int64_t nb = len - j0 < 16 ? len - j0 : 16;
-        const char *kp[16];
-        for (int64_t jj = 0; jj < nb; jj++) {
-            kp[jj] = page_keys + off * key_stride;
-            if (++off == page_size && j0 + jj + 1 < len) {
-                off = 0;
-                page_keys = k_cache + (table[++page] * page_size * kv_heads + kh) * D * el;
-            }
-        }
+        walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < 16; jj++) kp[jj] = kp[nb - 1];
         /* The block's keys in float32 once (exact), not once per query head. */
         for (int jj = 0; jj < 16; jj++)
@@ -376,17 +382,11 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
     /* Pass 2: the weighted values, sixteen keys at a time, each converted once for all heads; per
      * head its CH accumulators stay in registers over the block. */
     page = off = 0;
-    const char *page_values = v_cache + (table[0] * page_size * kv_heads + kh) * D * el;
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         const int64_t nb = len - j0 < 16 ? len - j0 : 16;
-        for (int64_t jj = 0; jj < nb; jj++) {
-            const char *v = page_values + off * key_stride;
-            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(v, c * 16, 16, bf);
-            if (++off == page_size && j0 + jj + 1 < len) {
-                off = 0;
-                page_values = v_cache + (table[++page] * page_size * kv_heads + kh) * D * el;
-            }
-        }
+        walk_pages(v_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+        for (int64_t jj = 0; jj < nb; jj++)
+            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(kp[jj], c * 16, 16, bf);
         for (int64_t g = 0; g < group; g++) {
             const float *sg = scores + g * max_len + j0;
             vf a[8];
@@ -495,12 +495,12 @@ EXPORT(f32, 0)
  * Here every output element is one fp32 accumulation over K in blocks of 32, in the same order
  * whatever M is and whichever thread computes it, then rounded to bf16 once: batch invariant by
  * construction. Threads split the output columns (contiguous ranges, so each streams its part of
- * the weight); the weight is read once per 32 rows, with software prefetch a few tiles ahead
- * (without it the tile loads wait on memory: 1.4x slower at 1 row).
+ * the weight); the weight is read once per pass of up to 256 rows, with software prefetch a few
+ * tiles ahead (without it the tile loads wait on memory: 1.4x slower at 1 row).
  *
  * Packed layout (linear_pack_bf16): for each block of 16 output columns, for each block of 32 k,
  * one 1 KB tile in AMX's pair-interleaved (VNNI) form: row r holds W[n][k0 + 2r], W[n][k0 + 2r + 1]
- * for n = 0..15. Needs N % 32 == 0 and K % 32 == 0 (linear_supported); others keep oneDNN. */
+ * for n = 0..15. Needs N % 32 == 0 and K % 32 == 0 (CpuKernels.can_matmul); others keep oneDNN. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VW == 16
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -638,9 +638,9 @@ void linear_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64
  * the result is bit for bit the Python loop's, without its ~270 Python calls a step and the GIL
  * taken back after each (the engine's compute thread then shares the GIL with the host thread
  * for a whole forward's worth of small waits). Each of the layers' four linears packed for
- * linear_bf16. weights [layers][11]: input norm, post-attention norm, qkv, qkv bias, o, gate_up,
- * gate_up bias, down, down bias, the next layer's input norm (the final norm after the last),
- * unused; a bias may be NULL. x [T, hidden] is the residual stream (updated in place); h [T,
+ * linear_bf16. weights [layers][10]: input norm, post-attention norm, qkv, qkv bias, o, gate_up,
+ * gate_up bias, down, down bias, the next layer's input norm (the final norm after the last);
+ * a bias may be NULL. x [T, hidden] is the residual stream (updated in place); h [T,
  * hidden] gets norm(x) after the last layer. Buffers: qkv [T, (H + 2 Hkv) D], q and o [T, H D],
  * proj [T, hidden], gu [T, 2 inter], act [T, inter]; att_scratch as attention's. */
 void layers_bf16(bf16 *x, bf16 *h, const int64_t *weights, int64_t n_layers, bf16 *k_cache, bf16 *v_cache,
@@ -650,7 +650,7 @@ void layers_bf16(bf16 *x, bf16 *h, const int64_t *weights, int64_t n_layers, bf1
                  int64_t inter, float eps, int64_t max_len, bf16 *qkv, bf16 *q, bf16 *o, bf16 *proj, bf16 *gu,
                  bf16 *act, float *att_scratch, int nthreads) {
     const int64_t qkv_width = (heads + 2 * kv_heads) * D;
-#define W(i, k) ((const bf16 *)(intptr_t)weights[(i) * 11 + (k)])
+#define W(i, k) ((const bf16 *)(intptr_t)weights[(i) * 10 + (k)])
     add_rmsnorm(x, NULL, W(0, 0), h, tokens, hidden, eps, nthreads, 1);
     for (int64_t i = 0; i < n_layers; i++) {
         bf16 *kc = k_cache + i * layer_stride, *vc = v_cache + i * layer_stride;

@@ -125,15 +125,13 @@ class CpuKernels:
                seq_of_token: torch.Tensor, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                eps: float) -> torch.Tensor:
         """Every decoder layer in one call (``layers_bf16``): x [T, hidden] bf16 updated in place as the
-        residual stream; ``weights`` the int64 [layers, 11] addresses of ``Llama._layer_weights``; the
+        residual stream; ``weights`` the int64 [layers, 10] addresses of ``Llama._layer_weights``; the
         caches k, v [layers, pages, page_size, kv_heads, head_dim]. -> norm(x) after the last layer."""
         T, hidden = x.shape
         page_size = k.shape[2]
         max_len = block_tables.shape[1] * page_size
         threads = torch.get_num_threads()
-        need = threads * (heads // kv_heads) * max_len
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
+        scratch = self._attention_scratch(threads, heads // kv_heads, max_len)
         h = torch.empty_like(x)
         qkv = torch.empty((T, (heads + 2 * kv_heads) * head_dim), dtype=x.dtype)
         q, o = (torch.empty((T, heads * head_dim), dtype=x.dtype) for _ in range(2))
@@ -145,7 +143,7 @@ class CpuKernels:
                                 slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
                                 seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden, intermediate, eps,
                                 max_len, qkv.data_ptr(), q.data_ptr(), o.data_ptr(), proj.data_ptr(), gate_up.data_ptr(),
-                                act.data_ptr(), self._scratch.data_ptr(), threads)
+                                act.data_ptr(), scratch.data_ptr(), threads)
         return h
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -183,14 +181,18 @@ class CpuKernels:
         page_size = k_cache.shape[1]
         max_len = block_tables.shape[1] * page_size
         threads = torch.get_num_threads()
-        need = threads * (H // kv_heads) * max_len
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
+        scratch = self._attention_scratch(threads, H // kv_heads, max_len)
         out = torch.empty((T, H * D), dtype=q.dtype)
         self._fn["attention", q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                                        block_tables.shape[1], page_size, seq_of_token.data_ptr(), positions.data_ptr(),
-                                       out.data_ptr(), T, H, kv_heads, D, max_len, self._scratch.data_ptr(), threads)
+                                       out.data_ptr(), T, H, kv_heads, D, max_len, scratch.data_ptr(), threads)
         return out
+
+    def _attention_scratch(self, threads: int, group: int, max_len: int) -> torch.Tensor:
+        """The attention kernel's float32 scores, ``group * max_len`` per thread (kept, grown as needed)."""
+        if self._scratch.numel() < threads * group * max_len:
+            self._scratch = torch.empty(threads * group * max_len, dtype=torch.float32)
+        return self._scratch
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused [T, 2 I] rows -> [T, I]."""

@@ -411,7 +411,7 @@ class Llama(nn.Module):
             rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                          qkv.packed.data_ptr(), _address(qkv.bias), o.packed.data_ptr(), gate_up.packed.data_ptr(),
                          _address(gate_up.bias), down.packed.data_ptr(), _address(down.bias),
-                         after.weight.data_ptr(), 0])
+                         after.weight.data_ptr()])
         return torch.tensor(rows, dtype=torch.int64)
 
     def num_params(self) -> int:
