@@ -115,11 +115,8 @@ class Engine:
         tokens (as many as the image has feature rows) take their features.
         ``task``: a Moondream model's skill (default: caption/query rules); with an image, the
         prompt's first positions are the image block (its ids are placeholders)."""
-        params = params or SamplingParams()  # its ranges were checked when it was built (frozen)
-        # token ids, the prompt's and the stop ids, are checked here against this vocabulary
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids contains an invalid token id {bad[0]!r}")
+        params = params or SamplingParams()
+        params.validate(self.vocab_size)  # its stop ids against this vocabulary (the ranges, again)
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt: at least one token is needed")
