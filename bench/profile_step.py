@@ -80,6 +80,13 @@ class _Ranged:
         return ranged
 
 
+def _swap_linear_kernels(model, old, new) -> None:
+    """The packed linears that multiply through ``old`` (``PackedLinear.kernels``) use ``new``."""
+    for m in model.modules():
+        if getattr(m, "kernels", None) is old:
+            m.kernels = new
+
+
 def compare(a: tuple, b: tuple, step, prefill, steps: int) -> None:
     """Wall and CPU ms of a decode step and of the prefill, variant ``a`` vs ``b`` (each (name, model)),
     alternating call by call (so a noisy neighbour hits both alike)."""
@@ -200,9 +207,7 @@ def profile(args) -> None:
         kernels = model.cpu_kernels
         if kernels is not None:  # ctypes calls are invisible to the profiler: a range around each
             model.cpu_kernels = _Ranged(kernels)
-            for m in model.modules():
-                if getattr(m, "kernels", None) is kernels:
-                    m.kernels = model.cpu_kernels
+            _swap_linear_kernels(model, kernels, model.cpu_kernels)
         acts = [torch.profiler.ProfilerActivity.CPU]
         on_gpu = dev != "cpu"
         if on_gpu:
@@ -214,10 +219,9 @@ def profile(args) -> None:
                 torch.cuda.synchronize()
         for h in handles:
             h.remove()
+        if kernels is not None:
+            _swap_linear_kernels(model, model.cpu_kernels, kernels)
         model.cpu_kernels = kernels
-        for m in model.modules():
-            if isinstance(getattr(m, "kernels", None), _Ranged):
-                m.kernels = kernels
         events = prof.key_averages()
         # On a GPU an op's time is its kernels' (self device time); on a CPU its self CPU time.
         own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
