@@ -281,6 +281,7 @@ def check_service(device: str, vlm: str) -> str:
             if "done" not in done:
                 raise AssertionError(f"request {len(got)} did not finish: {done}")
             got.append(list(req.token_ids))
+        svc.run_until(svc.idle, 120)  # "done" comes before the worker's release of the last request
         st = svc.stats()
     finally:
         svc.close()
