@@ -54,6 +54,7 @@ import numpy as np
 
 from shared.arith import ceil_div
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
+from shared.moondream_config import is_moondream_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -65,7 +66,7 @@ ZOMBIE_TARGET = 110  # answer length of the zombie-tax case (the published singl
 OPTIONS = [
     (("--model",), dict(default=DEFAULT_MODEL,
                         help=f"a built-in model ({', '.join(REGISTRY)}; `tandem models` says what each is; "
-                             "random Llamas are built in memory) or a Hugging Face directory")),
+                             "random models are built in memory) or a Hugging Face directory")),
     (("--device",), dict(default="auto", help="auto | cpu | cuda | sim:MS (simulated device: MS per decode step)")),
     (("--streams",), dict(default="1,32", help="comma-separated concurrent streams, e.g. 1,32")),
     (("--tokens",), dict(default=128, type=int, help="decode tokens (= decode steps) per stream")),
@@ -133,8 +134,10 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
     auto = dtype_name in (None, "auto")
     dtype = default_dtype(torch_device != "cpu") if auto else getattr(torch, dtype_name)
     model = builtin(name)
-    if model is not None and model.random_llama is not None:  # random weights, in memory (no files)
-        cfg = LlamaConfig.from_hf_config(model.random_llama)
+    if model is not None and model.random_config is not None:  # random weights, in memory (no files)
+        if is_moondream_config(model.random_config):
+            raise SystemExit(f"{name} is not a Llama: `{model.bench} --model {name}` benchmarks it")
+        cfg = LlamaConfig.from_hf_config(model.random_config)
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)
         return Loaded(name, llama, None, dtype, torch_device)
     from shared.models import resolve_model

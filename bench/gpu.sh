@@ -18,8 +18,10 @@
 #    ids copied into a page-locked arena, a failed launch fails only its steps. Stops here if not.
 # 2. Decode table: random-135m and random-1b, bf16, CUDA graphs, 1 and 32 streams,
 #    blocking vs pipelined, device idle from CUDA events, host ms per step, transformers
-#    generate on the same weights; the zombie tax; CUDA-graph capture time. Then one decode
-#    step's profile at 1 and 32 streams (bench/profile_step.py: the page gather, SDPA, matmuls).
+#    generate on the same weights; the zombie tax; CUDA-graph capture time. Then the
+#    moondream2-shaped random model (bench/moondream.py): text and detect streams at 1 and 32
+#    rows, blocking vs pipelined, device idle; image encode per crop count, caption TTFT, ms per
+#    object. Then one decode step's profile at 1 and 32 streams (bench/profile_step.py).
 # 3. Feature checks (bench/gpu_features.py): LoRA in CUDA graphs, the prefix cache, images
 #    through the vision encoder and its cache, the two processes; each against a reference.
 # 4. Feature numbers: two-process vs in-process tokens/s (1 and 32 streams), prefix-cache
@@ -57,8 +59,10 @@ MODELS="${MODELS:-random-135m random-1b}"
 PRECHECK_MODEL="${PRECHECK_MODEL:-random-135m}"
 LLM="${LLM:-random-smollm2-135m}"           # the feature stages' models (registry built-ins)
 VLM="${VLM:-random-smolvlm-256m}"
+MOONDREAM="${MOONDREAM:-random-moondream2}"  # moondream2's shapes, drawn on the device
 if [ -n "${SMALL:-}" ]; then
-    MODELS=random-tiny PRECHECK_MODEL=random-tiny LLM=tiny-random VLM=tiny-random-vlm TOKENS=16 REPEATS=1
+    MODELS=random-tiny PRECHECK_MODEL=random-tiny LLM=tiny-random VLM=tiny-random-vlm MOONDREAM=tiny-random-moondream
+    TOKENS=16 REPEATS=1
 fi
 STAGES="${STAGES:-1 2 3 4}"
 BUDGET="${BUDGET:-540}"
@@ -113,6 +117,10 @@ for model in $MODELS; do  # random-135m (+ the zombie case) within 90 s, random-
         --json-out "$DIR/decode-$model.json" "${extra[@]}"
 done
 
+stage "2/5 Moondream $MOONDREAM (text and detect streams, encode per crop count, TTFT, ms/object)" 120 \
+    "$DIR/moondream.json" "$PY" -m bench.moondream --model "$MOONDREAM" --device "$DEVICE" --dtype bfloat16 \
+    --repeats "$REPEATS" --streams 32 --detect-streams 32 --tokens "$TOKENS" --json
+
 stage "2/5 one decode step's profile (the page gather, SDPA, matmuls)" 60 - \
     "$PY" -m bench.profile_step --model "${MODELS%% *}" --device "$DEVICE" --streams 1,32 --context 111 --steps 10
 
@@ -128,9 +136,6 @@ stage "4/5 prefix-cache TTFT" 45 "$DIR/prefix-cache.json" \
     "$PY" -m bench.prefix_cache --model "$LLM" --device "$DEVICE" --system-tokens 1500 --questions 8 --users 3 --turns 4
 stage "4/5 image TTFT" 60 "$DIR/image-ttft.json" \
     "$PY" -m bench.image_ttft --model "$VLM" --device "$DEVICE" --requests 3
-stage "4/5 Moondream (encode per crop count, TTFT, ms/object, 32 detect streams)" 90 "$DIR/moondream.json" \
-    "$PY" -m bench.moondream --model tiny-random-moondream --device "$DEVICE" --dtype bfloat16 --repeats "$REPEATS" \
-    --detect-streams 32 --json
 stage "4/5 LoRA ms/step" 60 "$DIR/lora.json" \
     "$PY" -m bench.lora --model "${MODELS%% *}" --device "$DEVICE" --streams 32 --tokens 64 --repeats "$REPEATS"
 

@@ -214,8 +214,8 @@ def _sync_watch(cuda: bool, found: list, mode: str):
 
 
 def summary(paths: list[str]) -> int:
-    """The decode table from bench.decode's JSON files, then one line per other
-    bench JSON file (bench.split, bench.prefix_cache, bench.image_ttft, bench.lora)."""
+    """The decode table from bench.decode's JSON files, bench.moondream's streams table, then one
+    line per other bench JSON file (bench.split, bench.prefix_cache, bench.image_ttft, bench.lora)."""
     results = []
     for p in paths:
         try:
@@ -226,10 +226,29 @@ def summary(paths: list[str]) -> int:
     decode = [r for _, r in results if "speedup" in r]
     if decode:
         _decode_table(decode)
+    for _, r in results:
+        if "detect_streams" in r:
+            _moondream_table(r)
     for name, r in results:
-        if "speedup" not in r:
+        if "speedup" not in r and "detect_streams" not in r:
             print(f"{name}: {_feature_line(r)}")
     return 0 if results else 1
+
+
+def _moondream_table(r: dict) -> None:
+    print(f"\n=== Moondream {r['model']} ({r['params'] / 1e9:.2f} B parameters, {r['dtype']}, {r['device']}) ===")
+    print("image encode ms: " + ", ".join(f"{k} {v:.1f}" for k, v in r["encode_ms"].items())
+          + f"; caption TTFT {r['caption_ttft_ms']:.1f} ms; detect "
+          + (f"{r['detect_ms_per_object']:.2f} ms per object" if r["detect_ms_per_object"] else "found no object"))
+    print("| streams | rows | blocking ms/step | pipelined ms/step | gain | idle blocking | idle pipelined "
+          "| tok/s pipelined |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in ("text_streams", "detect_streams"):
+        for n, by in r[kind].items():
+            b, p = by["blocking"], by["pipelined"]
+            print(f"| {kind.split('_')[0]} | {n} | {b['ms_per_step']:.2f} | {p['ms_per_step']:.2f} | "
+                  f"{100 * (b['ms_per_step'] / p['ms_per_step'] - 1):+.1f}% | {100 * b['device_idle']:.1f}% | "
+                  f"{100 * p['device_idle']:.1f}% | {p['tokens_per_s']:.0f} |")
 
 
 def _decode_table(results: list[dict]) -> None:

@@ -1,6 +1,6 @@
 """GPU checks of what landed after the decode loop (bench/gpu.sh, stage 2).
 
-    python -m bench.gpu_features [--device cuda] [--only lora,prefix,vision,service]
+    python -m bench.gpu_features [--device cuda] [--only lora,prefix,vision,moondream,service]
     python -m bench.gpu_features --device cpu --llm tiny-random --vlm tiny-random-vlm   # a dry run anywhere
 
 Every check runs one workload on DEVICE and compares the greedy tokens with a reference:
@@ -16,6 +16,11 @@ Every check runs one workload on DEVICE and compares the greedy tokens with a re
   features come from the encoder cache) and a text request, on DEVICE against
   the CPU (whose encoder is checked against transformers in tests/test_vision.py);
   then bfloat16 pipelined against blocking; and the encoder's time per image.
+- ``moondream``: the Moondream reference's own answers for its dev checkpoint
+  (``bench/moondream_fixture.py``: captions, queries, reasoning, spatial refs, point and
+  detect, and the eos-biased checkpoint's early stops), every case at once on DEVICE
+  (float32, graphs, pipelined; the skill state and region values on the device); then each
+  case alone, bfloat16 pipelined against blocking, ids and values identical.
 - ``service``: the two processes (worker, token ring, image slots, acks) on
   DEVICE: text, image and stop-token requests one at a time through a
   ``Service``, against the same requests one at a time in-process on DEVICE.
@@ -30,6 +35,7 @@ Needs torch, transformers, numpy, and for ``vision``/``service`` Pillow and msgs
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -41,16 +47,16 @@ import numpy as np
 
 from bench.gpu_check import _sync_watch
 
-CHECKS = ("lora", "prefix", "vision", "service")
+CHECKS = ("lora", "prefix", "vision", "moondream", "service")
 GREEDY_TOKENS = 12
 
 
 def _engine(model: str, device: str, dtype: str, pipeline: bool, **kw):
     from gpu_worker.engine import Engine, EngineConfig
 
-    kw.setdefault("cuda_graphs", device.startswith("cuda"))
-    return Engine(EngineConfig(model=model, device=device, dtype=dtype, pipeline=pipeline, max_batch=16,
-                               max_model_len=4096, kv_pages=600, prefill_budget=512, **kw))
+    kw = {"cuda_graphs": device.startswith("cuda"), "max_batch": 16, "max_model_len": 4096, "kv_pages": 600,
+          "prefill_budget": 512, **kw}
+    return Engine(EngineConfig(model=model, device=device, dtype=dtype, pipeline=pipeline, **kw))
 
 
 SYNCS: list[str] = []  # synchronizing CUDA calls seen inside engine loops on the device
@@ -58,6 +64,11 @@ SYNCS: list[str] = []  # synchronizing CUDA calls seen inside engine loops on th
 
 def _run(engine, requests: list[dict]) -> list[list[int]]:
     """Submit every request, run to idle; the tokens of each. The engine must end idle."""
+    return [list(s.output_ids) for s in _run_seqs(engine, requests)]
+
+
+def _run_seqs(engine, requests: list[dict]) -> list:
+    """Submit every request, run to idle; the finished sequences. The engine must end idle."""
     seqs = [engine.submit(**r) for r in requests]
     with _sync_watch(engine.config.device.startswith("cuda"), SYNCS, "engine loop"):
         engine.run_until_idle()
@@ -66,7 +77,7 @@ def _run(engine, requests: list[dict]) -> list[list[int]]:
         raise AssertionError(f"request errors: {errors[:3]}")
     if not engine.idle:
         raise AssertionError("engine not idle after the run (leaked rows or pages)")
-    return [list(s.output_ids) for s in seqs]
+    return seqs
 
 
 def _same(what: str, got: list[list[int]], want: list[list[int]]) -> None:
@@ -245,6 +256,53 @@ def _encoder_ms(vlm: str, device: str, tiles: np.ndarray) -> str:
     return f"vision encoder {statistics.median(times):.1f} ms per {len(tiles)}-tile image (bf16)"
 
 
+def _close(got, want) -> bool:
+    """The same structure and ids; floats within 1e-6 relative (8 float32 ulp). A width or height
+    is 2^(bin/1023 · 10 - 10), which CUDA's math library may round a few ulp away from the CPU's."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(_close(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(_close, got, want))
+    if isinstance(want, float):
+        return isinstance(got, float) and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-7)
+    return got == want
+
+
+def check_moondream(device: str) -> str:
+    from bench.moondream_fixture import EXPECTED, case_id, encoder, engine_answer, engine_request, write_checkpoints
+
+    paths = write_checkpoints(Path(tempfile.mkdtemp(prefix="tandem-moondream-")))
+    encode = encoder(paths["plain"])
+    request = (lambda case: dict(zip(("prompt_ids", "params", "images", "task"),  # noqa: E731
+                                     engine_request(case, encode))))
+    kw = dict(max_model_len=1024, kv_pages=1200, prefill_budget=1024)
+    for name, cases in (("plain", EXPECTED["cases"]), ("eos", EXPECTED["eos_cases"])):
+        eng = _engine(str(paths[name]), device, "float32", True, **kw)
+        try:
+            seqs = _run_seqs(eng, [request(c) for c in cases])
+        finally:
+            eng.close()
+        for case, seq in zip(cases, seqs):
+            got = engine_answer(case, seq)
+            if not _close(got, {k: case[k] for k in got}):
+                raise AssertionError(f"{name} {case_id(case)} on {device} (fp32, all cases at once): {got} against "
+                                     f"the reference's {({k: case[k] for k in got})}")
+    engines = {mode: _engine(str(paths["plain"]), device, "bfloat16", mode == "pipelined", **kw)
+               for mode in ("pipelined", "blocking")}
+    try:
+        for case in EXPECTED["cases"]:  # alone: the same launches in both modes, so the same bits
+            (a,), (b,) = (_run_seqs(engines[mode], [request(case)]) for mode in ("pipelined", "blocking"))
+            if (a.output_ids, a.output_values) != (b.output_ids, b.output_values):
+                raise AssertionError(f"{case_id(case)} on {device} (bf16): pipelined {a.output_ids} "
+                                     f"{a.output_values} against blocking {b.output_ids} {b.output_values}")
+    finally:
+        for eng in engines.values():
+            eng.close()
+    n = len(EXPECTED["cases"]) + len(EXPECTED["eos_cases"])
+    return (f"{n} reference cases (captions, queries, reasoning, spatial refs, point, detect, early eos) at once "
+            f"in fp32 = the reference's answers; bf16 pipelined = blocking, one at a time")
+
+
 def check_service(device: str, vlm: str) -> str:
     from bench.image_ttft import noise_png
     from frontend.images import image_prompt_ids
@@ -315,6 +373,7 @@ def main(argv=None) -> int:
     checks = {"lora": lambda: check_lora(args.device, args.llm),
               "prefix": lambda: check_prefix(args.device, args.llm),
               "vision": lambda: check_vision(args.device, args.vlm),
+              "moondream": lambda: check_moondream(args.device),
               "service": lambda: check_service(args.device, args.vlm)}
     failed = []
     for name in [c for c in args.only.split(",") if c]:

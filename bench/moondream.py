@@ -1,9 +1,14 @@
-"""Moondream benchmark: image encode per crop count, caption TTFT, ms per detected object,
-tokens/s at 1 and N streams, and N detect streams pipelined vs blocking (device idle).
+"""Moondream benchmark: image encode per crop count, caption TTFT, ms per detected object, and
+text (caption) and detect streams at 1 and N rows, pipelined vs blocking (ms/step, device idle).
 
     python -m bench.moondream --model tiny-random-moondream --device cpu
+    python -m bench.moondream --model random-moondream2 --device cuda --dtype bfloat16 --json
     python -m bench.moondream --model ./moondream2 --device cuda --dtype bfloat16 --json
     python -m bench.moondream --device sim:20 --detect-streams 32     (the host falling behind)
+
+``random-moondream2`` (moondream2's 1.93 B-parameter shapes, random weights) is drawn in memory
+on the device (``Moondream.random``), with the byte-level stand-in tokenizer; a directory or
+another built-in is loaded by the engine.
 
 What is timed (medians of ``--repeats``; engines are built once per mode):
 - encode: ``Moondream.image_prefix`` (normalise, vision encoder, stitch, pool, project) on crops
@@ -13,16 +18,18 @@ What is timed (medians of ``--repeats``; engines are built once per mode):
 - ms per object: a detect stream forced to ``--objects`` objects (eos suppressed by greedy on
   a random model is not guaranteed, so the count is what the model returned), decode wall time
   divided by the objects found (three steps each).
-- tokens/s: caption streams (``max_tokens`` = ``--tokens``, the same image, so one encode),
-  committed tokens over the decode wall time, pipelined and blocking.
-- detect streams: ``--detect-streams`` detect rows at once; the engine's device idle fraction
-  (bubble meter) and ms per step, pipelined vs blocking.
+- text streams: 1 and ``--streams`` caption rows (``max_tokens`` = ``--tokens``, the same
+  image, so one encode): committed tokens/s over the decode wall time, ms per decode step and
+  the engine's device idle fraction (bubble meter), pipelined and blocking.
+- detect streams: 1 and ``--detect-streams`` detect rows at once: ms per step, device idle and
+  overruns (``sim:MS`` steps whose real work did not fit), pipelined and blocking.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -31,12 +38,15 @@ from tokenizers import Tokenizer
 
 from frontend import moondream_prompts as prompts
 from frontend.moondream_images import overlap_crops
+from gpu_worker.device import Device
 from gpu_worker.engine import Engine
-from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, SkillTask
 from gpu_worker.image_prefill import ImageInput
+from gpu_worker.moondream import Moondream
+from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, SkillTask
 from shared.config import EngineConfig
-from shared.models import resolve_model
-from shared.moondream_random import make_image
+from shared.models import builtin, resolve_model
+from shared.moondream_config import MoondreamConfig, is_moondream_config
+from shared.moondream_random import byte_tokenizer, make_image
 from shared.sampling import SamplingParams
 
 PREFIX = 730
@@ -85,29 +95,69 @@ def decode_phase(engine, requests):
     return seqs, time.perf_counter() - t0, engine.stats()
 
 
+def progress(msg: str) -> None:
+    print(f"[bench moondream {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def in_memory_model(name: str, device: str, dtype: str) -> Moondream | None:
+    """A random Moondream built-in drawn on the device (None: the engine loads ``name``)."""
+    model = builtin(name)
+    if model is None or model.random_config is None or not is_moondream_config(model.random_config):
+        return None
+    return Moondream.random(MoondreamConfig.from_dict(model.random_config), dtype=getattr(torch, dtype),
+                            device=Device(device).torch_device, max_model_len=MAX_MODEL_LEN)
+
+
+MAX_MODEL_LEN = 2048
+
+
+def streams_rows(engines, make_requests, counts, repeats) -> dict:
+    """{rows: {mode: tokens/s, ms per decode step, device idle, overruns}} (medians; modes alternate)."""
+    out = {}
+    for n in counts:
+        runs = {mode: [] for mode in engines}
+        for r in range(repeats):
+            for mode in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                seqs, wall, st = decode_phase(engines[mode], make_requests(n))
+                runs[mode].append((sum(len(s.output_ids) - 1 for s in seqs) / wall,
+                                   1e3 * wall / max(st["decode_steps"], 1), st["device_idle_fraction"],
+                                   st["device_overruns"]))
+        out[str(n)] = {mode: {"tokens_per_s": statistics.median(x[0] for x in rows),
+                              "ms_per_step": statistics.median(x[1] for x in rows),
+                              "device_idle": statistics.median(x[2] for x in rows),
+                              "overruns": max(x[3] for x in rows)} for mode, rows in runs.items()}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-random-moondream")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--detect-streams", type=int, default=32)
+    ap.add_argument("--streams", type=int, default=8, help="text (caption) rows of the second text row count")
+    ap.add_argument("--detect-streams", type=int, default=32, help="detect rows of the second detect row count")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--objects", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    shared = in_memory_model(a.model, a.device, a.dtype)
+    if shared is not None:
+        progress(f"{a.model}: {shared.num_params() / 1e9:.2f} B random parameters drawn on {a.device} "
+                 f"in {time.perf_counter() - t0:.1f} s")
     engines = {mode: Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, pipeline=mode == "pipelined",
-                                         max_batch=max(a.streams, a.detect_streams), max_model_len=2048,
-                                         prefill_budget=1024))
+                                         max_batch=max(a.streams, a.detect_streams), max_model_len=MAX_MODEL_LEN,
+                                         prefill_budget=1024), llama=shared)
                for mode in ("pipelined", "blocking")}
-    tok = Tokenizer.from_file(str(resolve_model(a.model) / "tokenizer.json"))
+    tok = byte_tokenizer() if shared is not None else Tokenizer.from_file(str(resolve_model(a.model) / "tokenizer.json"))
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
     eng = engines["pipelined"]
     model = eng.runner.moondream
     dev = eng.runner.device.torch_device
     out: dict = {"model": a.model, "device": a.device, "dtype": a.dtype, "params": model.num_params()}
+    progress(f"engines ready in {time.perf_counter() - t0:.1f} s; timing the image encode")
 
     encode_ms = {}
     device = eng.runner.device
@@ -124,6 +174,7 @@ def main(argv=None) -> dict:
         encode_ms[f"{tiling[0]}x{tiling[1]} ({1 + tiling[0] * tiling[1]} crops)"] = 1e3 * statistics.median(times)
     out["encode_ms"] = encode_ms
 
+    progress("caption TTFT")
     ttft = []
     for r in range(a.repeats + 1):
         (seq,), _ = run(eng, [caption_request(1000 + r, 2)])
@@ -131,6 +182,7 @@ def main(argv=None) -> dict:
             ttft.append(seq.t_first_token - seq.t_submit)
     out["caption_ttft_ms"] = 1e3 * statistics.median(ttft)
 
+    progress("detect, ms per object")
     per_object = []
     for r in range(a.repeats):
         (seq,), wall, _ = decode_phase(eng, [detect_request(2000 + r, a.objects, encode)])
@@ -139,27 +191,13 @@ def main(argv=None) -> dict:
             per_object.append(1e3 * wall / found)
     out["detect_ms_per_object"] = statistics.median(per_object) if per_object else None
 
-    tps = {}
-    for n in (1, a.streams):
-        for mode, engine in engines.items():
-            rates = []
-            for _ in range(a.repeats):
-                seqs, wall, _ = decode_phase(engine, [caption_request(7, a.tokens + 1) for _ in range(n)])
-                rates.append(sum(len(s.output_ids) - 1 for s in seqs) / wall)
-            tps[f"{n} streams {mode}"] = statistics.median(rates)
-    out["caption_tokens_per_s"] = tps
-
-    detect = {}
-    for mode, engine in engines.items():
-        rows = []
-        for _ in range(a.repeats):
-            reqs = [detect_request(3000 + i, a.objects, encode) for i in range(a.detect_streams)]
-            _, wall, st = decode_phase(engine, reqs)
-            rows.append((st["device_idle_fraction"], 1e3 * wall / max(st["decode_steps"], 1), st["device_overruns"]))
-        detect[mode] = {"device_idle": statistics.median(r[0] for r in rows),
-                        "ms_per_step": statistics.median(r[1] for r in rows),
-                        "overruns": max(r[2] for r in rows)}
-    out[f"{a.detect_streams}_detect_streams"] = detect
+    progress(f"text streams (1 and {a.streams})")
+    out["text_streams"] = streams_rows(engines, lambda n: [caption_request(7, a.tokens + 1) for _ in range(n)],
+                                       sorted({1, a.streams}), a.repeats)
+    progress(f"detect streams (1 and {a.detect_streams})")
+    out["detect_streams"] = streams_rows(
+        engines, lambda n: [detect_request(3000 + i, a.objects, encode) for i in range(n)],
+        sorted({1, a.detect_streams}), a.repeats)
     for engine in engines.values():
         engine.close()
     print(json.dumps(out, indent=None if a.json else 1))

@@ -307,7 +307,7 @@ def _generate_local(kw, echo, config) -> dict:
 @main.command(help=f"""List the built-in models, what each is and whether it is prepared.
 
 Models with files are built or converted once into the cache (tandem pull NAME); the
-benchmarks' random Llamas are built in memory by `tandem bench decode --model NAME`.
+benchmarks' random models are built in memory (`tandem bench decode --model NAME` for the Llamas).
 {CACHE_HELP}
 
 \b
@@ -320,9 +320,9 @@ def models() -> None:
 
     for m in list_models():
         state = ("ready" if m["cached"] else "not prepared (tandem pull NAME)") if m["files"] else \
-            "in memory (tandem bench decode)"
+            f"in memory ({m['bench']})"
         also = f" (also: {', '.join(m['aliases'])})" if m["aliases"] else ""
-        click.echo(f"{m['name']:26s} {state:32s} {m['description']}{also}")
+        click.echo(f"{m['name']:26s} {state:38s} {m['description']}{also}")
     click.echo(f"cache: {cache_root()}")
 
 
@@ -343,7 +343,7 @@ def pull(name: str) -> None:
     if model is None:
         raise click.ClickException(f"unknown model {name!r}; built-in: {', '.join(REGISTRY)}")
     if model.build is None:
-        raise click.ClickException(f"{name} is built in memory: `tandem bench decode --model {name}` builds its "
+        raise click.ClickException(f"{name} is built in memory: `{model.bench} --model {name}` builds its "
                                    "random weights; there is nothing to pull")
     click.echo(f"{name}: ready at {resolve_model(name)}")
 

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shared.moondream_config import BOS_ID, COORD_ID, EOS_ID, SIZE_ID, MoondreamConfig
+from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
@@ -351,22 +352,41 @@ class Moondream(nn.Module):
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu", max_model_len: int | None = None) -> "Moondream":
         """Load ``model.safetensors`` (moondream2 layout, any float dtype on disk) and config.json."""
-        config = MoondreamConfig.from_dir(path)
-        model = cls(config, dtype=dtype, device="meta", max_model_len=max_model_len)
+        model = cls(MoondreamConfig.from_dir(path), dtype=dtype, device="meta", max_model_len=max_model_len)
         index = checkpoint_index(Path(path))
-        want = dict(model.named_parameters())
-        missing = sorted(set(want) - {k.removeprefix("model.") for k in index})
+        missing = sorted(set(dict(model.named_parameters())) - {k.removeprefix("model.") for k in index})
         if missing:
             raise KeyError(f"{path}: checkpoint is missing {', '.join(missing[:5])}"
                            + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        state = {}
-        for name, param in want.items():
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             t = index["model." + name].get_tensor("model." + name)
-            if tuple(t.shape) != tuple(param.shape):
-                raise ValueError(f"{path}: model.{name} has shape {tuple(t.shape)}, the config says "
-                                 f"{tuple(param.shape)}")
-            state[name] = t.to(device=device, dtype=dtype)
-        model.load_state_dict(state, assign=True)
-        model.requires_grad_(False)
-        model._init_rope(device)
-        return model.eval()
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{path}: model.{name} has shape {tuple(t.shape)}, the config says {shape}")
+            return t
+
+        return model._assign(get, device)
+
+    @classmethod
+    def random(cls, config: MoondreamConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", max_model_len: int | None = None) -> "Moondream":
+        """Random weights at the scales of ``shared.moondream_random``'s recipe, drawn by torch on
+        ``device`` (a GPU draws moondream2's 1.9 B in about a second; no checkpoint is written).
+        Deterministic for a seed on one kind of device; not the recipe's numpy values."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return scaled(name, shape, torch.randn(shape, generator=gen, device=device))
+
+        model = cls(config, dtype=dtype, device="meta", max_model_len=max_model_len)
+        return model._assign(get, device)
+
+    def _assign(self, get, device) -> "Moondream":
+        """Replace this meta-device model's parameters by ``get(name, shape)``, one tensor at a
+        time (the peak memory is the model plus one tensor in the source dtype)."""
+        state = {name: get(name, tuple(p.shape)).to(device=device, dtype=p.dtype)
+                 for name, p in self.named_parameters()}
+        self.load_state_dict(state, assign=True)
+        self.requires_grad_(False)
+        self._init_rope(device)
+        return self.eval()

@@ -19,8 +19,8 @@ one scheme:
   tokenizer, built in seconds, for tests.
 
 A model is built into the cache (a directory) on first use, or, for the
-benchmarks' random Llamas, in memory (``Builtin.random_llama``: ``bench decode``
-builds it from that config, no files). The names used before this scheme
+benchmarks' random models, in memory (``Builtin.random_config``: ``bench decode``
+builds a Llama, ``bench moondream`` a Moondream from that config, no files). The names used before this scheme
 (``tiny-random``, ``tiny-random-vlm``, ``random-tiny``, ``random-135m``,
 ``random-1b``) are aliases. To add a model, add one :class:`Builtin` to
 :data:`REGISTRY`.
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shared.moondream_config import MoondreamConfig, is_moondream
+from shared.moondream_config import HUB_MODEL_TYPE, MoondreamConfig, is_moondream, is_moondream_config
 from shared.vision_config import is_vision_model, read_config
 
 # numpy is imported where weights are built or converted: the command line imports this
@@ -144,7 +144,7 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, quiet: bool =
     model = builtin(name)
     if model is not None:
         if model.build is None:
-            raise FileNotFoundError(f"{name} is built in memory by the benchmarks (`tandem bench decode --model "
+            raise FileNotFoundError(f"{name} is built in memory by the benchmarks (`{model.bench} --model "
                                     f"{name}`); it has no files to load")
         target = cache_root() / model.name
         if not is_cached(model.name):
@@ -481,7 +481,13 @@ class Builtin:
     description: str  # what it is, for `tandem models` and --help
     aliases: tuple[str, ...] = ()  # earlier names, still accepted
     build: Callable[[Path, bool], None] | None = None  # build(directory, quiet) writes it; None: in memory only
-    random_llama: dict | None = None  # a config.json for which `bench decode` builds random weights in memory
+    random_config: dict | None = None  # a config.json for which `bench` builds random weights in memory
+
+    @property
+    def bench(self) -> str:
+        """The benchmark that builds this model's random weights in memory."""
+        moondream = self.random_config is not None and is_moondream_config(self.random_config)
+        return "python -m bench.moondream" if moondream else "tandem bench decode"
 
 
 def _builtins(*models: Builtin) -> dict[str, Builtin]:
@@ -498,17 +504,19 @@ REGISTRY = _builtins(
             build=lambda out, quiet: _build_random_vlm("tiny-random-smolvlm", out, quiet)),
     Builtin("tiny-random-llama-vocab4k", "tiny-random-smollm2's layers with a 4096-token vocabulary and no "
             "tokenizer, in memory: the decode benchmark's CPU-cheap model", aliases=("random-tiny",),
-            random_llama=TINY_LLAMA_VOCAB4K_CONFIG),
+            random_config=TINY_LLAMA_VOCAB4K_CONFIG),
     Builtin("random-smollm2-135m", "SmolLM2-135M's shapes, random fp32 weights, its tokenizer: for timing "
             "(in memory for the benchmarks)", aliases=("random-135m",),
             build=lambda out, quiet: _build_random_llama(SMOLLM2_135M_CONFIG, out, quiet),
-            random_llama=SMOLLM2_135M_CONFIG),
+            random_config=SMOLLM2_135M_CONFIG),
     Builtin("random-smolvlm-256m", "SmolVLM-256M-Instruct's shapes, random fp32 weights: for memory and timing",
             build=lambda out, quiet: _build_random_vlm("random-smolvlm-256m", out, quiet)),
     Builtin("random-llama-3.2-1b", "Llama-3.2-1B's shapes (1.24 B parameters), random weights, no tokenizer, "
-            "in memory: the decode benchmark on a GPU", aliases=("random-1b",), random_llama=LLAMA_3_2_1B_CONFIG),
+            "in memory: the decode benchmark on a GPU", aliases=("random-1b",), random_config=LLAMA_3_2_1B_CONFIG),
     Builtin("tiny-random-moondream", "tiny Moondream 2 (moondream2 layout), random weights, a byte-level stand-in "
             "tokenizer: for tests and the playground", build=lambda out, quiet: _build_random_moondream(out)),
+    Builtin("random-moondream2", "moondream2's shapes (1.93 B parameters), random weights, in memory: the Moondream "
+            "benchmark on a GPU", random_config={"model_type": HUB_MODEL_TYPE}),  # the hub's form: its dims
 )
 _ALIASES = {alias: m for m in REGISTRY.values() for alias in m.aliases}
 
@@ -520,7 +528,7 @@ def builtin(name: str) -> Builtin | None:
 
 def list_models() -> list[dict]:
     return [{"name": m.name, "aliases": m.aliases, "description": m.description, "files": m.build is not None,
-             "cached": is_cached(m.name), "path": str(cache_root() / m.name)} for m in REGISTRY.values()]
+             "bench": m.bench, "cached": is_cached(m.name), "path": str(cache_root() / m.name)} for m in REGISTRY.values()]
 
 
 @dataclass(frozen=True)

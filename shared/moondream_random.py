@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +93,12 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 def draw(variant: str, key: str, shape: tuple[int, ...]) -> np.ndarray:
     seed = int.from_bytes(hashlib.sha256(f"{variant}:{key}".encode()).digest()[:8], "little")
-    n = np.random.Generator(np.random.PCG64(seed)).standard_normal(shape, dtype=np.float32)
+    return scaled(key, shape, np.random.Generator(np.random.PCG64(seed)).standard_normal(shape, dtype=np.float32))
+
+
+def scaled(key: str, shape: tuple[int, ...], n):
+    """The recipe's scale for this tensor's kind, applied to a standard normal draw ``n`` (a float32
+    numpy array, or a torch tensor: ``Moondream.random`` draws moondream2's shapes on the device)."""
     parts = key.split(".")
     if parts[-1] == "weight" and parts[-2] in NORMS:
         return 1.0 + 0.1 * n
@@ -103,7 +109,7 @@ def draw(variant: str, key: str, shape: tuple[int, ...]) -> np.ndarray:
     if parts[-1] == "bias":
         return 0.02 * n
     scale = 2.0 if key.endswith("attn.qkv.weight") else 1.0
-    return scale * n / np.float32(np.sqrt(shape[-1]))
+    return scale * n / math.sqrt(shape[-1])  # a weak Python float: float32 division, as np.float32 was
 
 
 def byte_tokenizer():

@@ -2,6 +2,7 @@
 emits every field of its JSON. No timing thresholds (timings belong to BENCHMARKS.md)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -132,12 +133,14 @@ def test_random_model_configs():
     from gpu_worker.model import Llama, LlamaConfig
     from shared.models import REGISTRY, builtin
 
-    sizes = {name: Llama(LlamaConfig.from_hf_config(m.random_llama), device="meta").num_params()
-             for name, m in REGISTRY.items() if m.random_llama is not None}
+    sizes = {name: Llama(LlamaConfig.from_hf_config(m.random_config), device="meta").num_params()
+             for name, m in REGISTRY.items() if m.random_config is not None and m.bench == "tandem bench decode"}
     assert 130e6 < sizes["random-smollm2-135m"] < 140e6
     assert 1.1e9 < sizes["random-llama-3.2-1b"] < 1.3e9
     assert sizes["tiny-random-llama-vocab4k"] < 1e6
-    assert builtin("random-1b").name == "random-llama-3.2-1b" and builtin("random-tiny").random_llama is not None
+    assert builtin("random-1b").name == "random-llama-3.2-1b" and builtin("random-tiny").random_config is not None
+    with pytest.raises(SystemExit, match="python -m bench.moondream --model random-moondream2"):
+        decode.load_model("random-moondream2", "cpu", None, seed=0, max_model_len=64)
 
 
 def test_gpu_precheck_runs_on_cpu_and_can_fail(monkeypatch, capsys):
@@ -174,12 +177,12 @@ def test_gpu_feature_checks_run_on_cpu_and_can_fail(monkeypatch, capsys):
         if pipeline:
             submit = engine.submit
 
-            def garbled(prompt_ids, params, adapter=None, images=None):
+            def garbled(prompt_ids, params, adapter=None, images=None, task=None):
                 if images:  # the features of another picture
-                    images = [type(im)(im.hash, np.zeros_like(im.tiles)) for im in images]
+                    images = [dataclasses.replace(im, tiles=[np.zeros_like(t) for t in im.tiles]) for im in images]
                 else:
                     prompt_ids = prompt_ids[::-1]
-                return submit(prompt_ids, params, images=images)  # and the adapter is lost
+                return submit(prompt_ids, params, images=images, task=task)  # and the adapter is lost
 
             engine.submit = garbled
         return engine
@@ -187,4 +190,36 @@ def test_gpu_feature_checks_run_on_cpu_and_can_fail(monkeypatch, capsys):
     monkeypatch.setattr(gpu_features, "_engine", engine_that_garbles)
     assert gpu_features.main(dry_run) == 1
     out = capsys.readouterr().out
-    assert all(f"feature {name}: FAILED" in out for name in gpu_features.CHECKS), out
+    failed = [line for line in out.splitlines() if line.startswith("feature ")]
+    assert [line.split(":")[0] for line in failed] == [f"feature {name}" for name in gpu_features.CHECKS], out
+    assert all(": FAILED" in line and "AssertionError" in line and "against" in line for line in failed), out
+
+
+def test_moondream_bench_in_memory_and_its_summary(monkeypatch, capsys, tmp_path):
+    """bench/gpu.sh's Moondream stage: ``bench.moondream`` on random-moondream2's path (drawn in
+    memory, the stand-in tokenizer; here at tiny-random-moondream's shapes) emits text and detect
+    rows at 1 and N streams in both modes, and gpu_check's summary prints them as a table."""
+    from bench import gpu_check
+    from bench import moondream as bench_moondream
+    from gpu_worker.moondream import Moondream
+    from shared import models
+    from shared.moondream_config import MoondreamConfig
+    from shared.moondream_random import TINY_CONFIG
+
+    tiny = dataclasses.replace(models.REGISTRY["random-moondream2"], random_config=TINY_CONFIG)
+    monkeypatch.setitem(models.REGISTRY, "random-moondream2", tiny)
+    out = bench_moondream.main(["--model", "random-moondream2", "--repeats", "1", "--streams", "3",
+                                "--detect-streams", "2", "--tokens", "3", "--objects", "1", "--json"])
+    assert json.loads(capsys.readouterr().out) == out
+    assert out["params"] == Moondream(MoondreamConfig.from_dict(TINY_CONFIG), device="meta").num_params()
+    fields = {"tokens_per_s", "ms_per_step", "device_idle", "overruns"}
+    for kind, counts in (("text_streams", ["1", "3"]), ("detect_streams", ["1", "2"])):
+        assert list(out[kind]) == counts
+        assert all(set(row[mode]) == fields and row[mode]["ms_per_step"] > 0
+                   for row in out[kind].values() for mode in ("pipelined", "blocking"))
+    (tmp_path / "moondream.json").write_text(json.dumps(out))
+    assert gpu_check.summary([str(tmp_path / "moondream.json")]) == 0
+    table = capsys.readouterr().out
+    assert "=== Moondream random-moondream2" in table
+    assert [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| text") or
+            line.startswith("| detect")] == [["| text", "1"], ["| text", "3"], ["| detect", "1"], ["| detect", "2"]]

@@ -431,7 +431,8 @@ def test_models_lists_every_builtin_with_its_aliases_and_the_cache(monkeypatch, 
     assert set(REGISTRY) | {"cache:"} == lines.keys()
     for name, model in REGISTRY.items():
         assert model.description in lines[name] and all(alias in lines[name] for alias in model.aliases)
-        assert ("in memory (tandem bench decode)" in lines[name]) == (model.build is None), lines[name]
+        assert (f"in memory ({model.bench})" in lines[name]) == (model.build is None), lines[name]
+    assert "in memory (python -m bench.moondream)" in lines["random-moondream2"]
     assert lines["cache:"] == f"cache: {tmp_path / 'models'}"
     pull = invoke("pull", "random-tiny")  # an alias of a model built in memory only
     assert pull.exit_code == 1 and "built in memory" in pull.stderr, pull.stderr

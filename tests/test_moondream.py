@@ -8,7 +8,6 @@ the reference's token ids and float32 values exactly, in float32.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,15 +18,14 @@ from frontend.moondream_images import image_tiling, overlap_crops, select_tiling
 from gpu_worker.moondream import Moondream
 from shared.moondream_config import MoondreamConfig, is_moondream
 import moondream_greedy as greedy
-from shared.moondream_random import make_image, sha256_file, write_checkpoint
-
-EXPECTED = json.loads((Path(__file__).parent / "data" / "moondream_dev_expected.json").read_text())
+from shared.moondream_random import make_image, sha256_file
+from bench.moondream_fixture import (EXPECTED, IMAGES, case_id, encoder, engine_answer, engine_request,
+                                     write_checkpoints)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moondream")
-    return {"plain": write_checkpoint(root / "dev"), "eos": write_checkpoint(root / "dev-eos", eos_bias=EXPECTED["eos_bias"])}
+    return write_checkpoints(tmp_path_factory.mktemp("moondream"))
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +35,9 @@ def models(checkpoints):
 
 @pytest.fixture(scope="module")
 def encode(checkpoints):
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(checkpoints["plain"] / "tokenizer.json"))
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
+    return encoder(checkpoints["plain"])
 
 
-def images():
-    return {name: overlap_crops(make_image(h, w, salt)) for name, (h, w, salt) in EXPECTED["images"].items()}
-
-
-IMAGES = images()
 _PREFIXES: dict[str, torch.Tensor] = {}
 
 
@@ -85,6 +76,37 @@ def test_hub_config_is_the_moondream2_defaults():
         MoondreamConfig.from_dict({"text": {"dims": 3}, "vision": {}, "region": {}})
 
 
+def test_random_weights_follow_the_recipe_scales():
+    """``Moondream.random`` (random-moondream2, drawn on the device) gives every tensor of the
+    layout its kind's scale, is deterministic for a seed, and random-moondream2 has moondream2's
+    592 tensors and 1.93 B parameters (MOONDREAM.md §5)."""
+    from shared.models import builtin
+    from shared.moondream_random import NORMS, TINY_CONFIG, tensor_shapes
+
+    cfg = MoondreamConfig.from_dict(TINY_CONFIG)
+    model = Moondream.random(cfg, seed=3)
+    params = dict(model.named_parameters())
+    assert {k: tuple(p.shape) for k, p in params.items()} == tensor_shapes(TINY_CONFIG)
+    for key, p in params.items():
+        if p.numel() < 2000:
+            continue
+        parts = key.split(".")
+        if parts[-1] == "weight" and parts[-2] in NORMS:
+            mean, std = 1.0, 0.1
+        elif key == "text.wte":
+            mean, std = 0.0, 1.0
+        elif parts[-1] == "bias":
+            mean, std = 0.0, 0.02
+        else:
+            mean, std = 0.0, (2.0 if key.endswith("attn.qkv.weight") else 1.0) / p.shape[-1] ** 0.5
+        assert abs(p.mean().item() - mean) < 0.1 * std and abs(p.std().item() / std - 1) < 0.1, key
+    again, other = Moondream.random(cfg, seed=3), Moondream.random(cfg, seed=4)
+    assert all(torch.equal(p, again.get_parameter(k)) for k, p in params.items())
+    assert not torch.equal(params["text.lm_head.weight"], other.text.lm_head.weight)
+    full = Moondream(MoondreamConfig.from_dict(builtin("random-moondream2").random_config), device="meta")
+    assert (len(list(full.parameters())), full.num_params()) == (592, 1_927_237_104)
+
+
 def run_case(model, encode, case):
     """What the plain greedy loop answers for a fixture case, in the fixture's terms."""
     s = greedy.start(model, image_prefix(model, case["image"]) if "image" in case else None)
@@ -104,11 +126,6 @@ def run_case(model, encode, case):
     return {key: greedy.generate_objects(s, ids, case["max_objects"], size=skill == "detect")}
 
 
-def case_id(case):
-    return "-".join(str(case[k]) for k in ("skill", "length", "image", "object") if k in case) + (
-        "-reasoning" if case.get("reasoning") else "") + ("-refs" if case.get("spatial_refs") else "")
-
-
 @pytest.mark.parametrize("case", EXPECTED["cases"], ids=case_id)
 def test_greedy_loop_matches_the_reference(models, encode, case):
     got = run_case(models["plain"], encode, case)
@@ -122,58 +139,6 @@ def test_greedy_loop_matches_the_reference_eos(models, encode, case):
 
 
 # ---- through the engine -------------------------------------------------------------------------
-
-def engine_request(case, encode, prefix_len=730):
-    """(prompt ids, sampling params, images, task) of a fixture case, as the frontend sends them."""
-    from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, REASON, SkillTask
-    from gpu_worker.image_prefill import ImageInput
-    from shared.sampling import SamplingParams
-
-    skill = case["skill"]
-    image = "image" in case
-    refs = case.get("spatial_refs", ())
-    if skill == "caption":
-        ids = prompts.caption_ids(case["length"])
-    elif skill == "query":
-        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image=image)
-    else:
-        ids = (prompts.point_ids if skill == "point" else prompts.detect_ids)(encode, case["object"])
-    prompt = [0] * prefix_len * image + ids
-    coord = size = None
-    if refs:
-        coords, sizes = prompts.spatial_ref_values(refs)
-        coord, size = np.zeros(len(prompt), np.float32), np.zeros((len(prompt), 2), np.float32)
-        at = np.asarray(prompt)
-        coord[at == prompts.COORD_ID], size[at == prompts.SIZE_ID] = coords, sizes
-    if skill in ("point", "detect"):
-        n = case["max_objects"]
-        task = SkillTask(DECIDE, detect=skill == "detect", limit=n)
-        max_tokens = (3 if skill == "detect" else 2) * n + 1
-    elif case.get("reasoning"):
-        task = SkillTask(REASON, limit=case["max_tokens"], answer_limit=case["max_tokens"])
-        max_tokens = 2 * case["max_tokens"] + 1
-    else:
-        task = SkillTask(ANSWER_FIRST, limit=case["max_tokens"])
-        max_tokens = case["max_tokens"]
-    task = SkillTask(task.phase, task.detect, task.limit, task.answer_limit, coord, size)
-    images = None
-    if image:
-        crops, tiling = IMAGES[case["image"]]
-        images = [ImageInput(hash=case["image"], tiles=[crops[:1], crops[1:]], tiling=tiling)]  # as slots hold them
-    return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), images, task
-
-
-def engine_answer(case, seq):
-    skill = case["skill"]
-    if skill in ("point", "detect"):
-        key = "points" if skill == "point" else "objects"
-        return {key: prompts.parse_objects(seq.output_ids, seq.output_values, skill == "detect")}
-    out = [t for t in seq.output_ids if t != 0]  # the eos that stops is no answer token
-    if case.get("reasoning"):
-        reasoning, answer = prompts.split_reasoning(out)
-        return {"reasoning_token_ids": reasoning, "token_ids": answer}
-    return {"token_ids": out}
-
 
 def make_engine(path, pipeline=True, **kw):
     from gpu_worker.engine import Engine
