@@ -205,12 +205,13 @@ class ModelRunner:
             self.device.compute.submit(lambda: self.pending.__setitem__(row, POISON))
 
     # -- host -> device ---------------------------------------------------------
-    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """One host-to-device copy for all of a launch's int64 metadata."""
+    def _upload(self, arrays: list[np.ndarray], dtype=np.int64) -> list[torch.Tensor]:
+        """One host-to-device copy for all of a launch's metadata (int64 unless told), from
+        page-locked memory: a pageable copy would wait for the compute stream to drain."""
         if not self.device.is_cuda:
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
         sizes = [a.size for a in arrays]
-        host = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in arrays])).pin_memory()
+        host = torch.from_numpy(np.concatenate([a.reshape(-1).astype(dtype) for a in arrays])).pin_memory()
         flat = host.to(self.device.torch_device, non_blocking=True)
         return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
 
@@ -277,11 +278,10 @@ class ModelRunner:
         n_prefill = ids.shape[0] - rows.shape[0]
         coord, size = self.skills.coord[rows], self.skills.size[rows]
         if n_prefill:
-            dev = ids.device
-            pc = (torch.zeros(n_prefill, device=dev) if inp is None or inp.prefill_coord is None
-                  else torch.from_numpy(inp.prefill_coord).to(dev))
-            ps = (torch.zeros(n_prefill, 2, device=dev) if inp is None or inp.prefill_size is None
-                  else torch.from_numpy(inp.prefill_size).to(dev))
+            if inp is None or inp.prefill_coord is None:
+                pc, ps = torch.zeros(n_prefill, device=ids.device), torch.zeros(n_prefill, 2, device=ids.device)
+            else:  # spatial refs: the engine sets both
+                pc, ps = self._upload([inp.prefill_coord, inp.prefill_size], np.float32)
             coord, size = torch.cat([coord, pc]), torch.cat([size, ps])
         return self.model(ids, batch, self.kv, logits_index, image, coord, size)
 
