@@ -223,45 +223,64 @@ async def _one(client, work: Work, stream: bool, ignore_eos: bool, timeout: floa
 
 
 async def _one_http(client, model: str, work: Work, stream: bool, ignore_eos: bool, timeout: float) -> Sample:
-    """One OpenAI chat completion over HTTP (``client``: an ``httpx.AsyncClient``)."""
+    """One OpenAI chat completion over HTTP (``client``: an ``httpx.AsyncClient``).
+
+    A kept-alive connection that the server closed before answering (llama.cpp's server closes
+    idle ones: "Server disconnected without sending a response") is opened again once, as HTTP
+    clients do (the OpenAI SDK retries connection errors): the request never reached the engine.
+    Its latency counts from the first attempt."""
     import httpx
 
+    t0 = time.perf_counter()
+    for attempt in range(2):
+        answered: list[bool] = []
+        try:
+            return await _http_attempt(client, model, work, stream, ignore_eos, timeout, t0, answered)
+        except httpx.RemoteProtocolError as e:
+            if attempt or answered:
+                return Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+        except (httpx.HTTPError, asyncio.TimeoutError) as e:
+            return Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+
+
+async def _http_attempt(client, model: str, work: Work, stream: bool, ignore_eos: bool, timeout: float,
+                        t0: float, answered: list) -> Sample:
+    """``_one_http``'s request on ``client``; appends to ``answered`` once a response status came."""
     body = {"model": model, "messages": [{"role": "user", "content": work.text}], "max_tokens": work.max_tokens,
             "temperature": 0, "ignore_eos": ignore_eos, "stream": stream}
-    t0 = time.perf_counter()
-    try:
-        if not stream:
-            r = await client.post("/v1/chat/completions", json=body, timeout=timeout)
-            if r.status_code != 200:
-                return Sample(False, error=f"HTTP {r.status_code}: {r.text[:160]}")
-            return Sample(True, None, (time.perf_counter() - t0) * 1e3, [], r.json()["usage"]["completion_tokens"])
-        body["stream_options"] = {"include_usage": True}
-        first = last = None
-        itl: list[float] = []
-        tokens = 0
+    if not stream:
         async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout) as r:
-            if r.status_code != 200:
-                return Sample(False, error=f"HTTP {r.status_code}: {(await r.aread())[:160]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return Sample(False, error=str(event["error"])[:200])
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                if not (event["choices"] and event["choices"][0]["delta"].get("content")):
-                    continue
-                if first is None:
-                    first = now
-                else:
-                    itl.append((now - last) * 1e3)
-                last = now
-        e2e = (time.perf_counter() - t0) * 1e3
-        return Sample(True, None if first is None else (first - t0) * 1e3, e2e, itl, tokens)
-    except (httpx.HTTPError, asyncio.TimeoutError) as e:
-        return Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+            answered.append(True)
+            text = (await r.aread()).decode(errors="replace")
+        if r.status_code != 200:
+            return Sample(False, error=f"HTTP {r.status_code}: {text[:160]}")
+        return Sample(True, None, (time.perf_counter() - t0) * 1e3, [], json.loads(text)["usage"]["completion_tokens"])
+    body["stream_options"] = {"include_usage": True}
+    first = last = None
+    itl: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout) as r:
+        answered.append(True)
+        if r.status_code != 200:
+            return Sample(False, error=f"HTTP {r.status_code}: {(await r.aread())[:160]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[6:])
+            if "error" in event:
+                return Sample(False, error=str(event["error"])[:200])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if not (event["choices"] and event["choices"][0]["delta"].get("content")):
+                continue
+            if first is None:
+                first = now
+            else:
+                itl.append((now - last) * 1e3)
+            last = now
+    e2e = (time.perf_counter() - t0) * 1e3
+    return Sample(True, None if first is None else (first - t0) * 1e3, e2e, itl, tokens)
 
 
 async def run_level(endpoint: str, concurrency: int, work: list[Work], stream: bool, ignore_eos: bool,

@@ -3,6 +3,7 @@ spawns in-process and emits every field of its JSON. No timing thresholds (timin
 BENCHMARKS.md)."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import click
@@ -74,3 +75,63 @@ def test_option_errors():
                        (["--model", "tiny-random"], "--spawn")):
         res = runner.invoke(serve.serve_command, argv)
         assert res.exit_code != 0 and text in res.output, res.output
+
+
+class _DroppingServer:
+    """A loopback HTTP/1.1 chat-completions stand-in: it reads request number n (1, 2, ...) and,
+    if n is in ``drop``, closes the connection without a response (as a server closing a
+    kept-alive connection the client just sent on); it answers the others with three tokens (SSE
+    when asked to stream), keeping the connection alive."""
+
+    def __init__(self, drop: set[int]):
+        self.drop, self.requests = drop, 0
+
+    async def handle(self, reader, writer) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                body = json.loads(await reader.readexactly(length))
+                self.requests += 1
+                if self.requests in self.drop:
+                    writer.close()
+                    return
+                if body.get("stream"):
+                    events = [{"choices": [{"delta": {"content": "x"}}]}] * 3 + [
+                        {"choices": [], "usage": {"completion_tokens": 3}}]
+                    payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                    kind = "text/event-stream"
+                else:
+                    payload, kind = json.dumps({"usage": {"completion_tokens": 3}}), "application/json"
+                data = payload.encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                             % (kind.encode(), len(data), data))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.CancelledError, ConnectionError):
+            return  # the client closed its connection: the test is over
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
+def test_http_client_reopens_a_connection_the_server_closed_once(stream):
+    """A connection closed before any response (llama.cpp's server closes idle kept-alive ones)
+    is opened again once: the request succeeds. Closed twice in a row, it is an error sample."""
+    import httpx
+
+    async def go(drop: set[int]):
+        server = _DroppingServer(drop)
+        srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            async with httpx.AsyncClient(base_url=url) as client:
+                work = serve.Work([1, 2, 3], 3)
+                return [await serve._one_http(client, "m", work, stream, True, 10.0) for _ in range(3)], server
+        finally:
+            srv.close()
+
+    samples, server = asyncio.run(go({2}))  # the 2nd request's connection is dropped: retried as the 3rd
+    assert [s.ok for s in samples] == [True] * 3 and server.requests == 4
+    assert all(s.output_tokens == 3 for s in samples)
+    samples, server = asyncio.run(go({1, 2}))  # dropped, and dropped again on the new connection
+    assert not samples[0].ok and "RemoteProtocolError" in samples[0].error
+    assert [s.ok for s in samples[1:]] == [True, True] and server.requests == 4
