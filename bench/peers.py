@@ -233,7 +233,8 @@ def row_text(name: str, r: dict) -> str:
     return (f"{name}: 1 stream {one['output_tokens_per_s']} tok/s ITL p50 {one['itl_ms']['p50']} ms | "
             f"{many['concurrency']} streams {many['output_tokens_per_s']} tok/s TTFT p50 {many['ttft_ms']['p50']} ms "
             f"CPU {many['server_cpu_cores']} (idle engines {many['idle_engines_cpu_cores']}) | "
-            f"errors {one['errors'] + many['errors']} | load {many['load']}")
+            f"errors {one['errors'] + many['errors']} (reconnects {one['reconnects'] + many['reconnects']}) | "
+            f"load {many['load']}")
 
 
 def table(results: dict) -> str:

@@ -143,6 +143,7 @@ class Sample:
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    reconnects: int = 0  # HTTP: connections the server closed before answering, opened again
 
 
 # Prompt token ids are drawn from this range: inside any real vocabulary (the server's info does not
@@ -235,12 +236,16 @@ async def _one_http(client, model: str, work: Work, stream: bool, ignore_eos: bo
     for attempt in range(2):
         answered: list[bool] = []
         try:
-            return await _http_attempt(client, model, work, stream, ignore_eos, timeout, t0, answered)
+            sample = await _http_attempt(client, model, work, stream, ignore_eos, timeout, t0, answered)
         except httpx.RemoteProtocolError as e:
             if attempt or answered:
-                return Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+                sample = Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+            else:
+                continue
         except (httpx.HTTPError, asyncio.TimeoutError) as e:
-            return Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+            sample = Sample(False, error=f"{type(e).__name__}: {e}"[:200])
+        sample.reconnects = attempt
+        return sample
 
 
 async def _http_attempt(client, model: str, work: Work, stream: bool, ignore_eos: bool, timeout: float,
@@ -323,6 +328,7 @@ async def run_level(endpoint: str, concurrency: int, work: list[Work], stream: b
         "concurrency": concurrency,
         "requests": len(samples),
         "errors": len(samples) - len(ok),
+        "reconnects": sum(s.reconnects for s in samples),
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
         "output_tokens": out_tokens,

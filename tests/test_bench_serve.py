@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from bench import serve
 
-LEVEL_FIELDS = {"transport", "concurrency", "requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_ms", "itl_ms",
+LEVEL_FIELDS = {"transport", "concurrency", "requests", "errors", "reconnects", "requests_per_s", "output_tokens_per_s", "ttft_ms", "itl_ms",
                 "e2e_ms"}
 PCT_FIELDS = {"p50", "p90", "p99"}
 QUICK = ["--spawn", "--model", "tiny-random", "--device", "cpu", "--max-batch", "8", "--kv-pages", "200",
@@ -131,7 +131,7 @@ def test_http_client_reopens_a_connection_the_server_closed_once(stream):
 
     samples, server = asyncio.run(go({2}))  # the 2nd request's connection is dropped: retried as the 3rd
     assert [s.ok for s in samples] == [True] * 3 and server.requests == 4
-    assert all(s.output_tokens == 3 for s in samples)
+    assert all(s.output_tokens == 3 for s in samples) and [s.reconnects for s in samples] == [0, 1, 0]
     samples, server = asyncio.run(go({1, 2}))  # dropped, and dropped again on the new connection
-    assert not samples[0].ok and "RemoteProtocolError" in samples[0].error
+    assert not samples[0].ok and "RemoteProtocolError" in samples[0].error and samples[0].reconnects == 1
     assert [s.ok for s in samples[1:]] == [True, True] and server.requests == 4
