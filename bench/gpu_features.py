@@ -1,4 +1,4 @@
-"""GPU checks of what landed after the decode loop (bench/gpu.sh, stage 2).
+"""GPU checks of what landed after the decode loop (bench/gpu.sh, stage 3).
 
     python -m bench.gpu_features [--device cuda] [--only lora,prefix,vision,moondream,service]
     python -m bench.gpu_features --device cpu --llm tiny-random --vlm tiny-random-vlm   # a dry run anywhere

@@ -13,6 +13,7 @@
  * and, where the CPU has AMX, the matmuls and the whole loop over the layers:
  *
  *   linear_bf16   y = x @ W^T (+ bias) on AMX tiles, each row's result independent of the batch
+ *                 (linear_gelu_bf16: then gelu_tanh, on the float32 sum)
  *   layers_bf16   every decoder layer, the calls above in the Python loop's order, in one call
  *
  * Rounding follows the eager bf16 path op by op (each bf16 op of PyTorch computes
@@ -158,6 +159,14 @@ static inline vf v_exp(vf x) {
     p = v_fma(p, r, v_set(5.0000001201e-1f));
     p = v_add(v_fma(v_mul(p, r), r, r), v_set(1.f));
     return v_mul(p, v_pow2i(n));
+}
+
+/* gelu with tanh's approximation (transformers' gelu_pytorch_tanh, Moondream's MLPs) in float32:
+ * 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), written as x / (1 + exp(-2u)), the
+ * same function without 1 + tanh(u)'s cancellation where tanh(u) is near -1. */
+static inline vf v_gelu_tanh(vf x) {
+    const vf u = v_mul(v_set(0.7978845608f), v_fma(v_mul(v_set(0.044715f), x), v_mul(x, x), x));
+    return v_div(x, v_add(v_set(1.f), v_exp(v_mul(v_set(-2.f), u))));
 }
 
 /* Work below this many elements runs on the calling thread alone: a parallel region costs more
@@ -546,10 +555,13 @@ static inline void prefetch_tile(const bf16 *p) {
     for (int line = 0; line < 16; line++) _mm_prefetch((const char *)(p + line * 32), _MM_HINT_T0);
 }
 
-/* rows x 16 fp32 accumulators (+ bias) -> bf16, rounded to nearest even. */
-static inline void store_block(const float *acc, const bf16 *bias, bf16 *y, int64_t ldy, int rows) {
+/* rows x 16 fp32 accumulators (+ bias, then gelu if `gelu`) -> bf16, rounded to nearest even once. */
+static inline void store_block(const float *acc, const bf16 *bias, bf16 *y, int64_t ldy, int rows, int gelu) {
     const vf b = bias ? v_load(bias, 0, 16, 1) : v_set(0.f);
-    for (int r = 0; r < rows; r++) v_store(y + r * ldy, 0, 16, v_add(_mm512_loadu_ps(acc + r * 16), b), 1);
+    for (int r = 0; r < rows; r++) {
+        const vf v = v_add(_mm512_loadu_ps(acc + r * 16), b);
+        v_store(y + r * ldy, 0, 16, gelu ? v_gelu_tanh(v) : v, 1);
+    }
 }
 
 #define PREFETCH_TILES 4 /* ahead, per weight stream: 4 KB (2-6 measured alike, 16 slower) */
@@ -557,7 +569,7 @@ static inline void store_block(const float *acc, const bf16 *bias, bf16 *y, int6
 /* One block of 1..32 rows of x (row stride K) times one pair of 16-column weight streams b0, b1
  * -> 32 columns of y (row stride N). */
 static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, const bf16 *bias0, bf16 *out,
-                                int64_t K, int64_t N, int rows, int prefetch) {
+                                int64_t K, int64_t N, int rows, int prefetch, int gelu) {
     const int64_t kbs = K / 32;
     const int top = rows < 16 ? rows : 16;
     const bf16 *bias1 = bias0 ? bias0 + 16 : NULL;
@@ -596,13 +608,13 @@ static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, c
     }
     _tile_stored(0, acc[0], 64);
     _tile_stored(1, acc[1], 64);
-    store_block(acc[0], bias0, out, N, top);
-    store_block(acc[1], bias1, out + 16, N, top);
+    store_block(acc[0], bias0, out, N, top, gelu);
+    store_block(acc[1], bias1, out + 16, N, top, gelu);
     if (rows > 16) {
         _tile_stored(2, acc[2], 64);
         _tile_stored(3, acc[3], 64);
-        store_block(acc[2], bias0, out + 16 * N, N, rows - 16);
-        store_block(acc[3], bias1, out + 16 * N + 16, N, rows - 16);
+        store_block(acc[2], bias0, out + 16 * N, N, rows - 16, gelu);
+        store_block(acc[3], bias1, out + 16 * N + 16, N, rows - 16, gelu);
     }
 }
 
@@ -610,8 +622,8 @@ static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, c
  * core's L2 while the weight streams by; the weight is read once per chunk. */
 #define ROWS_PER_PASS 256
 
-void linear_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
-                 int nthreads) {
+static void linear_amx(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
+                       int nthreads, int gelu) {
     const int64_t pairs = N / 32, kbs = K / 32;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -626,12 +638,24 @@ void linear_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64
                     if (rows != configured) configure_tiles(configured = rows);
                     /* The chunk's first row block streams the weight in; the others find it in cache. */
                     linear_block(x + m0 * K, b0, b1, bias ? bias + 32 * p : NULL, y + m0 * N + 32 * p, K, N, rows,
-                                 m0 == chunk);
+                                 m0 == chunk, gelu);
                 }
             }
         }
         _tile_release(); /* leaves the thread's tile state clean for oneDNN and cheap to context-switch */
     }
+}
+
+void linear_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
+                 int nthreads) {
+    linear_amx(x, wp, bias, y, M, K, N, nthreads, 0);
+}
+
+/* gelu_tanh(x @ W^T + bias), the gelu on the float32 sum: one rounding to bf16 where the eager
+ * pair rounds the matmul, then the gelu (Moondream's MLPs). */
+void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
+                      int nthreads) {
+    linear_amx(x, wp, bias, y, M, K, N, nthreads, 1);
 }
 
 /* All decoder layers of Llama._fused_layers in one call: the same kernels in the same order, so
@@ -674,5 +698,9 @@ void linear_pack_bf16(const bf16 *w, bf16 *out, int64_t N, int64_t K) { (void)w,
 void linear_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
                  int nthreads) {
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)nthreads;
+}
+void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
+                      int nthreads) {
+    linear_bf16(x, wp, bias, y, M, K, N, nthreads);
 }
 #endif

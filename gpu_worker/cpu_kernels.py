@@ -45,6 +45,7 @@ _SIGNATURES = {
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
+           "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
            "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
                            _P, _P, _P, _P, _P, _P, _P, ctypes.c_int)}
 
@@ -146,13 +147,16 @@ class CpuKernels:
                                 act.data_ptr(), scratch.data_ptr(), threads)
         return h
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        """x [..., K] bf16 @ the packed weight^T (+ bias) -> [..., N] bf16, each row alone."""
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               gelu: bool = False) -> torch.Tensor:
+        """x [..., K] bf16 @ the packed weight^T (+ bias) -> [..., N] bf16, each row alone; ``gelu``:
+        then gelu_tanh on the float32 result, rounded once."""
         K = x.shape[-1]
         rows = x.reshape(-1, K).contiguous()
         y = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
-        self._fn["linear_bf16"](rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                y.data_ptr(), rows.shape[0], K, out_features, torch.get_num_threads())
+        self._fn["linear_gelu_bf16" if gelu else "linear_bf16"](
+            rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            rows.shape[0], K, out_features, torch.get_num_threads())
         return y.view(*x.shape[:-1], out_features)
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -37,7 +37,7 @@ from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
-from .model import attention_mask, checkpoint_index, paged_attention
+from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention
 
 ROPE_THETA = 10000.0
 
@@ -53,6 +53,8 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(inner, dim if out is None else out, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.fc1, PackedLinear):  # bf16 on a CPU: the gelu fused into the matmul
+            return self.fc2(self.fc1.forward_gelu_tanh(x))
         return self.fc2(gelu(self.fc1(x)))
 
 

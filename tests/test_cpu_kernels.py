@@ -271,6 +271,32 @@ def test_amx_matmul_matches_float32_and_each_row_is_alone(kernels, n, k, bias):
     assert not kernels.can_matmul(small.weight) and PackedLinear.from_linear(small, kernels).kernels is None
 
 
+@pytest.mark.parametrize("n,k", [(128, 64), (4304, 96)], ids=["amx", "onednn"])  # 4304 % 32: oneDNN's
+def test_gelu_fused_into_the_matmul_rounds_once(kernels, n, k):
+    """``PackedLinear.forward_gelu_tanh`` (Moondream's MLPs in bf16 on a CPU): the gelu runs on the
+    float32 sum, so the result is within one bf16 ulp of float32's gelu(linear(x)) (plus 1e-5 for
+    the sums' own order), where the eager pair (matmul rounded, then gelu rounded) is not; an AMX
+    row is the same bits alone and in a batch."""
+    g = torch.Generator().manual_seed(n)
+    linear = torch.nn.Linear(k, n, dtype=torch.bfloat16)
+    linear.weight.data = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    linear.bias.data = torch.randn(n, generator=g).bfloat16()
+    packed = PackedLinear.from_linear(linear, kernels)
+    assert (packed.kernels is not None) == (n == 128 and kernels.has_matmul)
+    x = (2 * torch.randn(40, k, generator=g)).bfloat16()  # 2x: far into gelu's tails both sides
+    with torch.inference_mode():
+        want = torch.nn.functional.gelu(x.float() @ linear.weight.float().T + linear.bias.float(), approximate="tanh")
+        eager = torch.nn.functional.gelu(linear(x), approximate="tanh")
+        got = packed.forward_gelu_tanh(x)
+
+        def err(t):  # in bf16 ulps of the float32 value, with an absolute floor
+            return ((t.float() - want).abs() / (want.abs() * 2 ** -8 + 1e-5)).max().item()
+
+        assert err(got) <= 1 < err(eager)
+        if packed.kernels is not None:
+            assert torch.equal(packed.forward_gelu_tanh(x[-1:]), got[-1:])
+
+
 def test_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch):
     lib = cpu_kernels.build(tmp_path)
     stamp = lib.stat().st_mtime_ns
