@@ -509,7 +509,9 @@ EXPORT(f32, 0)
  *
  * Packed layout (linear_pack_bf16): for each block of 16 output columns, for each block of 32 k,
  * one 1 KB tile in AMX's pair-interleaved (VNNI) form: row r holds W[n][k0 + 2r], W[n][k0 + 2r + 1]
- * for n = 0..15. Needs N % 32 == 0 and K % 32 == 0 (CpuKernels.can_matmul); others keep oneDNN. */
+ * for n = 0..15; N and K are zero-padded to multiples of 32 (a padded weight is +0, and x's last
+ * K % 32 columns go through a zero-padded copy, so a tile never reads past a row and the sums are
+ * the unpadded ones: x + 0 = x). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VW == 16
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -518,15 +520,17 @@ EXPORT(f32, 0)
 int linear_ready(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
 
 void linear_pack_bf16(const bf16 *w, bf16 *out, int64_t N, int64_t K) {
+    const int64_t kbs = (K + 31) / 32;
 #pragma omp parallel for
-    for (int64_t nb = 0; nb < N / 16; nb++)
-        for (int64_t kb = 0; kb < K / 32; kb++) {
-            bf16 *tile = out + (nb * (K / 32) + kb) * 512;
+    for (int64_t nb = 0; nb < (N + 31) / 32 * 2; nb++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            bf16 *tile = out + (nb * kbs + kb) * 512;
             for (int r = 0; r < 16; r++)
-                for (int n = 0; n < 16; n++) {
-                    tile[r * 32 + 2 * n] = w[(nb * 16 + n) * K + kb * 32 + 2 * r];
-                    tile[r * 32 + 2 * n + 1] = w[(nb * 16 + n) * K + kb * 32 + 2 * r + 1];
-                }
+                for (int n = 0; n < 16; n++)
+                    for (int i = 0; i < 2; i++) {
+                        const int64_t row = nb * 16 + n, k = kb * 32 + 2 * r + i;
+                        tile[r * 32 + 2 * n + i] = row < N && k < K ? w[row * K + k] : 0; /* +0.0: the padding */
+                    }
         }
 }
 
@@ -556,20 +560,24 @@ static inline void prefetch_tile(const bf16 *p) {
 }
 
 /* rows x 16 fp32 accumulators (+ bias, then gelu if `gelu`) -> bf16, rounded to nearest even once. */
-static inline void store_block(const float *acc, const bf16 *bias, bf16 *y, int64_t ldy, int rows, int gelu) {
-    const vf b = bias ? v_load(bias, 0, 16, 1) : v_set(0.f);
+static inline void store_block(const float *acc, const bf16 *bias, bf16 *y, int64_t ldy, int rows, int cols,
+                               int gelu) {
+    if (cols <= 0) return;
+    const vf b = bias ? v_load(bias, 0, cols, 1) : v_set(0.f);
     for (int r = 0; r < rows; r++) {
         const vf v = v_add(_mm512_loadu_ps(acc + r * 16), b);
-        v_store(y + r * ldy, 0, 16, gelu ? v_gelu_tanh(v) : v, 1);
+        v_store(y + r * ldy, 0, cols, gelu ? v_gelu_tanh(v) : v, 1);
     }
 }
 
 #define PREFETCH_TILES 4 /* ahead, per weight stream: 4 KB (2-6 measured alike, 16 slower) */
 
 /* One block of 1..32 rows of x (row stride K) times one pair of 16-column weight streams b0, b1
- * -> 32 columns of y (row stride N). */
-static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, const bf16 *bias0, bf16 *out,
-                                int64_t K, int64_t N, int rows, int prefetch, int gelu) {
+ * -> `cols` (1..32) columns of y (row stride N). `tail`: the block's rows' last K % 32 values of x,
+ * zero-padded to 32 (row stride 32), for the last k step (NULL when K % 32 == 0). */
+static inline void linear_block(const bf16 *a, const bf16 *tail, const bf16 *b0, const bf16 *b1,
+                                const bf16 *bias0, bf16 *out, int64_t K, int64_t N, int rows, int cols,
+                                int prefetch, int gelu) {
     const int64_t kbs = K / 32;
     const int top = rows < 16 ? rows : 16;
     const bf16 *bias1 = bias0 ? bias0 + 16 : NULL;
@@ -593,6 +601,16 @@ static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, c
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (tail) {
+            _tile_loadd(4, tail, 64);
+            _tile_loadd(5, tail + 16 * 32, 64);
+            _tile_loadd(6, b0 + kbs * 512, 64);
+            _tile_loadd(7, b1 + kbs * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     } else {
         for (int64_t kb = 0; kb < kbs; kb++) {
             if (prefetch) {
@@ -605,16 +623,24 @@ static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, c
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
         }
+        if (tail) {
+            _tile_loadd(4, tail, 64);
+            _tile_loadd(6, b0 + kbs * 512, 64);
+            _tile_loadd(7, b1 + kbs * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
     }
     _tile_stored(0, acc[0], 64);
     _tile_stored(1, acc[1], 64);
-    store_block(acc[0], bias0, out, N, top, gelu);
-    store_block(acc[1], bias1, out + 16, N, top, gelu);
+    const int cols0 = cols < 16 ? cols : 16, cols1 = cols - 16;
+    store_block(acc[0], bias0, out, N, top, cols0, gelu);
+    store_block(acc[1], bias1, out + 16, N, top, cols1, gelu);
     if (rows > 16) {
         _tile_stored(2, acc[2], 64);
         _tile_stored(3, acc[3], 64);
-        store_block(acc[2], bias0, out + 16 * N, N, rows - 16, gelu);
-        store_block(acc[3], bias1, out + 16 * N + 16, N, rows - 16, gelu);
+        store_block(acc[2], bias0, out + 16 * N, N, rows - 16, cols0, gelu);
+        store_block(acc[3], bias1, out + 16 * N + 16, N, rows - 16, cols1, gelu);
     }
 }
 
@@ -624,10 +650,11 @@ static inline void linear_block(const bf16 *a, const bf16 *b0, const bf16 *b1, c
 
 static void linear_amx(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t K, int64_t N,
                        int nthreads, int gelu) {
-    const int64_t pairs = N / 32, kbs = K / 32;
+    const int64_t pairs = (N + 31) / 32, kbs = (K + 31) / 32, k_tail = K % 32;
 #pragma omp parallel num_threads(nthreads)
     {
         int configured = -1;
+        bf16 tail[32 * 32] __attribute__((aligned(64)));
         for (int64_t chunk = 0; chunk < M; chunk += ROWS_PER_PASS) {
             const int64_t chunk_end = M - chunk < ROWS_PER_PASS ? M : chunk + ROWS_PER_PASS;
 #pragma omp for schedule(static) nowait
@@ -636,9 +663,15 @@ static void linear_amx(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
                 for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) {
                     const int rows = (int)(chunk_end - m0 < 32 ? chunk_end - m0 : 32);
                     if (rows != configured) configure_tiles(configured = rows);
+                    if (k_tail) { /* x's last K % 32 columns, zero-padded: a tile never reads past a row */
+                        memset(tail, 0, sizeof tail);
+                        for (int r = 0; r < rows; r++)
+                            memcpy(tail + r * 32, x + (m0 + r) * K + K - k_tail, (size_t)k_tail * 2);
+                    }
+                    const int cols = (int)(N - 32 * p < 32 ? N - 32 * p : 32);
                     /* The chunk's first row block streams the weight in; the others find it in cache. */
-                    linear_block(x + m0 * K, b0, b1, bias ? bias + 32 * p : NULL, y + m0 * N + 32 * p, K, N, rows,
-                                 m0 == chunk, gelu);
+                    linear_block(x + m0 * K, k_tail ? tail : NULL, b0, b1, bias ? bias + 32 * p : NULL,
+                                 y + m0 * N + 32 * p, K, N, rows, cols, m0 == chunk, gelu);
                 }
             }
         }

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from shared.arith import ceil_div
 from shared.models import cache_root
 
 log = logging.getLogger(__name__)
@@ -107,17 +108,16 @@ class CpuKernels:
         self.has_matmul = bool(dll.linear_ready())
 
     def can_matmul(self, weight: torch.Tensor) -> bool:
-        """Whether :meth:`linear` computes with ``weight`` [N, K]: bf16 on a CPU with AMX, N and K
-        multiples of 32."""
-        N, K = weight.shape
-        return self.has_matmul and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
-            and N % 32 == 0 and K % 32 == 0
+        """Whether :meth:`linear` computes with ``weight`` [N, K]: bf16 on a CPU with AMX (any
+        shape: the packed copy is zero-padded to multiples of 32)."""
+        return self.has_matmul and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` [N, K] (see :meth:`can_matmul`) in the tile layout :meth:`linear` reads."""
+        """``weight`` [N, K] (see :meth:`can_matmul`) in the tile layout :meth:`linear` reads, N and
+        K zero-padded to multiples of 32."""
         N, K = weight.shape
         w = weight.detach().contiguous()
-        packed = torch.empty(N * K, dtype=torch.bfloat16)
+        packed = torch.empty(ceil_div(N, 32) * 32 * ceil_div(K, 32) * 32, dtype=torch.bfloat16)
         self._fn["linear_pack_bf16"](w.data_ptr(), packed.data_ptr(), N, K)
         return packed
 

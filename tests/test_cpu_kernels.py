@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,12 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     scale = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - (bits - 1))
     return ((a - b).abs() / scale).max().item()
+
+
+def rounding_error(t: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest |t - exact| over a bf16 rounding's bound, 2^-8 |exact|, plus 1e-5 for the float32
+    sums' own order (near zero a sum's order, not the rounding, decides): <= 1 is rounded right."""
+    return ((t.float() - exact).abs() / (exact.abs() * 2 ** -8 + 1e-5)).max().item()
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -180,7 +187,7 @@ def test_fused_forward_matches_eager_and_is_batch_independent(kernels, dtype):
         assert calls == [10] * TINY.num_hidden_layers
 
 
-# Every matmul of this one has N and K multiples of 32: the engine packs them all for the AMX matmul.
+# Every matmul of this one has N and K multiples of 32 (TINY's have zero-padded tails).
 TINY32 = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 
@@ -190,7 +197,8 @@ def amx(kernels):
         pytest.skip("this CPU (or kernel) has no AMX: the matmuls stay oneDNN's")
 
 
-@pytest.mark.parametrize("cfg,packed", [(TINY, False), (TINY32, True)], ids=["plain-linears", "amx-linears"])
+@pytest.mark.parametrize("cfg,packed", [(TINY, False), (TINY32, True), (TINY, True)],
+                         ids=["plain-linears", "amx-linears", "amx-linears-padded"])
 def test_a_prompt_chunked_or_whole_gives_the_same_bits(kernels, cfg, packed):
     """The invariant the engine's schedule tests need: the same prompt, prefilled in one chunk or in
     chunks of 3, 1 and the rest, leaves the same cache and the same last logits, bit for bit (with
@@ -244,11 +252,13 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
     assert model._layer_weights(kernels) is None  # e.g. LoRA's wrapped linears
 
 
-@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (128, 1536, False)])
+@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (128, 1536, False), (40, 72, True), (4304, 1000, False),
+                                      (3, 5, True)])  # the last three: zero-padded tails of N and K
 def test_amx_matmul_matches_float32_and_each_row_is_alone(kernels, n, k, bias):
     """The AMX matmul against float32 (one rounding of the exact-order sum: at most one bf16 ulp)
     and oneDNN's prepacked matmul; a row's result is the same bits alone, in a block of 32 rows, in
-    a partial block (17, 33 rows) and past one pass of 256 rows (300)."""
+    a partial block (17, 33 rows) and past one pass of 256 rows (300). N and K need not be
+    multiples of 32 (Moondream's vision MLP has 4304 columns)."""
     amx(kernels)
     g = torch.Generator().manual_seed(n + k)
     linear = torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
@@ -259,20 +269,18 @@ def test_amx_matmul_matches_float32_and_each_row_is_alone(kernels, n, k, bias):
     assert ours.kernels is kernels and onednn.kernels is None
     x = torch.randn(300, k, generator=g).bfloat16()
     with torch.inference_mode():
-        want = (x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)).bfloat16()
+        exact = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
         got = ours(x)
-        assert ulps(got, want) <= 1
-        assert ulps(got, onednn(x)) <= 2  # one bf16 ulp each side of the exact sum
+        assert rounding_error(got, exact) <= 1 and rounding_error(onednn(x), exact) <= 1
         assert not torch.equal(got, torch.zeros_like(got))
         for rows in (1, 17, 32, 33):
             assert torch.equal(ours(x[-rows:]), got[-rows:]), rows
         assert torch.equal(ours(x.view(3, 100, k)), got.view(3, 100, n))  # leading dims kept
-    small = torch.nn.Linear(40, 96, dtype=torch.bfloat16)  # K not a multiple of 32: oneDNN's
-    assert not kernels.can_matmul(small.weight) and PackedLinear.from_linear(small, kernels).kernels is None
 
 
-@pytest.mark.parametrize("n,k", [(128, 64), (4304, 96)], ids=["amx", "onednn"])  # 4304 % 32: oneDNN's
-def test_gelu_fused_into_the_matmul_rounds_once(kernels, n, k):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "onednn"])
+@pytest.mark.parametrize("n,k", [(128, 64), (4304, 96)])
+def test_gelu_fused_into_the_matmul_rounds_once(kernels, n, k, amx):
     """``PackedLinear.forward_gelu_tanh`` (Moondream's MLPs in bf16 on a CPU): the gelu runs on the
     float32 sum, so the result is within one bf16 ulp of float32's gelu(linear(x)) (plus 1e-5 for
     the sums' own order), where the eager pair (matmul rounded, then gelu rounded) is not; an AMX
@@ -281,18 +289,15 @@ def test_gelu_fused_into_the_matmul_rounds_once(kernels, n, k):
     linear = torch.nn.Linear(k, n, dtype=torch.bfloat16)
     linear.weight.data = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     linear.bias.data = torch.randn(n, generator=g).bfloat16()
-    packed = PackedLinear.from_linear(linear, kernels)
-    assert (packed.kernels is not None) == (n == 128 and kernels.has_matmul)
+    packed = PackedLinear.from_linear(linear, kernels if amx else None)
+    assert (packed.kernels is not None) == (amx and kernels.has_matmul)
     x = (2 * torch.randn(40, k, generator=g)).bfloat16()  # 2x: far into gelu's tails both sides
     with torch.inference_mode():
         want = torch.nn.functional.gelu(x.float() @ linear.weight.float().T + linear.bias.float(), approximate="tanh")
         eager = torch.nn.functional.gelu(linear(x), approximate="tanh")
         got = packed.forward_gelu_tanh(x)
 
-        def err(t):  # in bf16 ulps of the float32 value, with an absolute floor
-            return ((t.float() - want).abs() / (want.abs() * 2 ** -8 + 1e-5)).max().item()
-
-        assert err(got) <= 1 < err(eager)
+        assert rounding_error(got, want) <= 1 < rounding_error(eager, want)
         if packed.kernels is not None:
             assert torch.equal(packed.forward_gelu_tanh(x[-1:]), got[-1:])
 
@@ -316,7 +321,7 @@ def test_engine_attaches_the_kernels_for_bf16_on_a_cpu_only():
             assert (kernels is not None) == want, (dtype, enabled)
             linears = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
             assert bool(linears) == (dtype == "bfloat16")
-            # The AMX matmul where the CPU has it: all of tiny-random's dims are multiples of 32.
+            # The AMX matmul where the CPU has it, whatever the dims.
             amx_on = want and kernels.has_matmul
             assert all((m.kernels is not None) == amx_on for m in linears), (dtype, enabled)
         finally:
@@ -332,3 +337,26 @@ def test_paged_attention_eager_still_writes_then_attends():
     out = paged_attention(q, k, v, 0, batch, kv, mask)
     assert torch.equal(kv.k[0].reshape(-1, Hkv, q.shape[2])[batch.slot_mapping], k)
     assert out.shape == (batch.num_tokens, q.shape[1] * q.shape[2])
+
+
+def test_a_crop_encodes_to_the_same_bits_whatever_is_encoded_with_it(kernels):
+    """Moondream's vision encoder in bf16 with every linear on the AMX matmul (its MLP's 100
+    columns here, 4304 in moondream2, through the zero-padded tails): a crop's features are the
+    same bits alone and beside other crops (its 729 rows then start mid-block), so an image's
+    features never depend on the images a launch encodes with it."""
+    from gpu_worker.moondream import Moondream, normalize_crops
+    from shared.moondream_config import MoondreamConfig
+    from shared.moondream_random import TINY_CONFIG, make_image
+
+    amx(kernels)
+    config = dict(TINY_CONFIG, vision=dict(TINY_CONFIG["vision"], enc_ff_dim=100))
+    model = Moondream.random(MoondreamConfig.from_dict(config), seed=2, dtype=torch.bfloat16)
+    linears = pack_linears(model.vision, kernels)
+    assert linears and all(m.kernels is kernels for m in model.vision.modules() if isinstance(m, PackedLinear))
+    crops = torch.from_numpy(np.stack([make_image(378, 378, s).transpose(2, 0, 1) for s in range(3)]))
+    with torch.inference_mode():
+        pixels = normalize_crops(crops, torch.bfloat16)
+        together = model.vision.encode(pixels)
+        for i in range(3):
+            assert torch.equal(model.vision.encode(pixels[i:i + 1])[0], together[i]), i
+    assert not torch.equal(together[0], together[1])
