@@ -572,6 +572,22 @@ static inline void store_block(const float *acc, const bf16 *bias, bf16 *y, int6
 
 #define PREFETCH_TILES 4 /* ahead, per weight stream: 4 KB (2-6 measured alike, 16 slower) */
 
+/* One step of 32 k: 16 rows of x (row stride lda), and 16 more if `both`, times two weight tiles,
+ * added into accumulators 0-1 (and 2-3). */
+static inline __attribute__((always_inline)) void k_step(const bf16 *a, int64_t lda, const bf16 *b0,
+                                                         const bf16 *b1, int both) {
+    _tile_loadd(4, a, lda * 2);
+    if (both) _tile_loadd(5, a + 16 * lda, lda * 2);
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (both) {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 /* One block of 1..32 rows of x (row stride K) times one pair of 16-column weight streams b0, b1
  * -> `cols` (1..32) columns of y (row stride N). `tail`: the block's rows' last K % 32 values of x,
  * zero-padded to 32 (row stride 32), for the last k step (NULL when K % 32 == 0). */
@@ -592,44 +608,18 @@ static inline void linear_block(const bf16 *a, const bf16 *tail, const bf16 *b0,
                 prefetch_tile(b0 + (kb + PREFETCH_TILES) * 512);
                 prefetch_tile(b1 + (kb + PREFETCH_TILES) * 512);
             }
-            _tile_loadd(4, a + kb * 32, K * 2);
-            _tile_loadd(5, a + 16 * K + kb * 32, K * 2);
-            _tile_loadd(6, b0 + kb * 512, 64);
-            _tile_loadd(7, b1 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            k_step(a + kb * 32, K, b0 + kb * 512, b1 + kb * 512, 1);
         }
-        if (tail) {
-            _tile_loadd(4, tail, 64);
-            _tile_loadd(5, tail + 16 * 32, 64);
-            _tile_loadd(6, b0 + kbs * 512, 64);
-            _tile_loadd(7, b1 + kbs * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        if (tail) k_step(tail, 32, b0 + kbs * 512, b1 + kbs * 512, 1);
     } else {
         for (int64_t kb = 0; kb < kbs; kb++) {
             if (prefetch) {
                 prefetch_tile(b0 + (kb + PREFETCH_TILES) * 512);
                 prefetch_tile(b1 + (kb + PREFETCH_TILES) * 512);
             }
-            _tile_loadd(4, a + kb * 32, K * 2);
-            _tile_loadd(6, b0 + kb * 512, 64);
-            _tile_loadd(7, b1 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+            k_step(a + kb * 32, K, b0 + kb * 512, b1 + kb * 512, 0);
         }
-        if (tail) {
-            _tile_loadd(4, tail, 64);
-            _tile_loadd(6, b0 + kbs * 512, 64);
-            _tile_loadd(7, b1 + kbs * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
+        if (tail) k_step(tail, 32, b0 + kbs * 512, b1 + kbs * 512, 0);
     }
     _tile_stored(0, acc[0], 64);
     _tile_stored(1, acc[1], 64);
