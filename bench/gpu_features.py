@@ -271,36 +271,39 @@ def _close(got, want) -> bool:
 def check_moondream(device: str) -> str:
     from bench.moondream_fixture import EXPECTED, case_id, encoder, engine_answer, engine_request, write_checkpoints
 
-    paths = write_checkpoints(Path(tempfile.mkdtemp(prefix="tandem-moondream-")))
-    encode = encoder(paths["plain"])
-    request = (lambda case: dict(zip(("prompt_ids", "params", "images", "task"),  # noqa: E731
-                                     engine_request(case, encode))))
-    kw = dict(max_model_len=1024, kv_pages=1200, prefill_budget=1024)
-    for name, cases in (("plain", EXPECTED["cases"]), ("eos", EXPECTED["eos_cases"])):
-        eng = _engine(str(paths[name]), device, "float32", True, **kw)
+    with tempfile.TemporaryDirectory(prefix="tandem-moondream-") as tmp:
+        paths = write_checkpoints(Path(tmp))
+        encode = encoder(paths["plain"])
+
+        def request(case) -> dict:
+            return dict(zip(("prompt_ids", "params", "images", "task"), engine_request(case, encode)))
+
+        kw = dict(max_model_len=1024, kv_pages=1200, prefill_budget=1024)
+        for name, cases in (("plain", EXPECTED["cases"]), ("eos", EXPECTED["eos_cases"])):
+            eng = _engine(str(paths[name]), device, "float32", True, **kw)
+            try:
+                seqs = _run_seqs(eng, [request(c) for c in cases])
+            finally:
+                eng.close()
+            for case, seq in zip(cases, seqs):
+                got = engine_answer(case, seq)
+                if not _close(got, {k: case[k] for k in got}):
+                    raise AssertionError(f"{name} {case_id(case)} on {device} (fp32, all cases at once): {got} against "
+                                         f"the reference's {({k: case[k] for k in got})}")
+        engines = {mode: _engine(str(paths["plain"]), device, "bfloat16", mode == "pipelined", **kw)
+                   for mode in ("pipelined", "blocking")}
         try:
-            seqs = _run_seqs(eng, [request(c) for c in cases])
+            for case in EXPECTED["cases"]:  # alone: the same launches in both modes, so the same bits
+                (a,), (b,) = (_run_seqs(engines[mode], [request(case)]) for mode in ("pipelined", "blocking"))
+                if (a.output_ids, a.output_values) != (b.output_ids, b.output_values):
+                    raise AssertionError(f"{case_id(case)} on {device} (bf16): pipelined {a.output_ids} "
+                                         f"{a.output_values} against blocking {b.output_ids} {b.output_values}")
         finally:
-            eng.close()
-        for case, seq in zip(cases, seqs):
-            got = engine_answer(case, seq)
-            if not _close(got, {k: case[k] for k in got}):
-                raise AssertionError(f"{name} {case_id(case)} on {device} (fp32, all cases at once): {got} against "
-                                     f"the reference's {({k: case[k] for k in got})}")
-    engines = {mode: _engine(str(paths["plain"]), device, "bfloat16", mode == "pipelined", **kw)
-               for mode in ("pipelined", "blocking")}
-    try:
-        for case in EXPECTED["cases"]:  # alone: the same launches in both modes, so the same bits
-            (a,), (b,) = (_run_seqs(engines[mode], [request(case)]) for mode in ("pipelined", "blocking"))
-            if (a.output_ids, a.output_values) != (b.output_ids, b.output_values):
-                raise AssertionError(f"{case_id(case)} on {device} (bf16): pipelined {a.output_ids} "
-                                     f"{a.output_values} against blocking {b.output_ids} {b.output_values}")
-    finally:
-        for eng in engines.values():
-            eng.close()
-    n = len(EXPECTED["cases"]) + len(EXPECTED["eos_cases"])
-    return (f"{n} reference cases (captions, queries, reasoning, spatial refs, point, detect, early eos) at once "
-            f"in fp32 = the reference's answers; bf16 pipelined = blocking, one at a time")
+            for eng in engines.values():
+                eng.close()
+        n = len(EXPECTED["cases"]) + len(EXPECTED["eos_cases"])
+        return (f"{n} reference cases (captions, queries, reasoning, spatial refs, point, detect, early eos) at once "
+                f"in fp32 = the reference's answers; bf16 pipelined = blocking, one at a time")
 
 
 def check_service(device: str, vlm: str) -> str:

@@ -50,6 +50,7 @@ from shared.moondream_random import byte_tokenizer, make_image
 from shared.sampling import SamplingParams
 
 PREFIX = 730
+MAX_MODEL_LEN = 2048
 SIZES = {(1, 1): (378, 378), (3, 3): (644, 644), (3, 4): (910, 1176)}
 
 
@@ -106,9 +107,6 @@ def in_memory_model(name: str, device: str, dtype: str) -> Moondream | None:
         return None
     return Moondream.random(MoondreamConfig.from_dict(model.random_config), dtype=getattr(torch, dtype),
                             device=Device(device).torch_device, max_model_len=MAX_MODEL_LEN)
-
-
-MAX_MODEL_LEN = 2048
 
 
 def streams_rows(engines, make_requests, counts, repeats) -> dict:

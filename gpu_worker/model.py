@@ -407,8 +407,8 @@ class Llama(nn.Module):
     def _layer_weights(self, kernels: "CpuKernels") -> torch.Tensor | None:
         """The addresses ``CpuKernels.layers`` reads, per layer (see ``layers_bf16``); None unless every
         layer's linears are packed for ``kernels``' matmul (not with LoRA's wrapped linears, or without
-        AMX). Built once and kept while the layers' linears and norm
-        weights stay the same objects (checking that takes ~40 µs a forward; building it, ~1 ms)."""
+        AMX). Built once and kept while the layers' linears and norm weights stay the same objects
+        (checking that takes ~40 µs a forward; building it, ~1 ms)."""
         if getattr(kernels, "layers", None) is None:
             return None
         # Per layer: its two norm weights and four linears, then the final norm's weight. Read through
