@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from bench.cluster import LocalCluster
-from frontend.cluster.routing import OVERFLOW_SLACK, Load, choose, owner, session_key
+from frontend.cluster.routing import NOT_STARTED, OVERFLOW_SLACK, Load, choose, owner, session_key, usable
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
@@ -81,6 +81,92 @@ def test_session_key_precedence():
     assert session_key(None, page).startswith("p:")
     assert session_key(None, None) is None and session_key("", None) is None
     assert Load.from_stats(None) == Load() and Load.from_stats({"running": 2, "waiting": 1}).score == 6
+
+
+def test_failed_and_avoided_replicas_are_not_usable_unless_nothing_else_is():
+    loads = {r: Load() for r in REPLICAS} | {"r-a": Load.from_stats({"failed": True})}
+    assert Load.from_stats({"failed": True}).failed and not Load.from_stats({}).failed
+    assert sorted(usable(loads)) == ["r-b", "r-c", "r-d"]
+    assert sorted(usable(loads, ("r-b", "r-c"))) == ["r-d"]
+    assert usable(loads, ("r-b", "r-c", "r-d")) == loads  # nothing else: all of them (the ingress gives up)
+    key = next(f"s:{i}" for i in range(100) if owner(f"s:{i}", REPLICAS) == "r-a")
+    assert choose(key, loads) == "r-a" and choose(key, usable(loads)) != "r-a"  # non-vacuity: r-a owns key
+
+
+class _FakeStream:
+    """What ``handle.options(stream=True).generate.remote(...)`` returns: a script of items, where an
+    exception in the script is raised at that point."""
+
+    def __init__(self, script) -> None:
+        self._script, self.cancelled = list(script), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._script:
+            raise StopAsyncIteration
+        item = self._script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeReplicas:
+    """A stand-in for the replicas' DeploymentHandle: call i streams ``scripts[i]``; ``avoids`` records
+    each call's ``avoid`` argument (what the router would leave out)."""
+
+    def __init__(self, *scripts) -> None:
+        self._scripts, self.avoids = list(scripts), []
+        self.generate = self
+
+    def options(self, stream: bool):
+        return self
+
+    def remote(self, fields, session_key=None, avoid=()):
+        self.avoids.append(avoid)
+        return _FakeStream(self._scripts[len(self.avoids) - 1])
+
+
+def _run_call(replicas: _FakeReplicas) -> list[dict]:
+    import asyncio
+
+    from frontend.cluster import ingress
+
+    async def go():
+        bridge = ingress.ClusterBridge(replicas, tokenizer=None)
+        return [m async for m in bridge.generate({"prompt_token_ids": [1, 2]}).events()]
+
+    return asyncio.run(go())
+
+
+DONE = [{"type": "chunk", "id": "x", "token_ids": [7]}, {"type": "done", "id": "x", "finish_reason": "length"}]
+
+
+def test_a_request_no_replica_began_goes_to_another_and_a_begun_one_never_twice(monkeypatch):
+    from ray.exceptions import ActorDiedError
+
+    from frontend.cluster.ingress import RETRIES
+
+    monkeypatch.setattr("frontend.cluster.ingress.RETRY_DELAY_S", 0)
+    # refused by a replica whose tandem serve had exited, then by a dead actor: the third replica answers
+    replicas = _FakeReplicas(["r-a", {NOT_STARTED: "replica r-a: tandem serve exited (code -9)"}],
+                             [ActorDiedError()], ["r-b", DONE])
+    assert _run_call(replicas) == DONE
+    assert replicas.avoids == [(), ("r-a",), ("r-a",)]
+    # refused every time: one worker_failed error naming why, after RETRIES more tries
+    replicas = _FakeReplicas(*[["r-a", {NOT_STARTED: "tandem serve exited"}]] * (RETRIES + 2))
+    (err,) = _run_call(replicas)
+    assert err["type"] == "error" and err["code"] == "worker_failed" and "tandem serve exited" in err["message"]
+    assert len(replicas.avoids) == RETRIES + 1
+    # the actor died after it began the request (tokens may have reached the client): not sent again
+    replicas = _FakeReplicas(["r-a", DONE[:1], ActorDiedError()], ["r-b", DONE])
+    out = _run_call(replicas)
+    assert out[0] == DONE[0] and out[1]["code"] == "worker_failed" and len(out) == 2
+    assert len(replicas.avoids) == 1
 
 
 # --------------------------------------------------------------------------- options, metrics, manifests
@@ -284,9 +370,13 @@ def test_killed_and_never_ready_replicas_are_replaced(cluster):
     errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "worker_failed", events[-3:]
     assert all("error" not in json.loads(e) for e in events[:-2])
-    # B keeps answering meanwhile
+    # B keeps answering meanwhile, and A's sessions are served elsewhere without an error before Serve
+    # has replaced A (A refuses them unstarted until its routing stats say failed)
     assert _chat(cluster, [{"role": "user", "content": "still there?"}], session=session_b).headers[
         "x-tandem-replica"] == b
+    for turn in range(3):
+        assert _chat(cluster, [{"role": "user", "content": f"moved {turn}"}], session=session_a).headers[
+            "x-tandem-replica"] != a
 
     # B's worker is killed and its next generation stopped before it is ready: B's tandem serve lives on,
     # answers info, but its worker_ready stays false, so check_health fails after --not-ready-grace

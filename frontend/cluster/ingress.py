@@ -8,7 +8,9 @@ server's ``Bridge``. A ``ClusterBridge`` call goes through the replicas'
 behave as on one server. Each answer a replica gave carries its name in
 ``x-tandem-replica``. A stream that loses its replica (the actor died, Serve
 could not route it) gets one ``worker_failed`` error as its terminal message:
-it never hangs.
+it never hangs. A request no replica began (it reached one whose ``tandem
+serve`` had exited, or an actor that was gone) is sent to another one, at most
+``RETRIES`` times: nothing of it had been generated, so nothing is repeated.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import logging
 from typing import Any
 
 from ray import serve
+from ray.exceptions import RayActorError
 
 from shared.config import EngineConfig
 from shared.models import load_tokenizer
@@ -28,12 +31,14 @@ from ..http.bridge import TERMINAL, Call
 from ..http.common import Context
 from ..metrics import Metrics
 from ..tokenization import chat_prompt_ids, text_prompt_ids
-from .routing import session_key
+from .routing import NOT_STARTED, session_key
 
 log = logging.getLogger("tandem.cluster")
 
 REPLICA_HEADER = b"x-tandem-replica"
 PAGE_SIZE = EngineConfig.page_size  # the replicas' KV page: the prefix cache shares whole pages
+RETRIES = 2  # times a request no replica began is sent again (a replica that died just before it arrived)
+RETRY_DELAY_S = 0.25
 
 _answered_by: contextvars.ContextVar[dict | None] = contextvars.ContextVar("answered_by", default=None)
 
@@ -54,8 +59,7 @@ class ClusterBridge:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         key = session_key(session, None if session else self._first_page(fields))
-        responses = self._stream.generate.remote(fields, session_key=key)
-        self._pumps[rid] = asyncio.create_task(self._pump(rid, responses, q))
+        self._pumps[rid] = asyncio.create_task(self._pump(rid, fields, key, q))
         return Call(self, rid, q)
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -71,27 +75,55 @@ class ClusterBridge:
         if pump is not None:
             pump.cancel()
 
-    async def _pump(self, rid: str, responses, q: asyncio.Queue) -> None:
+    async def _pump(self, rid: str, fields: dict[str, Any], key: str | None, q: asyncio.Queue) -> None:
+        avoid: list[str] = []  # the replicas that refused it unstarted: the router sends it elsewhere
         try:
-            async for item in responses:
-                if isinstance(item, str):
-                    _note_replica(item)
-                    continue
-                for msg in item:
-                    q.put_nowait(msg)
-                if item and item[-1]["type"] in TERMINAL:
+            for attempt in itertools.count():
+                refused = await self._stream_once(fields, key, tuple(avoid), q)
+                if refused is None:
                     return
-            raise RuntimeError("the replica's stream ended without a terminal message")
+                replica, why = refused
+                if attempt == RETRIES:
+                    raise RuntimeError(why)
+                log.warning("request %s was not started (%s): sending it to another replica", rid, why)
+                avoid += [replica] if replica else []
+                await asyncio.sleep(RETRY_DELAY_S)
         except asyncio.CancelledError:
-            responses.cancel()  # the client left: the replica cancels the request in its tandem serve
             raise
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
             log.warning("request %s lost its replica: %s", rid, e)
             q.put_nowait({"type": "error", "id": None, "code": "worker_failed",
-                          "message": f"the replica serving this request failed ({type(e).__name__})"})
+                          "message": f"the replica serving this request failed ({type(e).__name__}: {e})"})
         finally:
             self._pumps.pop(rid, None)
             self._queues.pop(rid, None)
+
+    async def _stream_once(self, fields: dict[str, Any], key: str | None, avoid: tuple[str, ...],
+                           q: asyncio.Queue) -> tuple[str | None, str] | None:
+        """One replica's stream of the request into ``q``: None once its terminal message is
+        queued, or (the replica if it was reached, why) when no replica began it."""
+        responses = self._stream.generate.remote(fields, session_key=key, avoid=avoid)
+        replica = None
+        try:
+            async for item in responses:
+                if isinstance(item, str):
+                    replica = item
+                    _note_replica(item)
+                elif isinstance(item, dict):  # {NOT_STARTED: why}
+                    return replica, item[NOT_STARTED]
+                else:
+                    for msg in item:
+                        q.put_nowait(msg)
+                    if item and item[-1]["type"] in TERMINAL:
+                        return None
+            raise RuntimeError("the replica's stream ended without a terminal message")
+        except asyncio.CancelledError:
+            responses.cancel()  # the client left: the replica cancels the request in its tandem serve
+            raise
+        except RayActorError as e:
+            if replica is not None:  # it had begun: tokens may have gone out, so it is not sent again
+                raise
+            return None, f"{type(e).__name__}: {e}"  # (a dead actor: Serve drops it from the candidates)
 
     def _first_page(self, fields: dict[str, Any]) -> list[int] | None:
         """The first full KV page of the prompt as the replicas render it (None: shorter)."""

@@ -12,9 +12,11 @@ terminal.
 Failure: the child is started with ``PR_SET_PDEATHSIG`` (SIGTERM), so a
 replica killed with ``kill -9`` takes its ``tandem serve`` with it (which
 drains and stops its worker). When the child exits, every request in flight
-gets one ``worker_failed`` error at once and ``check_health`` fails, so Serve
-replaces the replica; ``check_health`` also fails once the child's worker has
-not been ready for ``not_ready_grace_s`` (a worker that cannot come back).
+gets one ``worker_failed`` error at once, a request that arrives later gets
+``NOT_STARTED`` (the ingress sends it to another replica), the routing stats
+say ``failed`` and ``check_health`` fails, so Serve replaces the replica;
+``check_health`` also fails once the child's worker has not been ready for
+``not_ready_grace_s`` (a worker that cannot come back).
 Shutdown: SIGTERM to the child, which drains for its ``--drain-timeout``;
 Serve's graceful shutdown timeout is set longer (``app.py``).
 """
@@ -34,6 +36,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from ..http.bridge import Bridge
+from .routing import NOT_STARTED
 
 log = logging.getLogger("tandem.cluster")
 
@@ -89,12 +92,14 @@ class TandemReplica:
             return None
 
     # ------------------------------------------------------------------ requests (from the ingress)
-    async def generate(self, fields: dict[str, Any], session_key: str | None = None) -> AsyncIterator[Any]:
-        """This replica's name, then the request's protocol messages in arrival batches.
-        (``session_key`` is the router's; a cancelled stream cancels the request in the child.)"""
+    async def generate(self, fields: dict[str, Any], session_key: str | None = None,
+                       avoid: tuple[str, ...] = ()) -> AsyncIterator[Any]:
+        """This replica's name, then the request's protocol messages in arrival batches, or
+        ``{NOT_STARTED: why}`` if its child has exited. (``session_key`` and ``avoid`` are the
+        router's; a cancelled stream cancels the request in the child.)"""
         yield self.name
-        if self._exit_code is not None:  # (Serve replaces this replica soon)
-            yield [{"type": "error", "id": None, "code": "worker_failed", "message": self._exited()}]
+        if self._exit_code is not None:  # the ingress sends it to another replica (Serve replaces this one soon)
+            yield {NOT_STARTED: self._exited()}
             return
         async for batch in self._bridge.generate(fields).batches():
             yield batch
@@ -123,6 +128,8 @@ class TandemReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the router balances on (``routing.Load``), from the child's ``info``."""
+        if self._exit_code is not None:
+            return {"failed": True}
         info = await self._info() or {}
         total = info.get("kv_pages_total") or 0
         return {"running": info.get("running", 0), "waiting": info.get("waiting", 0) + info.get("unsent", 0),

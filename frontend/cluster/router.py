@@ -3,9 +3,12 @@
 Serve calls ``choose_replicas`` for each request (FIFO order, ``FIFOMixin``)
 and sends it to the first replica of the first rank that has room, so the
 ranks are: the chosen replica, then the others (a fallback only when the
-chosen one is at ``max_ongoing_requests``). The session key is the
-``session_key`` argument the ingress passes to ``TandemReplica.generate``;
-the loads are each replica's last ``record_routing_stats``.
+chosen one is at ``max_ongoing_requests``). The session key and the replicas to
+avoid are the ``session_key`` and ``avoid`` arguments the ingress passes to
+``TandemReplica.generate``; the loads are each replica's last
+``record_routing_stats``. Only ``routing.usable`` replicas are ranked: Serve
+falls back to the second rank when the first does not answer its queue-length
+probe in time, and that must never be a replica known to be dead.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from .routing import Load, choose
+from .routing import Load, choose, usable
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):
@@ -22,6 +25,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        key = pending_request.kwargs.get("session_key") if pending_request is not None else None
-        chosen = by_name[choose(key, {name: Load.from_stats(r.routing_stats) for name, r in by_name.items()})]
-        return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        loads = usable({name: Load.from_stats(r.routing_stats) for name, r in by_name.items()},
+                       kwargs.get("avoid") or ())
+        chosen = choose(kwargs.get("session_key"), loads)
+        return [[by_name[chosen]], [by_name[name] for name in loads if name != chosen]]

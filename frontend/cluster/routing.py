@@ -15,6 +15,11 @@ the rest (load above ``2 * least + OVERFLOW_SLACK``): affinity is worth a
 prefix cache hit, not an unbounded queue. Requests without a key go to the
 less loaded of two replicas drawn at random (two choices spread a burst even
 when the reported loads are a moment old).
+
+Failure: a replica whose ``tandem serve`` has exited reports ``failed`` until
+Serve replaces it, and a request it refused (``NOT_STARTED``) is sent again
+with that replica in its ``avoid`` list; ``usable`` leaves both out (all of
+them only when nothing else is left).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any, Mapping, Sequence
 
 WAITING_WEIGHT = 4
 OVERFLOW_SLACK = 8  # two waiting requests: below this gap affinity always wins
+NOT_STARTED = "not_started"  # a replica's answer to a request it never began (its tandem serve had exited)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class Load:
     running: int = 0
     waiting: int = 0
     queue_full: bool = False
+    failed: bool = False  # its tandem serve exited: Serve is replacing it
 
     @property
     def score(self) -> int:
@@ -41,7 +48,13 @@ class Load:
     def from_stats(stats: Mapping[str, Any] | None) -> "Load":
         """A replica's routing stats (``TandemReplica.record_routing_stats``); none yet: idle."""
         s = stats or {}
-        return Load(int(s.get("running", 0)), int(s.get("waiting", 0)), bool(s.get("queue_full", False)))
+        return Load(int(s.get("running", 0)), int(s.get("waiting", 0)), bool(s.get("queue_full", False)),
+                    bool(s.get("failed", False)))
+
+
+def usable(loads: Mapping[str, Load], avoid: Sequence[str] = ()) -> dict[str, Load]:
+    """``loads`` less the failed replicas and those in ``avoid`` (all of ``loads`` if none is left)."""
+    return {r: load for r, load in loads.items() if not load.failed and r not in avoid} or dict(loads)
 
 
 def owner(key: str, replicas: Sequence[str]) -> str:
