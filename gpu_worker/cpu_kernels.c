@@ -681,6 +681,142 @@ void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
     linear_amx(x, wp, bias, y, M, K, N, nthreads, 1);
 }
 
+/* Full (non-causal) attention of each crop's tokens, every head, from the fused qkv rows
+ * [B, T, 3 H D] -> out [B, T, H D] (the heads side by side, as the output projection reads them):
+ * Moondream's vision encoder, where T = 729 and D = 72. One thread takes a (crop, head) at a time:
+ * its q, k and v go into zero-padded tile layouts (T and D rounded up to 32), then for each block
+ * of 32 queries S = q k^T on AMX in float32, softmax(scale * S) in float32 (exp(s - max), the
+ * sum kept), P rounded to bf16 (as torch's flash attention rounds it for its second matmul),
+ * P v on AMX, divided by the sum in float32 and rounded to bf16 once. T is small enough that a
+ * block's whole row of scores stays in L2 (32 x 736 floats), so no online softmax is needed. */
+static inline void pack_b_rows(const bf16 *src, int64_t ld, int64_t rows, int64_t cols, bf16 *out) {
+    /* B tiles for "out[n] = sum_k A[k] src[k][n]" (k < rows, n < cols): for each 16 columns, for
+     * each 32 k, a tile whose row r pairs src[k0 + 2r][n], src[k0 + 2r + 1][n]; zero beyond. */
+    const int64_t kbs = (rows + 31) / 32, nbs = (cols + 31) / 32 * 2;
+    for (int64_t nb = 0; nb < nbs; nb++) {
+        const __mmask16 m = tail(cols - nb * 16 > 0 ? cols - nb * 16 : 0);
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            __m512i *tile = (__m512i *)(out + (nb * kbs + kb) * 512);
+            for (int r = 0; r < 16; r++) {
+                const int64_t k = kb * 32 + 2 * r;
+                const __m256i lo = k < rows ? _mm256_maskz_loadu_epi16(m, src + k * ld + nb * 16) : _mm256_setzero_si256();
+                const __m256i hi = k + 1 < rows ? _mm256_maskz_loadu_epi16(m, src + (k + 1) * ld + nb * 16)
+                                                : _mm256_setzero_si256();
+                tile[r] = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+            }
+        }
+    }
+}
+
+static inline void pack_b_cols(const bf16 *src, int64_t ld, int64_t rows, int64_t cols, bf16 *out) {
+    /* B tiles for "out[n] = sum_k A[k] src[n][k]" (n < rows of src, k < cols, cols even): the
+     * linear_pack_bf16 layout, tile row r = the 32-bit pairs src[n][k0 + 2r .. + 1], n = 0..15. */
+    const int64_t kbs = (cols + 31) / 32, nbs = (rows + 31) / 32 * 2;
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int)(ld / 2)));
+    for (int64_t nb = 0; nb < nbs; nb++) {
+        const __mmask16 m = tail(rows - nb * 16 > 0 ? rows - nb * 16 : 0);
+        const int *base = (const int *)(src + nb * 16 * ld);
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            __m512i *tile = (__m512i *)(out + (nb * kbs + kb) * 512);
+            for (int r = 0; r < 16; r++) {
+                const int64_t pair = kb * 16 + r;
+                tile[r] = 2 * pair < cols ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                                        _mm512_add_epi32(lanes, _mm512_set1_epi32((int)pair)),
+                                                                        base, 4)
+                                          : _mm512_setzero_si512();
+            }
+        }
+    }
+}
+
+void vision_attention_bf16(const bf16 *qkv, bf16 *out, int64_t B, int64_t T, int64_t H, int64_t D, float scale,
+                           int nthreads) {
+    const int64_t Tp = (T + 31) / 32 * 32, Dp = (D + 31) / 32 * 32, C = H * D, ld = 3 * C;
+    const int64_t dks = Dp / 32, tks = Tp / 32;
+#pragma omp parallel num_threads(nthreads)
+    {
+        bf16 *q = aligned_alloc(64, (size_t)(Tp * Dp + 2 * Tp * Dp + 32 * Tp) * 2);
+        bf16 *kp = q + Tp * Dp, *vp = kp + Tp * Dp, *p = vp + Tp * Dp;
+        float *s = aligned_alloc(64, (size_t)(32 * Tp + 32) * 4), *inv = s + 32 * Tp;
+        float acc[4][256] __attribute__((aligned(64)));
+        int configured = -1;
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < B * H; item++) {
+            const int64_t b = item / H, h = item % H;
+            const bf16 *rows = qkv + b * T * ld + h * D;
+            for (int64_t t = 0; t < Tp; t++) { /* q zero-padded to [Tp, Dp]: a tile never reads another head */
+                bf16 *dst = q + t * Dp;
+                memset(dst, 0, (size_t)Dp * 2);
+                if (t < T) memcpy(dst, rows + t * ld, (size_t)D * 2);
+            }
+            pack_b_cols(rows + C, ld, T, D, kp);     /* k: S's columns are keys, its k steps dims */
+            pack_b_rows(rows + 2 * C, ld, T, D, vp); /* v: the output's columns are dims, its k steps keys */
+            for (int64_t m0 = 0; m0 < T; m0 += 32) {
+                const int n = (int)(T - m0 < 32 ? T - m0 : 32), both = n > 16;
+                if (n != configured) configure_tiles(configured = n);
+                for (int64_t pr = 0; pr < tks; pr++) { /* S = q k^T, 32 keys at a time */
+                    const bf16 *b0 = kp + 2 * pr * dks * 512, *b1 = b0 + dks * 512;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    if (both) {
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    }
+                    for (int64_t kb = 0; kb < dks; kb++) k_step(q + m0 * Dp + kb * 32, Dp, b0 + kb * 512, b1 + kb * 512, both);
+                    _tile_stored(0, s + pr * 32, Tp * 4);
+                    _tile_stored(1, s + pr * 32 + 16, Tp * 4);
+                    if (both) {
+                        _tile_stored(2, s + 16 * Tp + pr * 32, Tp * 4);
+                        _tile_stored(3, s + 16 * Tp + pr * 32 + 16, Tp * 4);
+                    }
+                }
+                for (int r = 0; r < n; r++) { /* softmax(scale * S) in float32; P in bf16, zero past T */
+                    float *sr = s + r * Tp;
+                    vf mx = v_set(-INFINITY);
+                    for (int64_t j = 0; j < T; j += 16) mx = v_max(mx, _mm512_mask_loadu_ps(v_set(-INFINITY), tail(T - j), sr + j));
+                    const vf top_s = v_set(_mm512_reduce_max_ps(mx) * scale), sc = v_set(scale);
+                    vf sum = v_set(0.f);
+                    for (int64_t j = 0; j < Tp; j += 16) {
+                        const __mmask16 m = tail(T - j > 0 ? T - j : 0);
+                        const vf e = _mm512_maskz_mov_ps(m, v_exp(v_sub(v_mul(_mm512_loadu_ps(sr + j), sc), top_s)));
+                        sum = v_add(sum, e);
+                        v_store(p + r * Tp, j, 16, e, 1);
+                    }
+                    inv[r] = 1.f / v_sum(sum);
+                }
+                for (int64_t pr = 0; pr < dks; pr++) { /* P v, 32 dims at a time */
+                    const bf16 *b0 = vp + 2 * pr * tks * 512, *b1 = b0 + tks * 512;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    if (both) {
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    }
+                    for (int64_t kb = 0; kb < tks; kb++) k_step(p + kb * 32, Tp, b0 + kb * 512, b1 + kb * 512, both);
+                    _tile_stored(0, acc[0], 64);
+                    _tile_stored(1, acc[1], 64);
+                    if (both) {
+                        _tile_stored(2, acc[2], 64);
+                        _tile_stored(3, acc[3], 64);
+                    }
+                    for (int r = 0; r < n; r++) {
+                        const int half = r < 16 ? 0 : 2, rr = r % 16;
+                        bf16 *dst = out + (b * T + m0 + r) * C + h * D + pr * 32;
+                        const int64_t left = D - pr * 32;
+                        const vf norm = v_set(inv[r]);
+                        v_store(dst, 0, left, v_mul(_mm512_loadu_ps(acc[half] + rr * 16), norm), 1);
+                        if (left > 16) v_store(dst, 16, left - 16, v_mul(_mm512_loadu_ps(acc[half + 1] + rr * 16), norm), 1);
+                    }
+                }
+            }
+        }
+        free(q);
+        free(s);
+        _tile_release();
+    }
+}
+
 /* All decoder layers of Llama._fused_layers in one call: the same kernels in the same order, so
  * the result is bit for bit the Python loop's, without its ~270 Python calls a step and the GIL
  * taken back after each (the engine's compute thread then shares the GIL with the host thread
@@ -726,4 +862,5 @@ void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
                       int nthreads) {
     linear_bf16(x, wp, bias, y, M, K, N, nthreads);
 }
+void vision_attention_bf16(void) {}
 #endif

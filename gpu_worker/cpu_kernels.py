@@ -47,6 +47,7 @@ _SIGNATURES = {
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
            "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
+           "vision_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
            "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
                            _P, _P, _P, _P, _P, _P, _P, ctypes.c_int)}
 
@@ -158,6 +159,18 @@ class CpuKernels:
             rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
             rows.shape[0], K, out_features, torch.get_num_threads())
         return y.view(*x.shape[:-1], out_features)
+
+    def full_attention(self, qkv: torch.Tensor, heads: int) -> torch.Tensor:
+        """Non-causal attention of each row of qkv [B, T, 3 H D] bf16 (q, k, v side by side, as the
+        fused projection writes them) over its own T tokens -> [B, T, H D] (AMX only: see
+        :attr:`has_matmul`)."""
+        B, T, width = qkv.shape
+        D = width // 3 // heads
+        qkv = qkv.contiguous()
+        out = torch.empty((B, T, heads * D), dtype=torch.bfloat16)
+        self._fn["vision_attention_bf16"](qkv.data_ptr(), out.data_ptr(), B, T, heads, D, D ** -0.5,
+                                          torch.get_num_threads())
+        return out
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += y`` in place (rounded as the eager add), then rmsnorm(x) * weight -> a new tensor."""

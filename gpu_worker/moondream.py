@@ -130,9 +130,13 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2)
-                   for t in self.attn.qkv(self.ln1(x)).chunk(3, dim=-1))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C)
+        qkv = self.attn.qkv(self.ln1(x))
+        kernels = getattr(self.attn.qkv, "kernels", None)
+        if kernels is not None:  # bf16 with AMX: twice SDPA's speed at head_dim 72 (BENCHMARKS.md "Moondream 2")
+            out = kernels.full_attention(qkv, self.n_heads)
+        else:
+            q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C)
         x = x + self.attn.proj(out)
         return x + self.mlp(self.ln2(x))
 

@@ -360,3 +360,33 @@ def test_a_crop_encodes_to_the_same_bits_whatever_is_encoded_with_it(kernels):
         for i in range(3):
             assert torch.equal(model.vision.encode(pixels[i:i + 1])[0], together[i]), i
     assert not torch.equal(together[0], together[1])
+
+
+def _full_attention_eager(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    B, T, width = qkv.shape
+    q, k, v = (t.view(B, T, heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, width // 3)
+
+
+@pytest.mark.parametrize("B,T,H,D", [(2, 729, 4, 72), (3, 50, 3, 64), (1, 17, 2, 32)])
+def test_full_attention_is_as_close_to_float32_as_sdpa_and_each_crop_alone(kernels, B, T, H, D):
+    """The vision encoder's attention kernel (bf16, AMX) against float32 attention: as close as
+    torch's own bf16 SDPA (both round P to bf16 for the second matmul; the max error within a bf16
+    ulp of SDPA's, the mean within 10%); each crop's result the same bits alone as beside others,
+    and a key changed in one crop changes that crop's output only. T not a multiple of 32 (729:
+    moondream2's crop) and D = 72 exercise the zero padding."""
+    amx(kernels)
+    g = torch.Generator().manual_seed(T + D)
+    qkv = (2 * torch.randn(B, T, 3 * H * D, generator=g)).bfloat16()
+    with torch.inference_mode():
+        exact = _full_attention_eager(qkv.float(), H)
+        ours, sdpa = kernels.full_attention(qkv, H), _full_attention_eager(qkv, H)
+        err, sdpa_err = (ours.float() - exact).abs(), (sdpa.float() - exact).abs()
+        assert err.max() <= sdpa_err.max() + 2 ** -8 * exact.abs().max() and err.mean() <= 1.1 * sdpa_err.mean()
+        assert err.mean() < 0.01 * exact.abs().mean()  # non-vacuity: an attention, not a lucky bound
+        for b in range(B):
+            assert torch.equal(kernels.full_attention(qkv[b:b + 1], H)[0], ours[b]), b
+        changed = qkv.clone()
+        changed[0, T // 2, H * D:2 * H * D] += 1  # one key of crop 0, every head
+        after = kernels.full_attention(changed, H)
+        assert not torch.equal(after[0], ours[0]) and torch.equal(after[1:], ours[1:])
