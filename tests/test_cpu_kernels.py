@@ -390,3 +390,13 @@ def test_full_attention_is_as_close_to_float32_as_sdpa_and_each_crop_alone(kerne
         changed[0, T // 2, H * D:2 * H * D] += 1  # one key of crop 0, every head
         after = kernels.full_attention(changed, H)
         assert not torch.equal(after[0], ours[0]) and torch.equal(after[1:], ours[1:])
+
+
+def test_the_vision_attention_benchmark_runs(kernels, capsys):
+    from bench import vision_attention
+
+    amx(kernels)
+    out = vision_attention.main(["--model", "tiny", "--repeats", "1", "--json"])
+    assert set(out["encode_s"]) == set(out["block_attention_ms"]) == {"kernel", "sdpa"}
+    assert cpu_kernels.CpuKernels.full_attention is not vision_attention.sdpa  # the kernel is put back
+    assert '"speedup"' in capsys.readouterr().out
