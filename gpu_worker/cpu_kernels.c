@@ -681,50 +681,53 @@ void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
     linear_amx(x, wp, bias, y, M, K, N, nthreads, 1);
 }
 
-/* Full (non-causal) attention of each crop's tokens, every head, from the fused qkv rows
- * [B, T, 3 H D] -> out [B, T, H D] (the heads side by side, as the output projection reads them):
- * Moondream's vision encoder, where T = 729 and D = 72. One thread takes a (crop, head) at a time:
- * its q, k and v go into zero-padded tile layouts (T and D rounded up to 32), then for each block
- * of 32 queries S = q k^T on AMX in float32, softmax(scale * S) in float32 (exp(s - max), the
- * sum kept), P rounded to bf16 (as torch's flash attention rounds it for its second matmul),
- * P v on AMX, divided by the sum in float32 and rounded to bf16 once. T is small enough that a
- * block's whole row of scores stays in L2 (32 x 736 floats), so no online softmax is needed. */
-static inline void pack_b_rows(const bf16 *src, int64_t ld, int64_t rows, int64_t cols, bf16 *out) {
-    /* B tiles for "out[n] = sum_k A[k] src[k][n]" (k < rows, n < cols): for each 16 columns, for
-     * each 32 k, a tile whose row r pairs src[k0 + 2r][n], src[k0 + 2r + 1][n]; zero beyond. */
+/* Attention on AMX, one head at a time (Moondream: the vision encoder's crops, and the text
+ * model's rows over the paged cache). A head's keys and values come in groups of 16 rows (one
+ * crop's consecutive tokens, or one page's slots), packed into tiles zero-padded to multiples of
+ * 32 keys and 32 dims; its queries go 32 at a time: S = q k^T in float32, softmax(scale S) in
+ * float32 over each row's own keys (exp(s - max), the sum kept), P rounded to bf16 (as torch's
+ * flash attention rounds it for its second matmul), P v, divided by the sum and rounded to bf16
+ * once. A row's keys past its own last one get P = 0, so the extra steps a longer row in its
+ * block needs add exact zeros: every row's result is the same bits whatever rows it is computed
+ * with (the batch and the schedule never change a token). Keys fit in L2 (a block's scores are
+ * 32 x keys floats), so no online softmax is needed. */
+static inline void pack_b_cols(const bf16 *const *groups, int64_t ld, int64_t rows, int64_t cols, bf16 *out) {
+    /* B tiles for "out[n] = sum_k A[k] src[n][k]" (n < rows, k < cols, cols even; row n is
+     * groups[n / 16] + (n % 16) ld): tile row r = the 32-bit pairs src[n][k0 + 2r .. + 1],
+     * n = 0..15 (the linear_pack_bf16 layout), zero beyond. */
+    const int64_t kbs = (cols + 31) / 32, nbs = (rows + 31) / 32 * 2;
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int)(ld / 2)));
+    for (int64_t nb = 0; nb < nbs; nb++) {
+        const __mmask16 m = tail(rows - nb * 16 > 0 ? rows - nb * 16 : 0);
+        const int *base = m ? (const int *)groups[nb] : NULL;
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            __m512i *tile = (__m512i *)(out + (nb * kbs + kb) * 512);
+            for (int r = 0; r < 16; r++) {
+                const int64_t pair = kb * 16 + r;
+                tile[r] = m && 2 * pair < cols
+                              ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                            _mm512_add_epi32(lanes, _mm512_set1_epi32((int)pair)), base, 4)
+                              : _mm512_setzero_si512();
+            }
+        }
+    }
+}
+
+static inline void pack_b_rows(const bf16 *const *groups, int64_t ld, int64_t rows, int64_t cols, bf16 *out) {
+    /* B tiles for "out[n] = sum_k A[k] src[k][n]" (k < rows, n < cols; row k as above): for each
+     * 16 columns, for each 32 k, a tile whose row r pairs src[k0 + 2r][n], src[k0 + 2r + 1][n]. */
     const int64_t kbs = (rows + 31) / 32, nbs = (cols + 31) / 32 * 2;
     for (int64_t nb = 0; nb < nbs; nb++) {
         const __mmask16 m = tail(cols - nb * 16 > 0 ? cols - nb * 16 : 0);
         for (int64_t kb = 0; kb < kbs; kb++) {
             __m512i *tile = (__m512i *)(out + (nb * kbs + kb) * 512);
             for (int r = 0; r < 16; r++) {
-                const int64_t k = kb * 32 + 2 * r;
-                const __m256i lo = k < rows ? _mm256_maskz_loadu_epi16(m, src + k * ld + nb * 16) : _mm256_setzero_si256();
-                const __m256i hi = k + 1 < rows ? _mm256_maskz_loadu_epi16(m, src + (k + 1) * ld + nb * 16)
-                                                : _mm256_setzero_si256();
+                const int64_t k = kb * 32 + 2 * r; /* k and k + 1 are in one group of 16 */
+                const bf16 *row = k < rows ? groups[k / 16] + (k % 16) * ld + nb * 16 : NULL;
+                const __m256i lo = row ? _mm256_maskz_loadu_epi16(m, row) : _mm256_setzero_si256();
+                const __m256i hi = k + 1 < rows ? _mm256_maskz_loadu_epi16(m, row + ld) : _mm256_setzero_si256();
                 tile[r] = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-            }
-        }
-    }
-}
-
-static inline void pack_b_cols(const bf16 *src, int64_t ld, int64_t rows, int64_t cols, bf16 *out) {
-    /* B tiles for "out[n] = sum_k A[k] src[n][k]" (n < rows of src, k < cols, cols even): the
-     * linear_pack_bf16 layout, tile row r = the 32-bit pairs src[n][k0 + 2r .. + 1], n = 0..15. */
-    const int64_t kbs = (cols + 31) / 32, nbs = (rows + 31) / 32 * 2;
-    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32((int)(ld / 2)));
-    for (int64_t nb = 0; nb < nbs; nb++) {
-        const __mmask16 m = tail(rows - nb * 16 > 0 ? rows - nb * 16 : 0);
-        const int *base = (const int *)(src + nb * 16 * ld);
-        for (int64_t kb = 0; kb < kbs; kb++) {
-            __m512i *tile = (__m512i *)(out + (nb * kbs + kb) * 512);
-            for (int r = 0; r < 16; r++) {
-                const int64_t pair = kb * 16 + r;
-                tile[r] = 2 * pair < cols ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
-                                                                        _mm512_add_epi32(lanes, _mm512_set1_epi32((int)pair)),
-                                                                        base, 4)
-                                          : _mm512_setzero_si512();
             }
         }
     }
@@ -732,7 +735,7 @@ static inline void pack_b_cols(const bf16 *src, int64_t ld, int64_t rows, int64_
 
 /* 2^t for t <= 0 (0 below float's range): t = n + f with |f| <= 1/2, 2^f by a degree-5 fit
  * (2.3e-7 relative in float32, about two ulps; the softmax rounds P to bf16), 2^n by scalef.
- * Half of v_exp's operations: the attention's softmax was a third of its time. */
+ * Half of v_exp's operations: the softmax was a third of the attention's time. */
 static inline vf v_exp2_nonpositive(vf t) {
     const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = v_sub(t, n);
     vf p = v_set(1.327649224549532e-3f);
@@ -744,90 +747,170 @@ static inline vf v_exp2_nonpositive(vf t) {
     return _mm512_scalef_ps(p, n);
 }
 
+typedef struct { /* one thread's buffers for heads of up to max_rows queries and max_keys keys */
+    bf16 *q, *kp, *vp, *p;
+    float *s, *inv;
+    int64_t keys_cap, dims, configured;
+} head_scratch;
+
+static head_scratch head_scratch_new(int64_t max_rows, int64_t max_keys, int64_t D) {
+    head_scratch h;
+    h.keys_cap = (max_keys + 31) / 32 * 32;
+    h.dims = (D + 31) / 32 * 32;
+    const int64_t rows = (max_rows + 31) / 32 * 32;
+    h.q = aligned_alloc(64, (size_t)(rows * h.dims + 2 * h.keys_cap * h.dims + 32 * h.keys_cap) * 2);
+    h.kp = h.q + rows * h.dims;
+    h.vp = h.kp + h.keys_cap * h.dims;
+    h.p = h.vp + h.keys_cap * h.dims;
+    h.s = aligned_alloc(64, (size_t)(32 * h.keys_cap + 32) * 4);
+    h.inv = h.s + 32 * h.keys_cap;
+    h.configured = -1;
+    return h;
+}
+
+static void head_scratch_free(head_scratch *h) {
+    free(h->q);
+    free(h->s);
+}
+
+/* One head: `rows` queries (row i at q + i q_ld) over `keys` keys and values (groups of 16 rows at
+ * stride kv_ld); row i sees keys 0 .. last[i] (all when last is NULL); out row i at out + i out_ld. */
+static void attend_head(const bf16 *q, int64_t q_ld, const bf16 *const *k_groups, const bf16 *const *v_groups,
+                        int64_t kv_ld, int64_t keys, const int64_t *last, int64_t rows, int64_t D, float scale,
+                        bf16 *out, int64_t out_ld, head_scratch *h) {
+    const int64_t Dp = h->dims, Kp = (keys + 31) / 32 * 32, dks = Dp / 32;
+    for (int64_t i = 0; i < (rows + 31) / 32 * 32; i++) { /* q zero-padded to Dp: a tile never reads another head */
+        bf16 *dst = h->q + i * Dp;
+        memset(dst, 0, (size_t)Dp * 2);
+        if (i < rows) memcpy(dst, q + i * q_ld, (size_t)D * 2);
+    }
+    pack_b_cols(k_groups, kv_ld, keys, D, h->kp); /* k: S's columns are keys, its k steps dims */
+    pack_b_rows(v_groups, kv_ld, keys, D, h->vp); /* v: the output's columns are dims, its k steps keys */
+    const float c = scale * 1.44269504088896341f; /* exp(scale (s - max)) = 2^(c s - c max) */
+    float acc[4][256] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+        const int n = (int)(rows - m0 < 32 ? rows - m0 : 32), both = n > 16;
+        int64_t seen = 0; /* the block's most keys seen by a row */
+        for (int r = 0; r < n; r++) {
+            const int64_t row_keys = last ? last[m0 + r] + 1 : keys;
+            seen = row_keys > seen ? row_keys : seen;
+        }
+        const int64_t steps = (seen + 31) / 32, Ks = h->keys_cap;
+        if (n != h->configured) configure_tiles((int)(h->configured = n));
+        for (int64_t pr = 0; pr < steps; pr++) { /* S = q k^T, 32 keys at a time */
+            const bf16 *b0 = h->kp + 2 * pr * dks * 512, *b1 = b0 + dks * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (both) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int64_t kb = 0; kb < dks; kb++) k_step(h->q + m0 * Dp + kb * 32, Dp, b0 + kb * 512, b1 + kb * 512, both);
+            _tile_stored(0, h->s + pr * 32, Ks * 4);
+            _tile_stored(1, h->s + pr * 32 + 16, Ks * 4);
+            if (both) {
+                _tile_stored(2, h->s + 16 * Ks + pr * 32, Ks * 4);
+                _tile_stored(3, h->s + 16 * Ks + pr * 32 + 16, Ks * 4);
+            }
+        }
+        for (int r = 0; r < n; r++) { /* softmax(scale S) in float32 over the row's keys; P in bf16, zero past them */
+            const int64_t row_keys = last ? last[m0 + r] + 1 : keys;
+            float *sr = h->s + r * Ks;
+            vf mx = v_set(-INFINITY);
+            for (int64_t j = 0; j < row_keys; j += 16)
+                mx = v_max(mx, _mm512_mask_loadu_ps(v_set(-INFINITY), tail(row_keys - j), sr + j));
+            const vf cv = v_set(c), shift = v_set(-c * _mm512_reduce_max_ps(mx));
+            vf sum = v_set(0.f);
+            for (int64_t j = 0; j < steps * 32; j += 16) {
+                const __mmask16 m = tail(row_keys - j > 0 ? row_keys - j : 0);
+                const vf e = _mm512_maskz_mov_ps(m, v_exp2_nonpositive(v_fma(_mm512_loadu_ps(sr + j), cv, shift)));
+                sum = v_add(sum, e);
+                v_store(h->p + r * Ks, j, 16, e, 1);
+            }
+            h->inv[r] = 1.f / v_sum(sum);
+        }
+        for (int64_t pr = 0; pr < dks; pr++) { /* P v, 32 dims at a time */
+            const bf16 *b0 = h->vp + 2 * pr * (Kp / 32) * 512, *b1 = b0 + (Kp / 32) * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (both) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int64_t kb = 0; kb < steps; kb++) k_step(h->p + kb * 32, Ks, b0 + kb * 512, b1 + kb * 512, both);
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            if (both) {
+                _tile_stored(2, acc[2], 64);
+                _tile_stored(3, acc[3], 64);
+            }
+            const int64_t left = D - pr * 32;
+            for (int r = 0; r < n; r++) {
+                const int half = r < 16 ? 0 : 2, rr = r % 16;
+                const vf norm = v_set(h->inv[r]);
+                bf16 *dst = out + (m0 + r) * out_ld + pr * 32;
+                v_store(dst, 0, left, v_mul(_mm512_loadu_ps(acc[half] + rr * 16), norm), 1);
+                if (left > 16) v_store(dst, 16, left - 16, v_mul(_mm512_loadu_ps(acc[half + 1] + rr * 16), norm), 1);
+            }
+        }
+    }
+}
+
+/* Full (non-causal) attention of each crop's tokens, every head, from the fused qkv rows
+ * [B, T, 3 H D] -> out [B, T, H D] (the heads side by side, as the output projection reads them):
+ * Moondream's vision encoder (T = 729, D = 72). */
 void vision_attention_bf16(const bf16 *qkv, bf16 *out, int64_t B, int64_t T, int64_t H, int64_t D, float scale,
                            int nthreads) {
-    const int64_t Tp = (T + 31) / 32 * 32, Dp = (D + 31) / 32 * 32, C = H * D, ld = 3 * C;
-    const int64_t dks = Dp / 32, tks = Tp / 32;
+    const int64_t C = H * D, ld = 3 * C, groups = (T + 15) / 16;
 #pragma omp parallel num_threads(nthreads)
     {
-        bf16 *q = aligned_alloc(64, (size_t)(Tp * Dp + 2 * Tp * Dp + 32 * Tp) * 2);
-        bf16 *kp = q + Tp * Dp, *vp = kp + Tp * Dp, *p = vp + Tp * Dp;
-        float *s = aligned_alloc(64, (size_t)(32 * Tp + 32) * 4), *inv = s + 32 * Tp;
-        float acc[4][256] __attribute__((aligned(64)));
-        int configured = -1;
+        head_scratch hs = head_scratch_new(T, T, D);
+        const bf16 *kg[groups], *vg[groups];
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < B * H; item++) {
             const int64_t b = item / H, h = item % H;
             const bf16 *rows = qkv + b * T * ld + h * D;
-            for (int64_t t = 0; t < Tp; t++) { /* q zero-padded to [Tp, Dp]: a tile never reads another head */
-                bf16 *dst = q + t * Dp;
-                memset(dst, 0, (size_t)Dp * 2);
-                if (t < T) memcpy(dst, rows + t * ld, (size_t)D * 2);
+            for (int64_t g = 0; g < groups; g++) {
+                kg[g] = rows + C + g * 16 * ld;
+                vg[g] = rows + 2 * C + g * 16 * ld;
             }
-            pack_b_cols(rows + C, ld, T, D, kp);     /* k: S's columns are keys, its k steps dims */
-            pack_b_rows(rows + 2 * C, ld, T, D, vp); /* v: the output's columns are dims, its k steps keys */
-            for (int64_t m0 = 0; m0 < T; m0 += 32) {
-                const int n = (int)(T - m0 < 32 ? T - m0 : 32), both = n > 16;
-                if (n != configured) configure_tiles(configured = n);
-                for (int64_t pr = 0; pr < tks; pr++) { /* S = q k^T, 32 keys at a time */
-                    const bf16 *b0 = kp + 2 * pr * dks * 512, *b1 = b0 + dks * 512;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    if (both) {
-                        _tile_zero(2);
-                        _tile_zero(3);
-                    }
-                    for (int64_t kb = 0; kb < dks; kb++) k_step(q + m0 * Dp + kb * 32, Dp, b0 + kb * 512, b1 + kb * 512, both);
-                    _tile_stored(0, s + pr * 32, Tp * 4);
-                    _tile_stored(1, s + pr * 32 + 16, Tp * 4);
-                    if (both) {
-                        _tile_stored(2, s + 16 * Tp + pr * 32, Tp * 4);
-                        _tile_stored(3, s + 16 * Tp + pr * 32 + 16, Tp * 4);
-                    }
-                }
-                for (int r = 0; r < n; r++) { /* softmax(scale S) in float32; P in bf16, zero past T */
-                    float *sr = s + r * Tp;
-                    vf mx = v_set(-INFINITY);
-                    for (int64_t j = 0; j < T; j += 16) mx = v_max(mx, _mm512_mask_loadu_ps(v_set(-INFINITY), tail(T - j), sr + j));
-                    const float c = scale * 1.44269504088896341f; /* exp(scale (s - max)) = 2^(c s - c max) */
-                    const vf cv = v_set(c), shift = v_set(-c * _mm512_reduce_max_ps(mx));
-                    vf sum = v_set(0.f);
-                    for (int64_t j = 0; j < Tp; j += 16) {
-                        const __mmask16 m = tail(T - j > 0 ? T - j : 0);
-                        const vf e = _mm512_maskz_mov_ps(m, v_exp2_nonpositive(v_fma(_mm512_loadu_ps(sr + j), cv, shift)));
-                        sum = v_add(sum, e);
-                        v_store(p + r * Tp, j, 16, e, 1);
-                    }
-                    inv[r] = 1.f / v_sum(sum);
-                }
-                for (int64_t pr = 0; pr < dks; pr++) { /* P v, 32 dims at a time */
-                    const bf16 *b0 = vp + 2 * pr * tks * 512, *b1 = b0 + tks * 512;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    if (both) {
-                        _tile_zero(2);
-                        _tile_zero(3);
-                    }
-                    for (int64_t kb = 0; kb < tks; kb++) k_step(p + kb * 32, Tp, b0 + kb * 512, b1 + kb * 512, both);
-                    _tile_stored(0, acc[0], 64);
-                    _tile_stored(1, acc[1], 64);
-                    if (both) {
-                        _tile_stored(2, acc[2], 64);
-                        _tile_stored(3, acc[3], 64);
-                    }
-                    for (int r = 0; r < n; r++) {
-                        const int half = r < 16 ? 0 : 2, rr = r % 16;
-                        bf16 *dst = out + (b * T + m0 + r) * C + h * D + pr * 32;
-                        const int64_t left = D - pr * 32;
-                        const vf norm = v_set(inv[r]);
-                        v_store(dst, 0, left, v_mul(_mm512_loadu_ps(acc[half] + rr * 16), norm), 1);
-                        if (left > 16) v_store(dst, 16, left - 16, v_mul(_mm512_loadu_ps(acc[half + 1] + rr * 16), norm), 1);
-                    }
-                }
-            }
+            attend_head(rows, ld, kg, vg, ld, T, NULL, T, D, scale, out + b * T * C + h * D, C, &hs);
         }
-        free(q);
-        free(s);
+        head_scratch_free(&hs);
+        _tile_release();
+    }
+}
+
+/* The text model's attention over the paged cache: the rows of sequence s are q rows
+ * starts[s] .. starts[s + 1] - 1 (q [T, H, D], roped), and row t sees its sequence's keys at
+ * positions 0 .. last[t] (causal: its own position; a prefix-LM block's rows: the block's last),
+ * from the caches [pages, page_size, Hkv, D] through tables [S, table_width] (page_size a
+ * multiple of 16: a group of 16 keys is in one page). -> out [T, H D]. */
+void paged_attention_amx_bf16(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *tables,
+                              int64_t table_width, int64_t page_size, const int64_t *starts, const int64_t *last,
+                              bf16 *out, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
+    const int64_t max_keys = table_width * page_size, group = H / Hkv, ld = Hkv * D;
+    int64_t max_rows = 1;
+    for (int64_t s = 0; s < S; s++) max_rows = starts[s + 1] - starts[s] > max_rows ? starts[s + 1] - starts[s] : max_rows;
+#pragma omp parallel num_threads(nthreads)
+    {
+        head_scratch hs = head_scratch_new(max_rows, max_keys, D);
+        const bf16 *kg[max_keys / 16 + 1], *vg[max_keys / 16 + 1];
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < S * H; item++) {
+            const int64_t s = item / H, h = item % H, kh = h / group, first = starts[s], rows = starts[s + 1] - first;
+            if (rows == 0) continue;
+            int64_t keys = 0;
+            for (int64_t i = 0; i < rows; i++) keys = last[first + i] + 1 > keys ? last[first + i] + 1 : keys;
+            for (int64_t g = 0; g < (keys + 15) / 16; g++) {
+                const int64_t slot = tables[s * table_width + g * 16 / page_size] * page_size + g * 16 % page_size;
+                kg[g] = k_cache + slot * ld + kh * D;
+                vg[g] = v_cache + slot * ld + kh * D;
+            }
+            attend_head(q + (first * H + h) * D, H * D, kg, vg, ld, keys, last + first, rows, D, scale,
+                        out + first * H * D + h * D, H * D, &hs);
+        }
+        head_scratch_free(&hs);
         _tile_release();
     }
 }
@@ -878,4 +961,5 @@ void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
     linear_bf16(x, wp, bias, y, M, K, N, nthreads);
 }
 void vision_attention_bf16(void) {}
+void paged_attention_amx_bf16(void) {}
 #endif

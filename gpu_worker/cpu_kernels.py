@@ -48,6 +48,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
            "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
            "vision_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
+           "paged_attention_amx_bf16": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
            "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
                            _P, _P, _P, _P, _P, _P, _P, ctypes.c_int)}
 
@@ -170,6 +171,21 @@ class CpuKernels:
         out = torch.empty((B, T, heads * D), dtype=torch.bfloat16)
         self._fn["vision_attention_bf16"](qkv.data_ptr(), out.data_ptr(), B, T, heads, D, D ** -0.5,
                                           torch.get_num_threads())
+        return out
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, starts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] bf16 (the rows of sequence s are ``starts[s] .. starts[s + 1] - 1``) over the
+        keys of one layer's caches [pages, page_size, Hkv, D] (page_size a multiple of 16): row t
+        sees its sequence's positions 0 .. ``last[t]`` -> [T, H * D]. On AMX; each row's result
+        does not depend on the rows computed with it."""
+        T, H, D = q.shape
+        q = q.contiguous()
+        out = torch.empty((T, H * D), dtype=torch.bfloat16)
+        self._fn["paged_attention_amx_bf16"](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                             block_tables.data_ptr(), block_tables.shape[1], k_cache.shape[1],
+                                             starts.data_ptr(), last.data_ptr(), out.data_ptr(), block_tables.shape[0],
+                                             H, k_cache.shape[2], D, D ** -0.5, torch.get_num_threads())
         return out
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

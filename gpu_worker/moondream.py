@@ -37,7 +37,7 @@ from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
-from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention
+from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention, write_kv
 
 ROPE_THETA = 10000.0
 
@@ -97,15 +97,38 @@ class TextBlock(nn.Module):
         self.attn = QkvProj(t.dim, t.dim + 2 * t.n_kv_heads * self.head_dim, **kw)
         self.mlp = Mlp(t.dim, t.ff_dim, **kw)
 
-    def forward(self, x, cos, sin, batch: Batch, kv: PagedKVCache, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, attend: "TextAttention") -> torch.Tensor:
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         h = self.ln(x)
         q, k, v = self.attn.qkv(h).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = apply_partial_rope(q.view(T, H, D), cos, sin)
         k = apply_partial_rope(k.view(T, Hkv, D), cos, sin)
-        attn = self.attn.proj(paged_attention(q, k, v.reshape(T, Hkv, D), self.layer_idx, batch, kv, mask))
+        attn = self.attn.proj(attend(q, k, v.reshape(T, Hkv, D), self.layer_idx))
         return x + attn + self.mlp(h)
+
+
+class TextAttention:
+    """One forward's attention for every text layer: ``(q, k, v, layer) -> [T, H·D]`` after k, v
+    are written into the cache; token t sees its sequence's positions 0 .. ``last[t]``. With the
+    linears on AMX (bf16 on a CPU), the AMX kernel over the pages in place (``paged_attention``
+    of ``cpu_kernels``); else the gather and SDPA under a mask built once for all layers."""
+
+    def __init__(self, batch: Batch, kv: PagedKVCache, group: int, last: torch.Tensor | None, kernels):
+        self.batch, self.kv = batch, kv
+        self.kernels = kernels if kv.k.dtype == torch.bfloat16 and kv.k.shape[2] % 16 == 0 else None
+        if self.kernels is not None:
+            self.last = batch.positions if last is None else last
+            self.starts = torch.cat([batch.query_index[:, 0], self.last.new_tensor([batch.num_tokens])])
+        else:
+            self.mask = attention_mask(batch, kv, group, None if last is None else last[batch.query_index])
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.kernels is None:
+            return paged_attention(q, k, v, layer, self.batch, self.kv, self.mask)
+        write_kv(k, v, layer, self.batch, self.kv)
+        return self.kernels.paged_attention(q, self.kv.k[layer], self.kv.v[layer], self.batch.block_tables,
+                                            self.starts, self.last)
 
 
 class TextModel(nn.Module):
@@ -321,14 +344,12 @@ class Moondream(nn.Module):
         prefix_index [K]: the tokens of image blocks in this forward (whole blocks at positions
         0 .. prefix_len − 1): they see their whole block; every other token is causal."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        limit = None
-        if prefix_index is not None:
-            per_token = batch.positions.index_fill(0, prefix_index, self.prefix_len - 1)
-            limit = per_token[batch.query_index]
+        last = None if prefix_index is None else batch.positions.index_fill(0, prefix_index, self.prefix_len - 1)
         t = self.spec.text
-        mask = attention_mask(batch, kv, t.n_heads // t.n_kv_heads, limit)
+        attend = TextAttention(batch, kv, t.n_heads // t.n_kv_heads, last,
+                               getattr(self.text.blocks[0].attn.qkv, "kernels", None))
         for block in self.text.blocks:
-            x = block(x, cos, sin, batch, kv, mask)
+            x = block(x, cos, sin, attend)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -392,11 +392,113 @@ def test_full_attention_is_as_close_to_float32_as_sdpa_and_each_crop_alone(kerne
         assert not torch.equal(after[0], ours[0]) and torch.equal(after[1:], ours[1:])
 
 
-def test_the_vision_attention_benchmark_runs(kernels, capsys):
-    from bench import vision_attention
+def test_the_moondream_attention_benchmark_runs(kernels, capsys):
+    from bench import moondream_attention
 
     amx(kernels)
-    out = vision_attention.main(["--model", "tiny", "--repeats", "1", "--json"])
-    assert set(out["encode_s"]) == set(out["block_attention_ms"]) == {"kernel", "sdpa"}
-    assert cpu_kernels.CpuKernels.full_attention is not vision_attention.sdpa  # the kernel is put back
+    from gpu_worker.moondream import TextAttention
+
+    init = TextAttention.__init__
+    out = moondream_attention.main(["--model", "tiny", "--text-layers", "1", "--repeats", "1", "--json"])
+    assert set(out["speedup"]) == {"block_attention_ms", "encode_s", "text_prefill_s", "text_decode_ms"}
+    assert all(set(out[k]) == {"kernel", "sdpa"} for k in out["speedup"])
+    assert cpu_kernels.CpuKernels.full_attention is not moondream_attention.sdpa  # the kernels are put back
+    assert TextAttention.__init__ is init
     assert '"speedup"' in capsys.readouterr().out
+
+
+def _prefix_lm_last(batch: Batch, block: int) -> torch.Tensor:
+    """Each token's last visible position: causal, but a token inside the first ``block`` positions
+    sees the whole block (Moondream's image prefix)."""
+    p = batch.positions
+    return torch.where(p < block, torch.full_like(p, block - 1), p)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(4, 4, 64), (6, 2, 72)])
+def test_paged_amx_attention_is_sdpas_and_each_row_is_its_own(kernels, H, Hkv, D):
+    """The text model's AMX attention over the cache pages (bf16): prefill chunks with a prefix-LM
+    block, causal rows and decode rows of sequences ending mid-page, against the gather + SDPA
+    under the same mask (as close to float32 as SDPA); then every row's result is the same bits
+    computed alone, in any chunk and beside any other rows: the pipeline's schedules (which
+    batch and chunk tokens differently) never change a token."""
+    amx(kernels)
+    lens, chunk = [40, 75, 3, 66], [40, 30, 1, 1]
+    q, kv, batch, _ = _paged_case(torch.bfloat16, lens, chunk, H=H, Hkv=Hkv, D=D, page_size=16)
+    block = 20
+    last = _prefix_lm_last(batch, block)
+    starts = torch.cat([batch.query_index[:, 0], torch.tensor([batch.num_tokens])])
+    from gpu_worker.model import attend_pages
+    with torch.inference_mode():
+        got = kernels.paged_attention(q, kv.k[0], kv.v[0], batch.block_tables, starts, last)
+        mask = attention_mask(batch, kv, H // Hkv, last[batch.query_index])
+        sdpa = attend_pages(q, 0, batch, kv, mask)
+        exact = attend_pages(q.float(), 0, batch, _float_cache(kv), mask)
+        err, sdpa_err = (got.float() - exact).abs(), (sdpa.float() - exact).abs()
+        assert err.max() <= sdpa_err.max() + 2 ** -8 * exact.abs().max() and err.mean() <= 1.1 * sdpa_err.mean()
+        assert err.mean() < 0.01 * exact.abs().mean()
+        # each row alone, as a one-row "sequence" with its own table
+        seq = batch.token_to_padded // batch.max_query_len
+        for t in range(batch.num_tokens):
+            s = int(seq[t])
+            alone = kernels.paged_attention(q[t:t + 1], kv.k[0], kv.v[0], batch.block_tables[s:s + 1],
+                                            torch.tensor([0, 1]), last[t:t + 1])
+            assert torch.equal(alone[0], got[t]), t
+        # non-vacuity: a block row sees keys past its own position, a causal row does not
+        first = int(starts[0])
+        changed = kv.k.clone()
+        table = batch.block_tables[0]
+        changed[0, table[(block - 1) // 16], (block - 1) % 16] += 1  # the block's last key
+        kv2 = PagedKVCache(1, kv.k.shape[1], 16, Hkv, D, torch.bfloat16)
+        kv2.k.copy_(changed)
+        kv2.v.copy_(kv.v)
+        after = kernels.paged_attention(q, kv2.k[0], kv2.v[0], batch.block_tables, starts, last)
+        assert not torch.equal(after[first], got[first])  # position 0 sees position block - 1
+        assert torch.equal(after[starts[1]:], got[starts[1]:])  # other sequences untouched
+
+
+def _float_cache(kv: PagedKVCache) -> PagedKVCache:
+    out = PagedKVCache(kv.k.shape[0], kv.k.shape[1], kv.k.shape[2], kv.k.shape[3], kv.k.shape[4], torch.float32)
+    out.k.copy_(kv.k)
+    out.v.copy_(kv.v)
+    return out
+
+
+def test_moondream_text_rows_are_the_same_bits_however_they_are_chunked_and_batched(kernels):
+    """Moondream's text model in bf16 with its linears and attention on AMX: a sequence's hidden
+    states (the 730-position image block, then prompt tokens) are the same bits prefilled whole,
+    in chunks and then one decode row at a time, and beside another sequence (the pipeline's
+    schedules differ in exactly these ways); and close to the gather + SDPA path's."""
+    from gpu_worker.moondream import Moondream
+    from shared.moondream_config import MoondreamConfig
+    from shared.moondream_random import TINY_CONFIG
+
+    amx(kernels)
+    model = Moondream.random(MoondreamConfig.from_dict(TINY_CONFIG), seed=3, dtype=torch.bfloat16)
+    t = model.spec.text
+    P, T, D = model.prefix_len, model.prefix_len + 23, t.dim // t.n_heads
+    pages = -(-T // 16)
+    g = torch.Generator().manual_seed(0)
+    x, other = (torch.randn(n, t.dim, generator=g).bfloat16() for n in (T, 40))
+
+    def run(chunks, beside=False):
+        kv = PagedKVCache(t.n_layers, 2 + 2 * pages, 16, t.n_kv_heads, D, torch.bfloat16)
+        table, table_b = list(range(pages, 0, -1)), list(range(2 * pages + 1, pages, -1))
+        out = torch.empty(T, t.dim, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            for start, n in chunks:
+                parts, rows = [(start, n, table)], [x[start:start + n]]
+                if beside:  # another sequence's 5 rows before this one's (no image block)
+                    parts, rows = [(0, 5, table_b)] + parts, [other[:5]] + rows
+                batch = Batch.build(parts, 16)
+                first = 5 if beside else 0
+                prefix = torch.arange(first, first + P) if start == 0 else None
+                out[start:start + n] = model.hidden_states(torch.cat(rows), batch, kv, prefix)[first:]
+        return out
+
+    plain = run([(0, T)])  # the eager path: gather + SDPA
+    pack_linears(model, kernels)
+    whole = run([(0, T)])
+    assert torch.equal(run([(0, P), (P, 7), (P + 7, 9)] + [(p, 1) for p in range(P + 16, T)]), whole)
+    assert torch.equal(run([(0, P + 3), (P + 3, T - P - 3)], beside=True), whole)
+    rel = ((whole.float() - plain.float()).norm() / plain.float().norm()).item()
+    assert 0 < rel < 0.02, rel  # bf16 noise (two paths, two roundings), not a different attention
