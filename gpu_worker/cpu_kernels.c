@@ -859,7 +859,7 @@ static void attend_head(const bf16 *q, int64_t q_ld, const bf16 *const *k_groups
 /* Full (non-causal) attention of each crop's tokens, every head, from the fused qkv rows
  * [B, T, 3 H D] -> out [B, T, H D] (the heads side by side, as the output projection reads them):
  * Moondream's vision encoder (T = 729, D = 72). */
-void vision_attention_bf16(const bf16 *qkv, bf16 *out, int64_t B, int64_t T, int64_t H, int64_t D, float scale,
+void full_attention_bf16(const bf16 *qkv, bf16 *out, int64_t B, int64_t T, int64_t H, int64_t D, float scale,
                            int nthreads) {
     const int64_t C = H * D, ld = 3 * C, groups = (T + 15) / 16;
 #pragma omp parallel num_threads(nthreads)
@@ -960,6 +960,6 @@ void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
                       int nthreads) {
     linear_bf16(x, wp, bias, y, M, K, N, nthreads);
 }
-void vision_attention_bf16(void) {}
+void full_attention_bf16(void) {}
 void paged_attention_amx_bf16(void) {}
 #endif

@@ -47,7 +47,7 @@ _SIGNATURES = {
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
            "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
-           "vision_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
+           "full_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
            "paged_attention_amx_bf16": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
            "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
                            _P, _P, _P, _P, _P, _P, _P, ctypes.c_int)}
@@ -169,7 +169,7 @@ class CpuKernels:
         D = width // 3 // heads
         qkv = qkv.contiguous()
         out = torch.empty((B, T, heads * D), dtype=torch.bfloat16)
-        self._fn["vision_attention_bf16"](qkv.data_ptr(), out.data_ptr(), B, T, heads, D, D ** -0.5,
+        self._fn["full_attention_bf16"](qkv.data_ptr(), out.data_ptr(), B, T, heads, D, D ** -0.5,
                                           torch.get_num_threads())
         return out
 

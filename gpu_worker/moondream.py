@@ -155,7 +155,7 @@ class VisionBlock(nn.Module):
         B, T, C = x.shape
         qkv = self.attn.qkv(self.ln1(x))
         kernels = getattr(self.attn.qkv, "kernels", None)
-        if kernels is not None:  # bf16 with AMX: twice SDPA's speed at head_dim 72 (BENCHMARKS.md "Moondream 2")
+        if kernels is not None:  # bf16 with AMX: 2.5x SDPA at head_dim 72 (BENCHMARKS.md "Session 9")
             out = kernels.full_attention(qkv, self.n_heads)
         else:
             q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
