@@ -747,6 +747,15 @@ static inline vf v_exp2_nonpositive(vf t) {
     return _mm512_scalef_ps(p, n);
 }
 
+static inline __attribute__((always_inline)) void zero_sums(int both) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (both) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+}
+
 typedef struct { /* one thread's buffers for heads of up to max_rows queries and max_keys keys */
     bf16 *q, *kp, *vp, *p;
     float *s, *inv;
@@ -799,12 +808,7 @@ static void attend_head(const bf16 *q, int64_t q_ld, const bf16 *const *k_groups
         if (n != h->configured) configure_tiles((int)(h->configured = n));
         for (int64_t pr = 0; pr < steps; pr++) { /* S = q k^T, 32 keys at a time */
             const bf16 *b0 = h->kp + 2 * pr * dks * 512, *b1 = b0 + dks * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            if (both) {
-                _tile_zero(2);
-                _tile_zero(3);
-            }
+            zero_sums(both);
             for (int64_t kb = 0; kb < dks; kb++) k_step(h->q + m0 * Dp + kb * 32, Dp, b0 + kb * 512, b1 + kb * 512, both);
             _tile_stored(0, h->s + pr * 32, Ks * 4);
             _tile_stored(1, h->s + pr * 32 + 16, Ks * 4);
@@ -831,12 +835,7 @@ static void attend_head(const bf16 *q, int64_t q_ld, const bf16 *const *k_groups
         }
         for (int64_t pr = 0; pr < dks; pr++) { /* P v, 32 dims at a time */
             const bf16 *b0 = h->vp + 2 * pr * (Kp / 32) * 512, *b1 = b0 + (Kp / 32) * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            if (both) {
-                _tile_zero(2);
-                _tile_zero(3);
-            }
+            zero_sums(both);
             for (int64_t kb = 0; kb < steps; kb++) k_step(h->p + kb * 32, Ks, b0 + kb * 512, b1 + kb * 512, both);
             _tile_stored(0, acc[0], 64);
             _tile_stored(1, acc[1], 64);
