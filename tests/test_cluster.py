@@ -2,7 +2,7 @@
 then one real cluster for the module (``tandem cluster --replicas 2``, tiny-random on CPU, loopback):
 streaming through the ingress, session affinity with prefix-cache hits in the owner's counters,
 sessionless spread, a replica's ``tandem serve`` killed mid-stream, a worker that never gets ready,
-and SIGTERM leaving nothing running."""
+a replica's actor killed mid-stream, and SIGTERM leaving nothing running."""
 from __future__ import annotations
 
 import json
@@ -341,20 +341,16 @@ def test_sessionless_requests_reach_every_replica(cluster):
     assert {n for _, n in out} == set(cluster.replicas())
 
 
-def test_killed_and_never_ready_replicas_are_replaced(cluster):
-    old = cluster.replicas()
-    a, b = sorted(old)
-    session_a = next(f"s{i}" for i in range(100) if owner(f"s:s{i}", [a, b]) == a)
-    session_b = next(f"s{i}" for i in range(100) if owner(f"s:s{i}", [a, b]) == b)
-
-    # a stream on A; A's tandem serve is killed mid-stream: one error event, then the end
+def _stream_through_a_kill(cluster: LocalCluster, session: str, replica: str, kill) -> None:
+    """A long stream of ``session`` on ``replica``; ``kill()`` once it streams: the stream gets one
+    ``worker_failed`` error event, then its end (it never hangs)."""
     events, started = [], threading.Event()
 
     def stream():
-        with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", headers={"X-Session-Id": session_a},
+        with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", headers={"X-Session-Id": session},
                           timeout=60, json={"messages": [{"role": "user", "content": "go"}], "stream": True,
                                             "max_tokens": 100000, "ignore_eos": True}) as r:
-            assert r.headers["x-tandem-replica"] == a
+            assert r.headers["x-tandem-replica"] == replica
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -363,13 +359,23 @@ def test_killed_and_never_ready_replicas_are_replaced(cluster):
     reader = threading.Thread(target=stream)
     reader.start()
     assert started.wait(60)
-    old[a].kill()
+    kill()
     reader.join(30)
     assert not reader.is_alive(), "the stream lost its replica and hangs"
     assert events[-1] == "[DONE]"
     errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "worker_failed", events[-3:]
     assert all("error" not in json.loads(e) for e in events[:-2])
+
+
+def test_killed_and_never_ready_replicas_are_replaced(cluster):
+    old = cluster.replicas()
+    a, b = sorted(old)
+    session_a = next(f"s{i}" for i in range(100) if owner(f"s:s{i}", [a, b]) == a)
+    session_b = next(f"s{i}" for i in range(100) if owner(f"s:s{i}", [a, b]) == b)
+
+    # a stream on A; A's tandem serve is killed mid-stream: one error event, then the end
+    _stream_through_a_kill(cluster, session_a, a, old[a].kill)
     # B keeps answering meanwhile, and A's sessions are served elsewhere without an error before Serve
     # has replaced A (A refuses them unstarted until its routing stats say failed)
     assert _chat(cluster, [{"role": "user", "content": "still there?"}], session=session_b).headers[
@@ -398,6 +404,25 @@ def test_killed_and_never_ready_replicas_are_replaced(cluster):
     assert _chat(cluster, [{"role": "user", "content": "back?"}]).headers["x-tandem-replica"] in new
 
 
+def test_a_killed_replica_actor_takes_its_tandem_serve_along_and_is_replaced(cluster):
+    """kill -9 of a Serve replica's actor process itself (not its child): its stream ends with one
+    error, its tandem serve exits with it (PR_SET_PDEATHSIG), its sessions are answered by the
+    other replica meanwhile (a request sent to the dead actor before Serve drops it is sent
+    again), and Serve starts a new replica."""
+    old = cluster.wait_replicas(2, timeout=60)
+    a, b = sorted(old)
+    session_a = next(f"t{i}" for i in range(100) if owner(f"s:t{i}", [a, b]) == a)
+    actor = old[a].parent()
+    assert "TandemReplica" in " ".join(actor.cmdline()), actor.cmdline()  # non-vacuity: the actor, not raylet
+    _stream_through_a_kill(cluster, session_a, a, actor.kill)
+    old[a].wait(timeout=60)  # raises if A's tandem serve outlives its actor
+    for turn in range(3):
+        assert _chat(cluster, [{"role": "user", "content": f"after {turn}"}], session=session_a).headers[
+            "x-tandem-replica"] != a
+    new = cluster.wait_replicas(2, exclude={a}, timeout=150)
+    assert b in new and old[b].is_running()
+
+
 def test_sigterm_leaves_nothing_running(cluster):
     procs = cluster.processes()
     assert any("raylet" in p.name() for p in procs) and len(cluster.replicas()) == 2  # non-vacuity
@@ -406,4 +431,4 @@ def test_sigterm_leaves_nothing_running(cluster):
     alive = [p for p in cluster.seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, [psutil.Process(p).cmdline() for p in alive]
     assert "tandem: stopped" in cluster.log.read_text()
-    assert len(cluster.replica_dirs) == 4 and not any(d.exists() for d in cluster.replica_dirs)  # 2 + 2 replaced
+    assert len(cluster.replica_dirs) == 5 and not any(d.exists() for d in cluster.replica_dirs)  # 2 + 2 + 1 replaced

@@ -18,7 +18,9 @@ say ``failed`` and ``check_health`` fails, so Serve replaces the replica;
 ``check_health`` also fails once the child's worker has not been ready for
 ``not_ready_grace_s`` (a worker that cannot come back).
 Shutdown: SIGTERM to the child, which drains for its ``--drain-timeout``;
-Serve's graceful shutdown timeout is set longer (``app.py``).
+Serve's graceful shutdown timeout is set longer (``app.py``). A replica whose actor
+was killed leaves its directory behind; the next replica started on the node
+removes it (the directory names its actor's pid).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -42,10 +45,23 @@ log = logging.getLogger("tandem.cluster")
 
 PR_SET_PDEATHSIG = 1
 INFO_TIMEOUT_S = 2.0
+OWNER_FILE = "replica.pid"  # in a replica's private directory: its actor's pid
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _sweep_dead_replicas_dirs() -> None:
+    """Remove the private directories of this node's replicas whose actor is gone: one killed
+    with SIGKILL never ran its cleanup (its tandem serve exits with it, leaving the directory)."""
+    for d in Path(tempfile.gettempdir()).glob("tandem-*-*"):
+        try:
+            pid = int((d / OWNER_FILE).read_text())
+            os.kill(pid, 0)
+        except (OSError, ValueError) as e:  # no owner file (not a replica's), or the owner is gone
+            if isinstance(e, ProcessLookupError):
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def serve_command(endpoint: str, serve_argv: list[str]) -> list[str]:
@@ -60,7 +76,9 @@ class TandemReplica:
         self.name = serve.get_replica_context().replica_id.unique_id
         self._max_queue = max_queue
         self._grace_s = not_ready_grace_s
+        _sweep_dead_replicas_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"tandem-{self.name}-")  # mode 0700: ipc needs no auth
+        Path(self._dir, OWNER_FILE).write_text(str(os.getpid()))
         self.endpoint = f"ipc://{self._dir}/serve.sock"
         self._child = await asyncio.create_subprocess_exec(*serve_command(self.endpoint, serve_argv),
                                                            preexec_fn=_die_with_parent)
