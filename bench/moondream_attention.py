@@ -55,8 +55,9 @@ def alternated(variants: dict, repeats: int) -> dict[str, float]:
 
 
 def text_steps(model: Moondream, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds of the text model's image-prompt prefill and of one decode row after it, with
-    ``paged_attention`` and with the gather + SDPA path (``TextAttention`` given no kernels)."""
+    """Seconds of the text model's image-prompt prefill and of one decode row after it, with the
+    kernels (``partial_rope_kv``, ``paged_attention``) and with the eager rotary, the gather and
+    SDPA (``TextAttention`` given no kernels)."""
     t = model.spec.text
     prompt = model.prefix_len + 5
     pages = -(-(prompt + 1) // 16)
@@ -67,8 +68,8 @@ def text_steps(model: Moondream, repeats: int) -> tuple[dict[str, float], dict[s
     block = torch.arange(model.prefix_len)
     with_kernels = moondream.TextAttention.__init__
 
-    def without_kernels(self, batch, kv, group, last, kernels):
-        with_kernels(self, batch, kv, group, last, None)
+    def without_kernels(self, model, batch, kv, last, kernels):
+        with_kernels(self, model, batch, kv, last, None)
 
     def step(init, batch, rows, prefix):
         moondream.TextAttention.__init__ = init

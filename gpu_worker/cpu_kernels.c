@@ -855,6 +855,38 @@ static void attend_head(const bf16 *q, int64_t q_ld, const bf16 *const *k_groups
     }
 }
 
+/* Moondream's rotary and cache write in one pass over the fused qkv rows [T, (H + 2 Hkv) D] at
+ * positions pos[t]: of each q and k head, the first `rot` dims rotated (their halves as real and
+ * imaginary parts, written interleaved), in float32 and rounded to bf16 once, the rest copied
+ * (as apply_partial_rope: the same bits); q -> q_out [T, H, D], k and v -> cache slots[t] of
+ * [slots, Hkv, D]. Tables cos_t, sin_t [positions, rot / 2] float32. */
+void partial_rope_kv_bf16(const bf16 *qkv, const float *cos_t, const float *sin_t, const int64_t *pos,
+                          const int64_t *slots, bf16 *k_cache, bf16 *v_cache, bf16 *q_out, int64_t T, int64_t H,
+                          int64_t Hkv, int64_t D, int64_t rot, int nthreads) {
+    const int64_t half = rot / 2, row = (H + 2 * Hkv) * D;
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+#pragma omp parallel for num_threads(nthreads) if (T * row >= PAR_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const bf16 *src = qkv + t * row;
+        const float *ct = cos_t + pos[t] * half, *st = sin_t + pos[t] * half;
+        for (int64_t hh = 0; hh < H + Hkv; hh++) {
+            const bf16 *x = src + hh * D;
+            bf16 *dst = hh < H ? q_out + (t * H + hh) * D : k_cache + (slots[t] * Hkv + hh - H) * D;
+            for (int64_t i = 0; i < half; i += 16) {
+                const int64_t n = half - i;
+                const vf re = v_load(x, i, n, 1), im = v_load(x, half + i, n, 1);
+                const vf c = v_load(ct, i, n, 0), s = v_load(st, i, n, 0);
+                const vf a = v_sub(v_mul(re, c), v_mul(im, s)), b = v_add(v_mul(re, s), v_mul(im, c));
+                v_store(dst, 2 * i, 2 * n, _mm512_permutex2var_ps(a, lo, b), 1);
+                if (n > 8) v_store(dst, 2 * i + 16, 2 * n - 16, _mm512_permutex2var_ps(a, hi, b), 1);
+            }
+            memcpy(dst + rot, x + rot, (size_t)(D - rot) * 2);
+        }
+        memcpy(v_cache + slots[t] * Hkv * D, src + (H + Hkv) * D, (size_t)Hkv * D * 2);
+    }
+}
+
 /* Full (non-causal) attention of each crop's tokens, every head, from the fused qkv rows
  * [B, T, 3 H D] -> out [B, T, H D] (the heads side by side, as the output projection reads them):
  * Moondream's vision encoder (T = 729, D = 72). */
@@ -960,5 +992,6 @@ void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
     linear_bf16(x, wp, bias, y, M, K, N, nthreads);
 }
 void full_attention_bf16(void) {}
+void partial_rope_kv_bf16(void) {}
 void paged_attention_amx_bf16(void) {}
 #endif

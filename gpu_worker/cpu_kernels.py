@@ -49,6 +49,7 @@ _LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P,
            "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
            "full_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
            "paged_attention_amx_bf16": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
+           "partial_rope_kv_bf16": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int),
            "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
                            _P, _P, _P, _P, _P, _P, _P, ctypes.c_int)}
 
@@ -172,6 +173,21 @@ class CpuKernels:
         self._fn["full_attention_bf16"](qkv.data_ptr(), out.data_ptr(), B, T, heads, D, D ** -0.5,
                                           torch.get_num_threads())
         return out
+
+    def partial_rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                        slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+                        kv_heads: int) -> torch.Tensor:
+        """Moondream's rotary (``moondream.apply_partial_rope``, the same bits) on q and k of the
+        fused qkv rows [T, (H + 2 Hkv) D] bf16 at ``positions`` (float32 tables [len, rot / 2]);
+        k and v written into the cache slots ``slot_mapping``; -> q [T, H, D]."""
+        T, width = qkv.shape
+        D = width // (heads + 2 * kv_heads)
+        qkv = qkv.contiguous()
+        q = torch.empty((T, heads, D), dtype=torch.bfloat16)
+        self._fn["partial_rope_kv_bf16"](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                         slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+                                         T, heads, kv_heads, D, 2 * cos.shape[1], torch.get_num_threads())
+        return q
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, starts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -168,18 +168,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     """Attention of the packed queries q [T, H, D] over their sequences' cached keys, after
     writing this forward's k, v [T, Hkv, D] into the cache -> [T, H * D]. ``mask``: see
     :func:`attention_mask`."""
+    Hkv, D = k.shape[1], k.shape[2]
     # Write the new K/V into their slots first, so the gather below sees
     # the whole sequence (cached prefix + this chunk) in one place.
-    write_kv(k, v, layer_idx, batch, kv)
-    return attend_pages(q, layer_idx, batch, kv, mask)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache) -> None:
-    """This forward's k, v [T, Hkv, D] into their cache slots (``batch.slot_mapping``)."""
-    Hkv, D = k.shape[1], k.shape[2]
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
     k_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    return attend_pages(q, layer_idx, batch, kv, mask)
 
 
 def attend_pages(q: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache, mask: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
-from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention, write_kv
+from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention
 
 ROPE_THETA = 10000.0
 
@@ -92,43 +92,48 @@ class TextBlock(nn.Module):
         super().__init__()
         t = config.text
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = t.n_heads, t.n_kv_heads, t.dim // t.n_heads
         self.ln = nn.LayerNorm(t.dim, **kw)
-        self.attn = QkvProj(t.dim, t.dim + 2 * t.n_kv_heads * self.head_dim, **kw)
+        self.attn = QkvProj(t.dim, t.dim + 2 * t.n_kv_heads * (t.dim // t.n_heads), **kw)
         self.mlp = Mlp(t.dim, t.ff_dim, **kw)
 
-    def forward(self, x, cos, sin, attend: "TextAttention") -> torch.Tensor:
-        T = x.shape[0]
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+    def forward(self, x: torch.Tensor, attend: "TextAttention") -> torch.Tensor:
         h = self.ln(x)
-        q, k, v = self.attn.qkv(h).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_partial_rope(q.view(T, H, D), cos, sin)
-        k = apply_partial_rope(k.view(T, Hkv, D), cos, sin)
-        attn = self.attn.proj(attend(q, k, v.reshape(T, Hkv, D), self.layer_idx))
-        return x + attn + self.mlp(h)
+        return x + self.attn.proj(attend(self.attn.qkv(h), self.layer_idx)) + self.mlp(h)
 
 
 class TextAttention:
-    """One forward's attention for every text layer: ``(q, k, v, layer) -> [T, H·D]`` after k, v
-    are written into the cache; token t sees its sequence's positions 0 .. ``last[t]``. With the
-    linears on AMX (bf16 on a CPU), the AMX kernel over the pages in place (``paged_attention``
-    of ``cpu_kernels``); else the gather and SDPA under a mask built once for all layers."""
+    """One forward's attention for every text layer, from a layer's fused qkv rows: q and k
+    rotated, k and v written into the cache, token t attending to its sequence's positions
+    0 .. ``last[t]`` -> [T, H·D]. With the linears on AMX (bf16 on a CPU), the kernels: the
+    rotary and the cache write in one pass (``partial_rope_kv``), then attention over the pages
+    in place (``paged_attention``); else the eager ops, the gather and SDPA under a mask built
+    once for all layers."""
 
-    def __init__(self, batch: Batch, kv: PagedKVCache, group: int, last: torch.Tensor | None, kernels):
+    def __init__(self, model: "Moondream", batch: Batch, kv: PagedKVCache, last: torch.Tensor | None, kernels):
+        t = model.spec.text
+        self.heads, self.kv_heads, self.head_dim = t.n_heads, t.n_kv_heads, t.dim // t.n_heads
         self.batch, self.kv = batch, kv
         self.kernels = kernels if kv.k.dtype == torch.bfloat16 and kv.k.shape[2] % 16 == 0 else None
         if self.kernels is not None:
+            self.tables = model.rope_cos, model.rope_sin
             self.last = batch.positions if last is None else last
             self.starts = torch.cat([batch.query_index[:, 0], self.last.new_tensor([batch.num_tokens])])
         else:
+            self.cos, self.sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
+            group = self.heads // self.kv_heads
             self.mask = attention_mask(batch, kv, group, None if last is None else last[batch.query_index])
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def __call__(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+        T, H, Hkv, D = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
+        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         if self.kernels is None:
-            return paged_attention(q, k, v, layer, self.batch, self.kv, self.mask)
-        write_kv(k, v, layer, self.batch, self.kv)
-        return self.kernels.paged_attention(q, self.kv.k[layer], self.kv.v[layer], self.batch.block_tables,
-                                            self.starts, self.last)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = apply_partial_rope(q.view(T, H, D), self.cos, self.sin)
+            k = apply_partial_rope(k.view(T, Hkv, D), self.cos, self.sin)
+            return paged_attention(q, k, v.reshape(T, Hkv, D), layer, self.batch, self.kv, self.mask)
+        q = self.kernels.partial_rope_kv(qkv, *self.tables, self.batch.positions, self.batch.slot_mapping,
+                                         k_cache, v_cache, H, Hkv)
+        return self.kernels.paged_attention(q, k_cache, v_cache, self.batch.block_tables, self.starts, self.last)
 
 
 class TextModel(nn.Module):
@@ -343,13 +348,10 @@ class Moondream(nn.Module):
 
         prefix_index [K]: the tokens of image blocks in this forward (whole blocks at positions
         0 .. prefix_len − 1): they see their whole block; every other token is causal."""
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         last = None if prefix_index is None else batch.positions.index_fill(0, prefix_index, self.prefix_len - 1)
-        t = self.spec.text
-        attend = TextAttention(batch, kv, t.n_heads // t.n_kv_heads, last,
-                               getattr(self.text.blocks[0].attn.qkv, "kernels", None))
+        attend = TextAttention(self, batch, kv, last, getattr(self.text.blocks[0].attn.qkv, "kernels", None))
         for block in self.text.blocks:
-            x = block(x, cos, sin, attend)
+            x = block(x, attend)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

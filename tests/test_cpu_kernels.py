@@ -502,3 +502,28 @@ def test_moondream_text_rows_are_the_same_bits_however_they_are_chunked_and_batc
     assert torch.equal(run([(0, P + 3), (P + 3, T - P - 3)], beside=True), whole)
     rel = ((whole.float() - plain.float()).norm() / plain.float().norm()).item()
     assert 0 < rel < 0.02, rel  # bf16 noise (two paths, two roundings), not a different attention
+
+
+def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels):
+    """``partial_rope_kv`` (bf16): q is ``apply_partial_rope``'s bits, k lands rotated and v as it
+    is in the cache slots (pages handed out backwards, a slot mid-page), nothing else written."""
+    from gpu_worker.moondream import apply_partial_rope, rope_tables
+
+    amx(kernels)
+    H, Hkv, D, T = 4, 2, 64, 37
+    cos_t, sin_t = rope_tables(D, 64)
+    g = torch.Generator().manual_seed(5)
+    qkv = (3 * torch.randn(T, (H + 2 * Hkv) * D, generator=g)).bfloat16()
+    positions = torch.arange(5, 5 + T)
+    slots = torch.arange(T).flip(0) * 2 + 1  # every other slot, backwards
+    k_cache, v_cache = (torch.zeros(2 * T + 2, Hkv, D, dtype=torch.bfloat16) for _ in range(2))
+    q = kernels.partial_rope_kv(qkv, cos_t, sin_t, positions, slots, k_cache, v_cache, H, Hkv)
+    eq, ek, ev = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    cos, sin = cos_t[positions], sin_t[positions]
+    assert torch.equal(q, apply_partial_rope(eq.view(T, H, D), cos, sin))
+    assert torch.equal(k_cache[slots], apply_partial_rope(ek.reshape(T, Hkv, D), cos, sin))
+    assert torch.equal(v_cache[slots], ev.reshape(T, Hkv, D))
+    untouched = torch.ones(2 * T + 2, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    assert not torch.equal(q[:, :, :32], eq.view(T, H, D)[:, :, :32])  # non-vacuity: it rotated
