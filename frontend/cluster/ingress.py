@@ -88,8 +88,6 @@ class ClusterBridge:
                 log.warning("request %s was not started (%s): sending it to another replica", rid, why)
                 avoid += [replica] if replica else []
                 await asyncio.sleep(RETRY_DELAY_S)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
             log.warning("request %s lost its replica: %s", rid, e)
             q.put_nowait({"type": "error", "id": None, "code": "worker_failed",
