@@ -125,12 +125,12 @@ class TextAttention:
 
     def __call__(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
         T, H, Hkv, D = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         if self.kernels is None:
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = apply_partial_rope(q.view(T, H, D), self.cos, self.sin)
             k = apply_partial_rope(k.view(T, Hkv, D), self.cos, self.sin)
             return paged_attention(q, k, v.reshape(T, Hkv, D), layer, self.batch, self.kv, self.mask)
+        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         q = self.kernels.partial_rope_kv(qkv, *self.tables, self.batch.positions, self.batch.slot_mapping,
                                          k_cache, v_cache, H, Hkv)
         return self.kernels.paged_attention(q, k_cache, v_cache, self.batch.block_tables, self.starts, self.last)

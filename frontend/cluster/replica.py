@@ -58,10 +58,14 @@ def _sweep_dead_replicas_dirs() -> None:
     for d in Path(tempfile.gettempdir()).glob("tandem-*-*"):
         try:
             pid = int((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not a replica's directory
+        try:
             os.kill(pid, 0)
-        except (OSError, ValueError) as e:  # no owner file (not a replica's), or the owner is gone
-            if isinstance(e, ProcessLookupError):
-                shutil.rmtree(d, ignore_errors=True)
+        except ProcessLookupError:  # its actor is gone
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:  # alive (another user's process)
+            pass
 
 
 def serve_command(endpoint: str, serve_argv: list[str]) -> list[str]:
