@@ -86,6 +86,7 @@ def service_config(engine_kw: dict, **extra):
     kw = dict(engine_kw)
     dtype = kw.pop("dtype")
     kw["loras"] = parse_lora_option(kw.pop("lora"))
+    kw["quantization_group"] = int(kw["quantization_group"])
     return ServiceConfig(pipeline=not kw.pop("no_pipeline"), prefix_cache=not kw.pop("no_prefix_cache"),
                          dtype=None if dtype == "auto" else dtype,
                          log_level=logging.getLevelName(logging.getLogger().level), **kw, **extra)

@@ -18,7 +18,7 @@ import click
 
 from frontend.client import DEFAULT_ENDPOINT
 from frontend.metrics import COMPAT
-from shared.config import EngineConfig, config_field
+from shared.config import INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
 from shared.lora_config import KERNELS
 from shared.models import REGISTRY
 from shared.sampling import SAMPLING_FIELDS
@@ -80,6 +80,9 @@ def engine_options(fn: Callable) -> Callable:
         option("Engine", "--model", default=config_field("model").default, show_default=True, help=MODEL_HELP),
         engine_option("--device", "device"),
         engine_option("--dtype", "dtype", type=click.Choice(DTYPES), default="auto"),
+        engine_option("--quantization", "quantization", type=click.Choice(QUANTIZATIONS)),
+        engine_option("--quantization-group", "quantization_group", type=click.Choice([str(g) for g in INT4_GROUPS]),
+                      default=str(config_field("quantization_group").default)),
         *(option("Engine", "--" + flag.replace("_", "-"), is_flag=True, help=config_field(field).metadata["help"])
           for flag, field in no.items()),
         engine_option("--max-batch", "max_batch"),

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from shared.arith import ceil_div
-from shared.config import EngineConfig
-from shared.models import resolve_model
+from shared.config import QUANTIZATIONS, EngineConfig
+from shared.models import GGUF_FILE, resolve_model
 from shared.moondream_config import is_moondream
 from shared.vision_config import ImageProcessorParams, is_vision_model
 
@@ -39,7 +39,8 @@ from .device import Device
 from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
-from . import cpu_kernels
+from . import cpu_kernels, quant
+from .gguf_weights import load_gguf, quantize_linears
 from .model import Llama, LlamaConfig, pack_linears
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
@@ -107,6 +108,26 @@ def default_dtype(is_cuda: bool) -> torch.dtype:
     return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
+def _quantization(config: EngineConfig, dev: torch.device, path) -> str | None:
+    """How the weights are held: ``gguf`` (a directory's GGUF file as it is), ``int8`` / ``int4``
+    (quantized at load) or None (the checkpoint's floats); an impossible request raises."""
+    method = config.quantization
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r} (one of {', '.join(QUANTIZATIONS)})")
+    if method in ("int8", "int4"):
+        if dev.type != "cpu":
+            raise ValueError(f"--quantization {method} runs on a CPU only (the device is {dev.type})")
+        if path is not None and is_moondream(path):
+            raise ValueError(f"--quantization {method} is not supported for Moondream yet")
+        if config.loras:
+            raise ValueError(f"--quantization {method} cannot be combined with LoRA adapters")
+        return method
+    gguf = path is not None and (path / GGUF_FILE).exists()
+    if method == "auto" and gguf and dev.type == "cpu" and not config.loras:
+        return "gguf"
+    return None
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     for b in buckets:
         if b >= n:
@@ -121,22 +142,32 @@ class ModelRunner:
         ``config.model`` is loaded, with its vision encoder if it is a vision-language model."""
         self.device = device
         dev = device.torch_device
-        self.dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device.is_cuda)
         max_model_len, page_size, max_rows = config.max_model_len, config.page_size, config.max_batch
+        path = resolve_model(config.model) if llama is None else None
+        quantized = _quantization(config, dev, path)
+        # Quantized weights are expanded to float32 in registers and summed in float32: float32
+        # activations cost nothing in weight traffic and keep the GGUF reference's numerics.
+        self.dtype = getattr(torch, config.dtype) if config.dtype else \
+            torch.float32 if quantized else default_dtype(device.is_cuda)
+        quant_kernels = quant.load() if quantized else None
         if llama is None:
-            path = resolve_model(config.model)
             if is_moondream(path):
                 llama = Moondream.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
             else:
                 max_model_len = min(max_model_len, LlamaConfig.from_pretrained(path).max_position_embeddings)
-                llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
+                if quantized == "gguf" or not any(path.glob("*.safetensors")):  # a GGUF file alone: dequantized
+                    llama = load_gguf(path, quant_kernels, self.dtype, dev, max_model_len)
+                else:
+                    llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
             if is_vision_model(path):
                 vision = VisionEncoder.from_pretrained(path, dtype=self.dtype, device=dev)
                 image_params = ImageProcessorParams.from_model_dir(path)
+        if quantized in ("int8", "int4"):
+            quantize_linears(llama, quantized, config.quantization_group, quant_kernels)
         self.model = llama.eval()
         self.config = llama.config
         kernels = None
-        if config.cpu_kernels and dev.type == "cpu" and self.dtype == torch.bfloat16:
+        if config.cpu_kernels and dev.type == "cpu" and (self.dtype == torch.bfloat16 or quantized):
             kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
         if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)
             pack_linears(self.model, kernels)

@@ -20,6 +20,10 @@ def _about(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # --quantization (gpu_worker/quant.py)
+INT4_GROUPS = (32, 64, 128)
+
+
 @dataclass
 class EngineConfig:
     model: str = _about(DEFAULT_MODEL, "A built-in model or a path to a Hugging Face directory.")
@@ -38,6 +42,11 @@ class EngineConfig:
                                       "A/B runs).")  # the flag says off
     dtype: str | None = _about(None, "Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, "
                                      "else float32).")
+    quantization: str = _about("auto", "Weights on a CPU: auto serves a checkpoint in its own format (a GGUF file "
+                                       "as its Q4/Q8 blocks, bf16/fp32 as they are); int8 (per channel) or int4 "
+                                       "(groups of --quantization-group) quantize a float checkpoint at load; none "
+                                       "dequantizes a GGUF file.")
+    quantization_group: int = _about(32, "int4's group along K (32, 64 or 128).")
     cuda_graphs: bool = True
     prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.model.PackedLinear)
     cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused, AMX matmul (gpu_worker/cpu_kernels.c)

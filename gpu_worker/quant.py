@@ -1,0 +1,275 @@
+"""Weight-only quantized linears on a CPU: weights kept as 4- or 8-bit integers (or bf16), expanded
+to float32 in registers by ``kernels/quant.c`` (``wlinear``); activations float32 or bf16.
+
+Where the weights come from:
+
+- **GGUF files as they are** (:func:`from_gguf`): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are
+  repacked once at load into the kernel's two formats, never through float32 (a Q4_K_M file
+  mixes Q4_K and Q6_K). The expanded weights are bit for bit ``gguf.quants.dequantize``'s.
+- **Checkpoints quantized at load** (:func:`quantize`), in groups of 32, 64 or 128 along K:
+  ``int8`` symmetric (a scale per group: Q8_0's scheme; per output channel lost 6% of
+  SmolLM2-135M's top-1 tokens against float32, groups of 32 under 1%), ``int4`` with a scale
+  and an offset per group (the group's min and max mapped to 0 and 15).
+
+The kernel's formats (``QWeight.fmt``): ``q8``: int8 [N, K] and a float32 scale per group of
+``group`` k; ``q4``: nibbles [N, K / 2] (per 32 k, byte j holds k = j low and k = j + 16 high)
+and a float32 scale and offset per group. ``bf16``: a plain bf16 weight (CPUs whose oneDNN
+refuses bf16).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from shared.config import INT4_GROUPS
+
+FORMATS = {"q8": 0, "q4": 1, "bf16": 2}  # kernels/quant.c's FMT_*
+
+
+@dataclass
+class QWeight:
+    """One weight [N, K] in a kernel format (see the module's docstring)."""
+    fmt: str
+    data: torch.Tensor
+    scale: torch.Tensor | None  # float32 [N, ceil(K / group)]
+    offset: torch.Tensor | None  # q4 only
+    group: int
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernel multiplies by (for references and tests)."""
+        N, K = self.shape
+        if self.fmt == "bf16":
+            return self.data.float()
+        if self.fmt == "q8":
+            q = self.data.float()
+        else:
+            lo, hi = (self.data & 15).view(N, K // 32, 16), (self.data >> 4).view(N, K // 32, 16)
+            q = torch.cat([lo, hi], dim=-1).view(N, K).float()
+        scale = self.scale.repeat_interleave(self.group, dim=1)[:, :K]
+        if self.offset is None:
+            return q * scale
+        return torch.addcmul(self.offset.repeat_interleave(self.group, dim=1)[:, :K], q, scale)
+
+    def rows(self, index) -> "QWeight":
+        """The rows ``index`` (a permutation or a slice) of the weight."""
+        pick = lambda t: None if t is None else t[index].contiguous()
+        data = pick(self.data)
+        return QWeight(self.fmt, data, pick(self.scale), pick(self.offset), self.group, (data.shape[0], self.shape[1]))
+
+
+def concat(parts: list[QWeight]) -> list[QWeight]:
+    """Weights stacked along N (a fused qkv or gate_up), merged where their format and group agree."""
+    merged: list[QWeight] = []
+    for w in parts:
+        last = merged[-1] if merged else None
+        if last is not None and (last.fmt, last.group, last.shape[1]) == (w.fmt, w.group, w.shape[1]):
+            cat = lambda a, b: None if a is None else torch.cat([a, b])
+            merged[-1] = QWeight(w.fmt, cat(last.data, w.data), cat(last.scale, w.scale), cat(last.offset, w.offset),
+                                 w.group, (last.shape[0] + w.shape[0], w.shape[1]))
+        else:
+            merged.append(w)
+    return merged
+
+
+# ---- GGUF blocks -> kernel formats ---------------------------------------------------------------
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [N, K] in 0..15 -> bytes [N, K / 2] in the kernel's order (per 32 k: j low, j + 16 high)."""
+    N, K = q.shape
+    q = q.reshape(N, K // 32, 2, 16)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2).astype(np.uint8)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _q4_0(blocks: np.ndarray):  # [n, 18]: fp16 d, 16 bytes
+    d = _f16(blocks[:, :2])
+    qs = blocks[:, 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1)  # GGUF: low nibbles k = 0..15, high 16..31
+    return q, d, -8 * d  # d (q - 8) = d q - 8 d, both exact in float32
+
+
+def _q4_1(blocks: np.ndarray):  # [n, 20]: fp16 d, fp16 m, 16 bytes
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    qs = blocks[:, 4:]
+    return np.concatenate([qs & 15, qs >> 4], axis=1), d, m
+
+
+def _q4_k(blocks: np.ndarray):  # [n, 144]: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    s = blocks[:, 4:16].reshape(n, 3, 4)
+    sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=1)
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # per 64 k: 32 bytes, low nibbles the first 32 k
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n * 8, 32)
+    return q, (d * sc).reshape(-1, 1), -(dmin * mn).reshape(-1, 1)
+
+
+def _q6_k(blocks: np.ndarray):  # [n, 210]: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(blocks[:, 208:210])
+    ql = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+    qh = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (ql.reshape(n, 2, 4, 32) | (qh << 4)).astype(np.int8) - np.int8(32)
+    return q.reshape(n * 16, 16), (d * sc).reshape(-1, 1)
+
+
+_Q4 = {"Q4_0": (_q4_0, 32), "Q4_1": (_q4_1, 32), "Q4_K": (_q4_k, 256)}
+_Q8 = {"Q8_0": 32, "Q6_K": 256}
+GGUF_TYPES = ("F32", "F16", "BF16", *_Q8, *_Q4)
+
+
+def from_gguf(tensor) -> QWeight | torch.Tensor:
+    """A ``gguf.GGUFReader`` tensor [N, K] as a :class:`QWeight` (quantized types) or a float32
+    tensor (F32, F16, BF16); other types are refused with their name."""
+    kind = tensor.tensor_type.name
+    K, N = (int(d) for d in tensor.shape[:2]) if len(tensor.shape) > 1 else (int(tensor.shape[0]), 1)
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(np.asarray(tensor.data).astype(np.float32).reshape(N, K) if N > 1
+                                else np.asarray(tensor.data).astype(np.float32).reshape(K))
+    if kind == "BF16":
+        raw = np.ascontiguousarray(tensor.data).view(np.int16)
+        return torch.from_numpy(raw.copy()).view(torch.bfloat16).float().reshape(*((N, K) if N > 1 else (K,)))
+    blocks = np.ascontiguousarray(tensor.data).reshape(-1, tensor.data.shape[-1])
+    if kind in _Q8:
+        per_block = tensor.data.shape[-1] // (K // _Q8[kind])
+        blocks = blocks.reshape(-1, per_block)
+        if kind == "Q8_0":
+            q, scale, group = blocks[:, 2:].view(np.int8), _f16(blocks[:, :2]), 32
+        else:
+            q, scale = _q6_k(blocks)
+            group = 16
+        return QWeight("q8", torch.from_numpy(np.ascontiguousarray(q).reshape(N, K)),
+                       torch.from_numpy(scale.reshape(N, K // group).copy()), None, group, (N, K))
+    if kind in _Q4:
+        unpack, per = _Q4[kind]
+        blocks = blocks.reshape(N * (K // per), -1)
+        q, scale, offset = unpack(blocks)
+        return QWeight("q4", torch.from_numpy(_pack_nibbles(q.reshape(N, K))),
+                       torch.from_numpy(scale.reshape(N, K // 32).astype(np.float32)),
+                       torch.from_numpy(offset.reshape(N, K // 32).astype(np.float32)), 32, (N, K))
+    raise ValueError(f"GGUF tensor {tensor.name}: type {kind} is not supported (supported: {', '.join(GGUF_TYPES)})")
+
+
+# ---- quantizing float weights at load --------------------------------------------------------------
+
+def quantize(weight: torch.Tensor, method: str, group: int = 32) -> QWeight:
+    """``weight`` [N, K] quantized in groups of ``group`` along K (one of INT4_GROUPS, dividing K):
+    ``int8`` symmetric (the group's largest magnitude maps to 127: GGUF's Q8_0 at group 32),
+    ``int4`` asymmetric (the group's min and max map to 0 and 15); round to nearest."""
+    if method not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {method!r} (int8 or int4)")
+    w = weight.detach().float()
+    N, K = w.shape
+    if group not in INT4_GROUPS or K % group:
+        raise ValueError(f"{method} needs a group of {INT4_GROUPS} dividing K = {K} (got {group})")
+    g = w.view(N, K // group, group)
+    if method == "int8":
+        scale = g.abs().amax(dim=2, keepdim=True) / 127
+        q = torch.where(scale > 0, g / scale, 0).round().clamp(-127, 127).to(torch.int8).view(N, K)
+        return QWeight("q8", q, scale.view(N, -1).contiguous(), None, group, (N, K))
+    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
+    scale = (hi - lo) / 15
+    q = torch.where(scale > 0, (g - lo) / scale, 0).round().clamp(0, 15).to(torch.uint8).view(N, K)
+    packed = torch.from_numpy(_pack_nibbles(q.numpy()))
+    return QWeight("q4", packed, scale.view(N, -1).contiguous(), lo.view(N, -1).contiguous(), group, (N, K))
+
+
+# ---- the modules ---------------------------------------------------------------------------------
+
+class QuantKernels:
+    """The library's ``wlinear`` and ``wgather`` (``kernels/quant.c``), typed."""
+
+    def __init__(self, dll: ctypes.CDLL):
+        P, N, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._linear = dll.wlinear
+        self._linear.argtypes, self._linear.restype = (C, P, C, P, P, P, N, P, P, C, N, N, N, N, C), None
+        self._gather = dll.wgather
+        self._gather.argtypes, self._gather.restype = (C, P, P, P, N, N, P, N, P), None
+
+    def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+        """y [M, ldy]'s first N columns (a view) = x [M, K] @ w^T + bias (float32 or None)."""
+        M, K = x.shape
+        addr = lambda t: None if t is None else t.data_ptr()
+        self._linear(FORMATS[w.fmt], x.data_ptr(), x.dtype == torch.bfloat16, w.data.data_ptr(), addr(w.scale),
+                     addr(w.offset), w.group, addr(bias), y.data_ptr(), y.dtype == torch.bfloat16, y.stride(0), M, K,
+                     w.shape[0], torch.get_num_threads())
+
+    def gather(self, w: QWeight, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.contiguous()
+        out = torch.empty((ids.numel(), w.shape[1]), dtype=torch.float32)
+        addr = lambda t: None if t is None else t.data_ptr()
+        self._gather(FORMATS[w.fmt], w.data.data_ptr(), addr(w.scale), addr(w.offset), w.group, w.shape[1],
+                     ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+
+class QuantLinear(nn.Module):
+    """A linear layer over :class:`QWeight` parts stacked along N (a fused projection whose parts
+    came in different formats stays several parts), bias in float32."""
+
+    def __init__(self, parts: list[QWeight], bias: torch.Tensor | None, kernels: QuantKernels):
+        super().__init__()
+        self.parts = concat(parts)
+        self.in_features = self.parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.kernels = kernels
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+        at = 0
+        for p in self.parts:
+            bias = None if self.bias is None else self.bias[at:at + p.shape[0]]
+            self.kernels.linear(rows, p, bias, y[:, at:])
+            at += p.shape[0]
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, " + ", ".join(
+            f"{p.fmt}/{p.group}x{p.shape[0]}" for p in self.parts)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept quantized: looked-up rows are expanded to float32, then cast."""
+
+    def __init__(self, weight: QWeight, kernels: QuantKernels, dtype: torch.dtype):
+        super().__init__()
+        self.qweight, self.kernels, self.dtype = weight, kernels, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gather(self.qweight, ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
+
+
+def load() -> QuantKernels:
+    """TEMPORARY: quant.c built alone at -march=native (until the kernels share one build)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    src = Path(__file__).with_name("kernels") / "quant.c"
+    out = Path(tempfile.gettempdir()) / "tandem-quant.so"
+    subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared",
+                    "-fPIC", "-o", str(out), str(src), "-lm"], check=True)
+    return QuantKernels(ctypes.CDLL(str(out)))
