@@ -132,8 +132,8 @@ def choose_level(cap: str | None = None) -> tuple[Level, str]:
     wanted = level_named(cap)
     if wanted not in ok:
         known = sorted({f for lv in levels() for f in lv.needs} & cpu_features())
-        raise ValueError(f"CPU kernels level {cap!r} ({LEVEL_ENV}) is above this CPU's: it runs up to {ok[-1].name} "
-                         f"({above}); it has {' '.join(known) or 'none of their features'}")
+        raise ValueError(f"the CPU kernels' cap {cap!r} ({LEVEL_ENV} or load(level=)) is above this CPU: it runs up "
+                         f"to {ok[-1].name} ({above}); it has {' '.join(known) or 'none of their features'}")
     i = ok.index(wanted)
     return wanted, f"{ok[i + 1].name + ': capped' if i + 1 < len(ok) else above or 'the highest level'}; cap: {cap}"
 
@@ -144,17 +144,12 @@ def choosable_levels(cap: str | None = None) -> tuple[Level, ...]:
     return ok[:ok.index(choose_level(cap)[0]) + 1]
 
 
-def _compiler(compiler: str | None) -> str:
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    return cc
-
-
 def build(level: Level, cache_dir: Path | None = None, compiler: str | None = None) -> Path:
     """The shared library of ``level`` (every ``kernels/*.c``), compiled if this cache has none yet;
     raises if it cannot be. ``compiler``: e.g. a cross compiler, for a level of another arch."""
-    cc = _compiler(compiler)
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
     files = sorted(SOURCES.glob("*.[ch]"))
     flags = (*FLAGS, *level.flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
