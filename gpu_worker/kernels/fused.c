@@ -110,6 +110,23 @@ static inline void walk_pages(const char *cache, const int64_t *table, int64_t p
     }
 }
 
+/* A block of nb scores (the first lanes of s) stored at sg + j0; the head's running max updated. */
+static inline void put_scores(float *sg, int64_t j0, int64_t nb, vf s, float *mx) {
+    v_store(sg, j0, nb, s, 0);
+    const float m = v_max_of(s, nb);
+    *mx = m > *mx ? m : *mx;
+}
+
+/* The scores sg [len] -> their softmax, given their max (exp vectorised; a tail's lanes are never
+ * stored). */
+static inline void softmax(float *sg, int64_t len, float mx) {
+    float total = 0.f;
+    for (int64_t j = 0; j < len; j += VW) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx))), 0);
+    for (int64_t j = 0; j < len; j++) total += sg[j];
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+}
+
 /* One (token, kv head): its group of query heads qt [group, D] over the keys 0 .. len - 1 of its
  * sequence, key j in page table[j / page_size] of the caches [pages, page_size, kv_heads, D]:
  * scores, softmax, then the weighted values -> ot [group, D]. scratch: group * max_len floats. */
@@ -140,20 +157,10 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
                     for (int64_t c = 0; c < chunks; c++)
                         dots[jj] = v_fma(qv[g * chunks + c], v_load(kp[jj], c * VW, D - c * VW, bf), dots[jj]);
             }
-            const vf s = v_sums(dots);
-            v_store(scores + g * max_len, j0, nb, s, 0);
-            const float m = v_max_of(s, nb);
-            mx[g] = m > mx[g] ? m : mx[g];
+            put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
         }
     }
-    /* Softmax per query head (exp vectorised; the tail's lanes are never stored). */
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * max_len, total = 0.f;
-        for (int64_t j = 0; j < len; j += VW) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx[g]))), 0);
-        for (int64_t j = 0; j < len; j++) total += sg[j];
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
-    }
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * max_len, len, mx[g]);
     /* Pass 2: the probability-weighted values, accumulated in registers. */
     for (int64_t i = 0; i < group * chunks; i++) acc[i] = v_set(0.f);
     for (int64_t first = 0; first < len; first += page_size) {
@@ -204,19 +211,11 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
                 dots[jj] = v_set(0.f);
                 for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[g * CH + c], keys[jj * CH + c], dots[jj]);
             }
-            const vf sv = v_sums(dots);
-            v_store(scores + g * max_len, j0, nb, sv, 0);
-            const float m = v_max_of(sv, nb);
-            mx[g] = m > mx[g] ? m : mx[g];
+            put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
         }
     }
-    /* Softmax per query head. */
     for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * max_len, total = 0.f;
-        for (int64_t j = 0; j < len; j += VW) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx[g]))), 0);
-        for (int64_t j = 0; j < len; j++) total += sg[j];
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+        softmax(scores + g * max_len, len, mx[g]);
         for (int c = 0; c < CH; c++) acc[g * CH + c] = v_set(0.f);
     }
     /* Pass 2: the weighted values, VW keys at a time, each converted once for all heads; per
