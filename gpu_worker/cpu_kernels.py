@@ -374,10 +374,10 @@ def load(cache_dir: Path | None = None, level: str | None = None) -> CpuKernels 
     """The kernels for this CPU at the level :func:`choose_level` picks (``level``: a cap, else
     ``$TANDEM_CPU_LEVEL``), or None (logged) where they cannot be built. A cap above what the CPU
     runs raises ValueError."""
-    chosen, why = choose_level(level)
     try:
+        chosen, why = choose_level(level)
         kernels = CpuKernels(build(chosen, cache_dir), chosen.name)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # not ValueError: a wrong cap is an error
         log.warning("fused CPU kernels unavailable, using the eager forward: %s", e)
         return None
     log.info("cpu kernels: level %s (%s)", chosen.name, why)
