@@ -252,7 +252,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", default=0, type=int, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="plain linears (no oneDNN prepacking)")
     ap.add_argument("--no-kernels", dest="kernels", action="store_false",
-                    help="the eager forward (no fused CPU kernels, gpu_worker/cpu_kernels.c)")
+                    help="the eager forward (no fused CPU kernels, gpu_worker/kernels/)")
     ap.add_argument("--compare-pack", action="store_true",
                     help="also time packed vs plain linears, alternating (decode and prefill)")
     ap.add_argument("--compare-matmul", action="store_true",

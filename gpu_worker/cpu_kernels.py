@@ -1,30 +1,38 @@
-"""The fused CPU kernels of ``cpu_kernels.c``: built once per machine, called through ctypes.
+"""The fused CPU kernels of ``kernels/``: built per ISA level, the level picked at run time, called
+through ctypes.
 
-:func:`load` compiles the C file with the system's C compiler (``cc -O3
--march=native -fopenmp``, about a second) into the cache directory's ``kernels/``
-(``~/.cache/tandem/kernels/`` by default) under a name that hashes the source, the
-flags and the CPU, and loads it;
-without a compiler it returns None and the model keeps its eager path
-(``Llama.forward`` uses the kernels only when a :class:`CpuKernels` is attached).
+``kernels/`` holds the C sources: ``vec.h`` (the vector layer, one ``vf`` type per ISA) and the
+kernels by family (``fused.c`` Llama's portable kernels, ``moondream.c`` Moondream's, ``amx.c`` the
+AMX matmul and attention). :func:`build` compiles every ``kernels/*.c`` into one shared library per
+level (explicit ``-m`` flags, never ``-march=native``, so a build runs on any CPU that has its
+level) under the cache directory's ``kernels/`` (``~/.cache/tandem/kernels/`` by default), named
+by a hash of the sources, the flags and the compiler. :func:`load` picks the highest level the CPU
+has and the kernel grants (AMX is granted per process), capped by ``TANDEM_CPU_LEVEL`` or its
+``level`` argument, and logs which and why; without a compiler it returns None and the model keeps
+its eager path (``Llama.forward`` uses the kernels only when a :class:`CpuKernels` is attached).
 
-Each method takes contiguous CPU tensors of one dtype (bfloat16 or float32) and
-allocates its output. ctypes drops the GIL for the call, so another Python thread
-runs while a kernel does.
+Each method takes contiguous CPU tensors of one dtype (bfloat16 or float32) and allocates its
+output. ctypes drops the GIL for the call, so another Python thread runs while a kernel does. A
+function the level lacks is absent from its library: calling it raises (``has_matmul`` says
+whether the AMX ones are there).
 
-Where the CPU has AMX (and the kernel grants it), :meth:`CpuKernels.linear` is also the
-bf16 matmul of every linear layer (``gpu_worker.model.PackedLinear``): a weight packed once
-by :meth:`CpuKernels.pack_linear`, each row's result independent of the batch.
+At level amx, :meth:`CpuKernels.linear` is also the bf16 matmul of every linear layer
+(``gpu_worker.model.PackedLinear``): a weight packed once by :meth:`CpuKernels.pack_linear`, each
+row's result independent of the batch.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,55 +42,134 @@ from shared.models import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC")
+SOURCES = Path(__file__).with_name("kernels")
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC")
+LEVEL_ENV = "TANDEM_CPU_LEVEL"
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "add_rmsnorm": (_P, _P, _P, _P, _I, _I, _F, ctypes.c_int),
-    "rope_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int),
-    "attention": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_int),
-    "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
+
+@dataclass(frozen=True)
+class Level:
+    """One build of the kernels: its compiler flags and the CPU features (``/proc/cpuinfo``'s
+    names) it needs."""
+
+    name: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]
+
+
+_AVX2 = Level("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
+_AVX512 = Level("avx512", _AVX2.flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+                _AVX2.needs + ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+_AVX512_BF16 = Level("avx512_bf16", _AVX512.flags + ("-mavx512bf16",), _AVX512.needs + ("avx512_bf16",))
+# Each architecture's levels, lowest first; each runs on a CPU that has its `needs`.
+LEVELS = {
+    "x86_64": (Level("scalar", (), ()), _AVX2, _AVX512, _AVX512_BF16,
+               Level("amx", _AVX512_BF16.flags + ("-mamx-tile", "-mamx-bf16"), _AVX512_BF16.needs + ("amx_tile", "amx_bf16"))),
+    # NEON is in every aarch64 CPU (gcc's default); the scalar build turns it off.
+    "aarch64": (Level("scalar", ("-march=armv8-a+nosimd",), ()), Level("neon", (), ("asimd",))),
 }
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_LINEAR = {"linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
-           "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
-           "full_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
-           "paged_attention_amx_bf16": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
-           "partial_rope_kv_bf16": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int),
-           "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
-                           _P, _P, _P, _P, _P, _P, _P, ctypes.c_int)}
 
 
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU model and its flags."""
+def levels(arch: str | None = None) -> tuple[Level, ...]:
+    """The levels of ``arch`` (this machine's by default), lowest first."""
+    arch = arch or platform.machine()
+    if arch not in LEVELS:
+        raise RuntimeError(f"no CPU kernels for {arch} (they are built for {', '.join(LEVELS)})")
+    return LEVELS[arch]
+
+
+def level_named(name: str, arch: str | None = None) -> Level:
+    for level in levels(arch):
+        if level.name == name:
+            return level
+    raise ValueError(f"{name!r} is not a CPU kernels level; the levels are {', '.join(lv.name for lv in levels(arch))}")
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU's features: ``/proc/cpuinfo``'s ``flags`` (x86) or ``Features`` (aarch64); without it
+    (not Linux), what torch's own dispatch level implies."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
+        info = ""
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    implied = {"AVX2": _AVX2.needs, "AVX512": _AVX512.needs}.get(torch.backends.cpu.get_cpu_capability(), ())
+    return frozenset(implied + (("asimd",) if platform.machine() == "aarch64" else ()))
 
 
-def build(cache_dir: Path | None = None) -> Path:
-    """The shared library, compiled if this machine has none yet; raises if it cannot be."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _amx_granted() -> bool:
+    """Whether Linux lets this process use AMX's tile state: it is granted on request
+    (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a tile instruction without it kills the process."""
+    arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18  # x86-64 Linux numbers
+    return ctypes.CDLL(None).syscall(arch_prctl, req_xcomp_perm, xtiledata) == 0
+
+
+@functools.cache
+def runnable_levels() -> tuple[tuple[Level, ...], str]:
+    """The levels this CPU runs, lowest first, and why the next one is not among them ("" when
+    none is left), e.g. ``"amx: not on this CPU (no amx_tile, amx_bf16)"``."""
+    have, ok = cpu_features(), []
+    for level in levels():
+        missing = [f for f in level.needs if f not in have]
+        if missing:
+            return tuple(ok), f"{level.name}: not on this CPU (no {', '.join(missing)})"
+        if level.name == "amx" and not _amx_granted():
+            return tuple(ok), f"{level.name}: not granted by the kernel"
+        ok.append(level)
+    return tuple(ok), ""
+
+
+def choose_level(cap: str | None = None) -> tuple[Level, str]:
+    """The level to run: the highest this CPU runs, at most ``cap`` (else ``$TANDEM_CPU_LEVEL``), and
+    why (for the log). A cap above what the CPU runs is an error that names what the CPU has."""
+    cap = cap or os.environ.get(LEVEL_ENV) or None
+    ok, above = runnable_levels()
+    if cap is None:
+        return ok[-1], f"{above or 'the highest level'}; cap: none"
+    wanted = level_named(cap)
+    if wanted not in ok:
+        known = sorted({f for lv in levels() for f in lv.needs} & cpu_features())
+        raise ValueError(f"the CPU kernels' cap {cap!r} ({LEVEL_ENV} or load(level=)) is above this CPU: it runs up "
+                         f"to {ok[-1].name} ({above}); it has {' '.join(known) or 'none of their features'}")
+    i = ok.index(wanted)
+    return wanted, f"{ok[i + 1].name + ': capped' if i + 1 < len(ok) else above or 'the highest level'}; cap: {cap}"
+
+
+def choosable_levels(cap: str | None = None) -> tuple[Level, ...]:
+    """The levels this CPU runs up to the one :func:`choose_level` picks: the ones a test can run."""
+    ok = runnable_levels()[0]
+    return ok[:ok.index(choose_level(cap)[0]) + 1]
+
+
+def build(level: Level, cache_dir: Path | None = None, compiler: str | None = None) -> Path:
+    """The shared library of ``level`` (every ``kernels/*.c``), compiled if this cache has none yet;
+    raises if it cannot be. ``compiler``: e.g. a cross compiler, for a level of another arch."""
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode() + _cpu_id().encode()).hexdigest()[:16]
+    files = sorted(SOURCES.glob("*.[ch]"))
+    flags = (*FLAGS, *level.flags)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(" ".join((cc, version, *flags)).encode())
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
     cache_dir = cache_dir or cache_root().parent / "kernels"  # beside the converted models
-    lib = cache_dir / f"cpu_kernels-{key}.so"
+    lib = cache_dir / f"tandem-kernels-{level.name}-{digest.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     cache_dir.mkdir(parents=True, exist_ok=True)
+    print(f"tandem: compiling CPU kernels (level {level.name}) ...", file=sys.stderr, flush=True)
     # Compile beside the target and rename: processes building at once never load half a file.
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        sources = [str(f) for f in files if f.suffix == ".c"]
+        done = subprocess.run([cc, *flags, "-o", tmp, *sources, "-lm"], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on the level {level.name} kernels: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -90,25 +177,56 @@ def build(cache_dir: Path | None = None) -> Path:
     return lib
 
 
-class CpuKernels:
-    """Typed wrappers of the library's functions; see ``cpu_kernels.c`` for what each computes."""
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Exported per element type, as <name>_bf16 and <name>_f32 (fused.c).
+_PER_DTYPE = {
+    "add_rmsnorm": (_P, _P, _P, _P, _I, _I, _F, ctypes.c_int),
+    "rope_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int),
+    "attention": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_int),
+    "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
+}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# bf16 only: moondream.c's (every level) and amx.c's (level amx).
+_BF16_ONLY = {
+    "partial_rope_kv_bf16": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int),
+    "linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
+    "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
+    "full_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
+    "paged_attention_amx_bf16": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
+    "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
+                    _P, _P, _P, _P, _P, _P, _P, ctypes.c_int),
+}
 
-    def __init__(self, lib: Path):
-        self.path = lib
+
+class _Functions(dict):
+    """The library's functions by name; one its level lacks raises when looked up."""
+
+    def __init__(self, level: str):
+        super().__init__()
+        self.level = level
+
+    def __missing__(self, name):
+        raise NotImplementedError(f"{name} is not in the level {self.level} CPU kernels")
+
+
+class CpuKernels:
+    """Typed wrappers of a level's library; see ``kernels/*.c`` for what each computes."""
+
+    def __init__(self, lib: Path, level: str):
+        self.path, self.level = lib, level
         dll = ctypes.CDLL(str(lib))
-        self._fn = {}
-        for name, argtypes in _SIGNATURES.items():
-            for dtype, sfx in _SUFFIX.items():
-                fn = getattr(dll, f"{name}_{sfx}")
+        self._fn = _Functions(level)
+        exported = {f"{name}_{sfx}": (argtypes, (name, dtype)) for name, argtypes in _PER_DTYPE.items()
+                    for dtype, sfx in _SUFFIX.items()}
+        exported.update({name: (argtypes, name) for name, argtypes in _BF16_ONLY.items()})
+        for symbol, (argtypes, key) in exported.items():
+            fn = getattr(dll, symbol, None)
+            if fn is not None:
                 fn.argtypes, fn.restype = argtypes, None
-                self._fn[name, dtype] = fn
+                self._fn[key] = fn
         self._scratch = torch.empty(0)
-        for name, argtypes in _LINEAR.items():
-            fn = getattr(dll, name)
-            fn.argtypes, fn.restype = argtypes, None
-            self._fn[name] = fn
-        # AMX: compiled in (-march=native on a CPU that has it) and granted by the kernel.
-        self.has_matmul = bool(dll.linear_ready())
+        # The AMX matmul (and what is built on it): level amx, which runs only where the kernel granted AMX.
+        self.has_matmul = "linear_bf16" in self._fn
 
     def can_matmul(self, weight: torch.Tensor) -> bool:
         """Whether :meth:`linear` computes with ``weight`` [N, K]: bf16 on a CPU with AMX (any
@@ -252,10 +370,15 @@ class CpuKernels:
         return out
 
 
-def load(cache_dir: Path | None = None) -> CpuKernels | None:
-    """The kernels for this machine, or None (logged) where they cannot be built."""
+def load(cache_dir: Path | None = None, level: str | None = None) -> CpuKernels | None:
+    """The kernels for this CPU at the level :func:`choose_level` picks (``level``: a cap, else
+    ``$TANDEM_CPU_LEVEL``), or None (logged) where they cannot be built. A cap above what the CPU
+    runs raises ValueError."""
     try:
-        return CpuKernels(build(cache_dir))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        chosen, why = choose_level(level)
+        kernels = CpuKernels(build(chosen, cache_dir), chosen.name)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # not ValueError: a wrong cap is an error
         log.warning("fused CPU kernels unavailable, using the eager forward: %s", e)
         return None
+    log.info("cpu kernels: level %s (%s)", chosen.name, why)
+    return kernels

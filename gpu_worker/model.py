@@ -14,7 +14,9 @@ decode step can be captured in a CUDA graph and replayed with new Batch contents
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,8 @@ from gpu_worker.kv_cache import PagedKVCache
 
 # Default cap on the rope table length when the engine does not pass max_model_len.
 MAX_ROPE_LEN = 32768
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -207,7 +211,8 @@ def attend_pages(q: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache
 
 class PackedLinear(nn.Linear):
     """``nn.Linear`` whose bf16 CPU matmul reads a copy of the weight packed once for it: the fused
-    kernels' AMX matmul where they can (``CpuKernels.linear``), else oneDNN's.
+    kernels' AMX matmul where they can (``CpuKernels.linear``), else oneDNN's (where this CPU has
+    it: :func:`onednn_packs_bf16`).
 
     oneDNN reorders a plain weight into its blocked (AVX512-BF16 / AMX) layout on
     every call; packed once, a call only multiplies (BENCHMARKS.md "The CPU
@@ -229,6 +234,9 @@ class PackedLinear(nn.Linear):
         packed.kernels = kernels if kernels is not None and kernels.can_matmul(linear.weight) else None
         if packed.kernels is not None:
             packed.packed = packed.kernels.pack_linear(linear.weight)
+        elif not onednn_packs_bf16():
+            raise RuntimeError("no bf16 prepack for this linear: the CPU kernels' matmul does not take it and "
+                               "oneDNN refuses bf16 on this CPU (see onednn_packs_bf16)")
         else:
             # The batch-size hint picks oneDNN's blocking: 64 was as fast as 1 or faster at 1, 32
             # and 512 rows (BENCHMARKS.md "The CPU forward").
@@ -254,18 +262,31 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN's bf16 prepack (``_reorder_linear_weight``) runs on this CPU: it needs
+    avx512bw, avx512vl and avx512dq, or avx_ne_convert, and raises without them (an AVX2-only CPU,
+    e.g. AMD Zen 2/3). Logged once where it does not."""
+    ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if not ok:
+        log.info("bf16 linears stay nn.Linear unless the CPU kernels' matmul takes them: oneDNN has no bf16 "
+                 "prepack on this CPU (it needs avx512bw/vl/dq or avx_ne_convert)")
+    return ok
+
+
 def pack_linears(model: nn.Module, kernels: CpuKernels | None = None) -> int:
     """Replace, in place, every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`
-    (for ``kernels``' matmul where it applies); returns how many. fp32 keeps aten's matmul (the
-    float32 reference tests match it exactly), CUDA has no use for it, and a torch without mkldnn
-    packs nothing."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return 0
+    (for ``kernels``' matmul where it applies, else oneDNN's where this CPU has it); returns how
+    many. fp32 keeps aten's matmul (the float32 reference tests match it exactly), CUDA has no use
+    for it, and a linear neither packs stays a plain ``nn.Linear``."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             w = child.weight if type(child) is nn.Linear else None
-            if w is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16:
+            if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16:
+                continue
+            if (kernels is not None and kernels.can_matmul(w)) or onednn_packs_bf16():
                 setattr(parent, name, PackedLinear.from_linear(child, kernels))
                 count += 1
     return count
@@ -378,7 +399,7 @@ class Llama(nn.Module):
         return self.lm_head(x).float()
 
     def _fused_layers(self, x: torch.Tensor, batch: Batch, kv: PagedKVCache, kernels: "CpuKernels") -> torch.Tensor:
-        """The decoder layers and the final norm through the fused CPU kernels (``cpu_kernels.c``): the
+        """The decoder layers and the final norm through the fused CPU kernels (``kernels/fused.c``): the
         eager layers' math, with the four matmuls between five kernel calls per layer. ``x`` is updated
         in place (the residual stream); returns norm(x) for every row."""
         cfg = self.config
@@ -406,8 +427,8 @@ class Llama(nn.Module):
 
     def _layer_weights(self, kernels: "CpuKernels") -> torch.Tensor | None:
         """The addresses ``CpuKernels.layers`` reads, per layer (see ``layers_bf16``); None unless every
-        layer's linears are packed for ``kernels``' matmul (not with LoRA's wrapped linears, or without
-        AMX). Built once and kept while the layers' linears and norm weights stay the same objects
+        layer's linears are packed for ``kernels``' matmul (not with LoRA's wrapped linears, or below
+        level amx). Built once and kept while the layers' linears and norm weights stay the same objects
         (checking that takes ~40 µs a forward; building it, ~1 ms)."""
         if getattr(kernels, "layers", None) is None:
             return None

@@ -1,4 +1,5 @@
-"""The fused CPU kernels (gpu_worker/cpu_kernels.c) against the eager PyTorch ops they replace.
+"""The fused CPU kernels (gpu_worker/kernels/) against the eager PyTorch ops they replace, at every
+ISA level this CPU runs (up to $TANDEM_CPU_LEVEL's cap); the levels above it are compiled only.
 
 Each kernel alone, in float32 (agreement to float32 rounding) and bfloat16 (the eager path's
 op-by-op rounding, so equal or one bf16 ulp apart), on shapes with vector tails (dims that are
@@ -11,13 +12,15 @@ the rows batched with it.
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from prerequisites import unavailable
 
-from gpu_worker import cpu_kernels
+from gpu_worker import cpu_kernels, model as model_module
 from gpu_worker.batch import Batch
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.model import (Llama, LlamaConfig, PackedLinear, RMSNorm, apply_rope, attention_mask, pack_linears,
@@ -27,10 +30,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
+# The levels this CPU runs, up to the one load() picks (the cap's, where $TANDEM_CPU_LEVEL sets one).
+LEVELS = [level.name for level in cpu_kernels.choosable_levels()]
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request):
+    k = cpu_kernels.load(level=request.param)
     assert k is not None, "the fused CPU kernels did not build (is a C compiler installed?)"
+    assert k.level == request.param
     return k
 
 
@@ -40,6 +48,13 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     scale = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - (bits - 1))
     return ((a - b).abs() / scale).max().item()
+
+
+def float32_error(t: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest |t - exact| / |exact| in float32 roundings (2^-24): a float32 op rounds by at most
+    one, a sum of n terms in any order by at most n - 1 (relative to the sum of the terms' sizes)."""
+    exact = exact.double()
+    return ((t.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item() * 2 ** 24
 
 
 def rounding_error(t: torch.Tensor, exact: torch.Tensor) -> float:
@@ -52,7 +67,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,dim", [(1, 40), (33, 576)])
+@pytest.mark.parametrize("rows,dim", [(1, 40), (3, 45), (33, 576)])  # 45: a vector tail at every width
 def test_add_rmsnorm(kernels, dtype, rows, dim):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, dim, generator=g).to(dtype)
@@ -65,7 +80,13 @@ def test_add_rmsnorm(kernels, dtype, rows, dim):
         got_x = x.clone()
         got = kernels.add_rmsnorm(got_x, y, norm.weight, 1e-5)
         assert torch.equal(got_x, want_x)  # the residual add rounds as the eager add
-        assert ulps(got, want) <= (1 if dtype == torch.bfloat16 else 8)
+        if dtype == torch.bfloat16:  # the eager path's roundings: normalised, then times the weight
+            assert ulps(got, want) <= 1
+        else:  # the sum of squares (dim - 1 roundings, halved by the square root), then 4 ops
+            x64 = want_x.double()
+            exact = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+            assert float32_error(got, exact) <= dim / 2 + 5
+            assert float32_error(got, exact) > 0  # non-vacuity: a float32 result, not float64's
         alone = kernels.add_rmsnorm(want_x.clone(), None, norm.weight, 1e-5)  # no residual: the norm alone
         assert torch.equal(alone, got)
 
@@ -101,7 +122,11 @@ def test_silu_mul(kernels, dtype):
         gate, up = gate_up.chunk(2, dim=-1)
         want = F.silu(gate) * up
         got = kernels.silu_mul(gate_up)
-    assert ulps(got, want) <= (1 if dtype == torch.bfloat16 else 16)
+    if dtype == torch.bfloat16:
+        assert ulps(got, want) <= 1
+    else:  # exp to 2 ulps (4 roundings; Cephes'), then the add, the division and the product: one each
+        gate, up = gate.double(), up.double()
+        assert float32_error(got, gate / (1 + torch.exp(-gate)) * up) <= 7
 
 
 def _paged_case(dtype, lens, chunk, H=6, Hkv=2, D=24, page_size=4):
@@ -289,6 +314,8 @@ def test_gelu_fused_into_the_matmul_rounds_once(kernels, n, k, amx):
     linear = torch.nn.Linear(k, n, dtype=torch.bfloat16)
     linear.weight.data = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     linear.bias.data = torch.randn(n, generator=g).bfloat16()
+    if not amx and not model_module.onednn_packs_bf16():
+        pytest.skip("oneDNN has no bf16 prepack on this CPU")
     packed = PackedLinear.from_linear(linear, kernels if amx else None)
     assert (packed.kernels is not None) == (amx and kernels.has_matmul)
     x = (2 * torch.randn(40, k, generator=g)).bfloat16()  # 2x: far into gelu's tails both sides
@@ -302,10 +329,13 @@ def test_gelu_fused_into_the_matmul_rounds_once(kernels, n, k, amx):
             assert torch.equal(packed.forward_gelu_tanh(x[-1:]), got[-1:])
 
 
-def test_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch):
-    lib = cpu_kernels.build(tmp_path)
+def test_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch, capfd):
+    level = cpu_kernels.level_named(LEVELS[0])
+    lib = cpu_kernels.build(level, tmp_path)
+    assert f"compiling CPU kernels (level {level.name})" in capfd.readouterr().err
     stamp = lib.stat().st_mtime_ns
-    assert cpu_kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
+    assert cpu_kernels.build(level, tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
+    assert not capfd.readouterr().err
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "empty"))
     assert cpu_kernels.load() is None
@@ -320,9 +350,9 @@ def test_engine_attaches_the_kernels_for_bf16_on_a_cpu_only():
             kernels = eng.runner.model.cpu_kernels
             assert (kernels is not None) == want, (dtype, enabled)
             linears = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
-            assert bool(linears) == (dtype == "bfloat16")
-            # The AMX matmul where the CPU has it, whatever the dims.
+            # The AMX matmul where the CPU has it, whatever the dims; else oneDNN's where it packs bf16.
             amx_on = want and kernels.has_matmul
+            assert bool(linears) == (dtype == "bfloat16" and (amx_on or model_module.onednn_packs_bf16()))
             assert all((m.kernels is not None) == amx_on for m in linears), (dtype, enabled)
         finally:
             eng.close()
@@ -504,13 +534,13 @@ def test_moondream_text_rows_are_the_same_bits_however_they_are_chunked_and_batc
     assert 0 < rel < 0.02, rel  # bf16 noise (two paths, two roundings), not a different attention
 
 
-def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels):
+@pytest.mark.parametrize("D", [64, 72])  # 72: 18 rotated pairs, a vector tail at every width
+def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels, D):
     """``partial_rope_kv`` (bf16): q is ``apply_partial_rope``'s bits, k lands rotated and v as it
     is in the cache slots (pages handed out backwards, a slot mid-page), nothing else written."""
     from gpu_worker.moondream import apply_partial_rope, rope_tables
 
-    amx(kernels)
-    H, Hkv, D, T = 4, 2, 64, 37
+    H, Hkv, T = 4, 2, 37
     cos_t, sin_t = rope_tables(D, 64)
     g = torch.Generator().manual_seed(5)
     qkv = (3 * torch.randn(T, (H + 2 * Hkv) * D, generator=g)).bfloat16()
@@ -526,4 +556,87 @@ def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels
     untouched = torch.ones(2 * T + 2, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
-    assert not torch.equal(q[:, :, :32], eq.view(T, H, D)[:, :, :32])  # non-vacuity: it rotated
+    assert not torch.equal(q[:, :, :D // 2], eq.view(T, H, D)[:, :, :D // 2])  # non-vacuity: it rotated
+
+
+def test_the_level_never_exceeds_the_cpu_and_the_cap_lowers_it(monkeypatch, caplog):
+    """load() picks the highest level the CPU runs, or the cap's; a cap above the CPU, or one that
+    names no level, is refused with what the CPU has; the log says which level runs and why."""
+    runnable, above = cpu_kernels.runnable_levels()
+    have = cpu_kernels.cpu_features()
+    assert runnable[0].name == "scalar"
+    assert all(set(level.needs) <= have for level in runnable)
+    names = [level.name for level in cpu_kernels.levels()]
+    if len(runnable) < len(names):  # the next level up: the CPU lacks one of its features (or AMX's grant)
+        nxt = cpu_kernels.levels()[len(runnable)]
+        assert above.startswith(f"{nxt.name}: ")
+        assert not set(nxt.needs) <= have or nxt.name == "amx"
+    monkeypatch.delenv(cpu_kernels.LEVEL_ENV, raising=False)
+    assert cpu_kernels.choose_level()[0] == runnable[-1]
+    for level in runnable:
+        monkeypatch.setenv(cpu_kernels.LEVEL_ENV, level.name)
+        with caplog.at_level("INFO", logger="gpu_worker.cpu_kernels"):
+            assert cpu_kernels.load().level == level.name
+        assert f"cpu kernels: level {level.name} (" in caplog.text and f"cap: {level.name})" in caplog.text
+        caplog.clear()
+    monkeypatch.delenv(cpu_kernels.LEVEL_ENV)
+    assert cpu_kernels.load(level="scalar").level == "scalar"  # the keyword caps as the variable does
+    for too_high in names[len(runnable):]:
+        with pytest.raises(ValueError, match=f"{too_high}.*above this CPU: it runs up to {runnable[-1].name}"):
+            cpu_kernels.load(level=too_high)
+    with pytest.raises(ValueError, match="not a CPU kernels level"):
+        cpu_kernels.load(level="sse9")
+
+
+def test_a_function_the_level_lacks_is_absent_and_fails_loudly(kernels):
+    if kernels.has_matmul:
+        pytest.skip("level amx has every function")
+    with pytest.raises(NotImplementedError, match=f"linear_bf16 is not in the level {kernels.level}"):
+        kernels.linear(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32 * 32, dtype=torch.bfloat16), None, 32)
+    assert not kernels.can_matmul(torch.zeros(32, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch,level", [(arch, level.name) for arch, levels in cpu_kernels.LEVELS.items()
+                                        for level in levels])
+def test_every_level_compiles(tmp_path, arch, level):
+    """The levels this CPU does not run are compiled at least (x86's with gcc's -m flags on any
+    x86 machine, aarch64's with Debian's cross compiler, gcc-aarch64-linux-gnu); each exports the
+    portable kernels, and only level amx the AMX ones."""
+    import platform
+    import subprocess
+
+    if arch == platform.machine():
+        compiler = None
+    elif arch == "aarch64" and platform.machine() == "x86_64":
+        compiler = shutil.which("aarch64-linux-gnu-gcc")
+        if compiler is None:
+            unavailable("no aarch64-linux-gnu-gcc (apt-get install gcc-aarch64-linux-gnu) to compile the NEON level")
+    else:
+        pytest.skip(f"no cross compiler for {arch} set up on {platform.machine()}")
+    lib = cpu_kernels.build(cpu_kernels.level_named(level, arch), tmp_path, compiler)
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    exported = {line.split()[-1] for line in symbols.splitlines()}
+    assert {"add_rmsnorm_f32", "attention_bf16", "partial_rope_kv_bf16"} <= exported
+    assert ("linear_bf16" in exported) == (level == "amx")
+
+
+def test_bf16_linears_stay_plain_where_onednn_refuses_bf16(kernels, monkeypatch):
+    """On a CPU whose oneDNN has no bf16 prepack (AVX2 only), pack_linears never calls it: a linear the
+    kernels' matmul does not take stays an nn.Linear, and the model still runs; a direct
+    PackedLinear.from_linear says why it cannot."""
+    called = []
+    monkeypatch.setattr(model_module, "onednn_packs_bf16", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda *a: called.append(a))
+    model = Llama.random(TINY, seed=5, dtype=torch.bfloat16)
+    model.cpu_kernels = kernels
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    packed = pack_linears(model, kernels)
+    assert packed == (len(linears) if kernels.has_matmul else 0) and not called
+    if not kernels.has_matmul:
+        assert [m for m in model.modules() if type(m) is torch.nn.Linear] == linears
+        with pytest.raises(RuntimeError, match="oneDNN refuses bf16"):
+            PackedLinear.from_linear(linears[0], kernels)
+    kv = PagedKVCache.from_config(TINY, 8, 4, torch.bfloat16, "cpu")
+    with torch.inference_mode():
+        logits = _forward(model, kv, [(0, 5, [1, 2])], torch.arange(5))
+    assert logits.isfinite().all() and not called

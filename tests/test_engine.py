@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from gpu_worker import cpu_kernels
 from gpu_worker.device import DeviceError
 from gpu_worker.engine import Engine, EngineConfig
 from shared.finish import FinishReason
@@ -80,6 +81,31 @@ def test_pipelined_equals_blocking(reference, device, dtype):
             assert eng.masks.calls > 0
         eng.close()
     assert sum(r == FinishReason.STOP for _, r in outs[True]) >= 10
+    assert outs[True] == outs[False]
+
+
+# The CPU kernels' ISA levels this CPU runs, up to $TANDEM_CPU_LEVEL's cap.
+CPU_LEVELS = [level.name for level in cpu_kernels.choosable_levels()]
+
+
+@pytest.mark.parametrize("level", CPU_LEVELS)
+def test_pipelined_equals_blocking_at_every_cpu_kernels_level(reference, level, monkeypatch):
+    """bf16 on the CPU runs the fused kernels: at each ISA level (capped through TANDEM_CPU_LEVEL)
+    the two schedules give the same tokens (a third of the workload: the level is what varies)."""
+    monkeypatch.setenv(cpu_kernels.LEVEL_ENV, level)
+    reqs, stops = reference
+    reqs = reqs[:24]
+    outs = {}
+    for pipelined in (False, True):
+        eng = make_engine(pipeline=pipelined, dtype="bfloat16")
+        try:
+            assert eng.runner.model.cpu_kernels.level == level
+            seqs = run(eng, reqs, {i: t for i, t in stops.items() if i < len(reqs)})
+            check_accounting(eng, seqs, pipelined)
+        finally:
+            eng.close()
+        outs[pipelined] = [(s.output_ids, s.finish_reason) for s in seqs]
+    assert sum(r == FinishReason.STOP for _, r in outs[True]) >= 3
     assert outs[True] == outs[False]
 
 
@@ -350,16 +376,17 @@ def test_the_protocols_64_stop_token_ids_fit_on_the_device():
 
 
 def test_bf16_cpu_weights_are_prepacked_unless_disabled():
-    """bf16 on the CPU runs PackedLinear matmuls (test_pipelined_equals_blocking covers their tokens);
-    float32 and prepack=False keep the plain nn.Linear."""
+    """bf16 on the CPU runs PackedLinear matmuls where the kernels' AMX matmul or oneDNN's bf16 prepack
+    takes them (test_pipelined_equals_blocking covers their tokens); float32, prepack=False and a CPU
+    with neither keep the plain nn.Linear."""
     import torch
 
-    from gpu_worker.model import PackedLinear
+    from gpu_worker.model import PackedLinear, onednn_packs_bf16
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("no mkldnn in this torch")
     for dtype, prepack, want in (("bfloat16", True, True), ("bfloat16", False, False), ("float32", True, False)):
         eng = make_engine(dtype=dtype, prepack=prepack)
+        amx = eng.runner.model.cpu_kernels is not None and eng.runner.model.cpu_kernels.has_matmul
+        want = want and (amx or onednn_packs_bf16())  # else bf16 linears stay plain (oneDNN refuses them)
         try:
             kinds = {type(m) for m in eng.runner.model.modules() if isinstance(m, torch.nn.Linear)}
         finally:

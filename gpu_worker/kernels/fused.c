@@ -1,0 +1,327 @@
+/* Llama's fused decoder-layer kernels, portable: written over vec.h's `vf`, built at every level.
+ *
+ * Eager PyTorch spends ~100 small ops per layer around the four matmuls (norms, rope, the page
+ * gather, SDPA's mask, silu); here they are five calls:
+ *
+ *   add_rmsnorm   x += y (optional); h = rmsnorm(x) * w
+ *   rope_kv       rope on q and k of the fused qkv row; k, v written into their page slots
+ *   attention     each query token attends over its sequence's pages in place (no gather copy, no mask)
+ *   silu_mul      silu(gate) * up
+ *
+ * Rounding follows the eager bf16 path op by op (each bf16 op of PyTorch computes in float32 and
+ * rounds its result), so the two agree to a few bf16 ulps; in float32 they agree to float32
+ * rounding (tests/test_cpu_kernels.py).
+ *
+ * Each kernel is written once over `void *` data and an `is_bf16` flag; the exported
+ * `<name>_bf16` / `<name>_f32` wrappers pass a constant, so gcc inlines a branch-free loop per
+ * element type.
+ *
+ * Threads: every parallel region is sized by the caller (torch's intra-op thread count), so these
+ * kernels and torch's matmuls share one thread team where the OpenMP runtime is the one torch
+ * loaded (x86 wheels: libgomp.so.1, one soname, loaded once). torch's aarch64 wheels bundle a
+ * renamed libgomp, so there this library brings the system's beside it: two thread teams, never
+ * busy at once (a kernel call returns before torch's next op starts), each sized the same.
+ */
+#include "fused.h"
+#include "vec.h"
+
+/* One row: x += y (if y), rounded as the eager add; h = rmsnorm(x) * w, as transformers:
+ * normalise in float32, round, then multiply by the weight. */
+static inline void add_rmsnorm_row(void *xr, const void *yr, const void *w, void *hr, int64_t dim, float eps,
+                                   int bf) {
+    vf ss = v_set(0.f);
+    for (int64_t i = 0; i < dim; i += VW) {
+        vf v = v_load(xr, i, dim - i, bf);
+        if (yr) {
+            v = v_round(v_add(v, v_load(yr, i, dim - i, bf)), bf);
+            v_store(xr, i, dim - i, v, bf);
+        }
+        ss = v_fma(v, v, ss);
+    }
+    const vf scale = v_set(1.f / sqrtf(v_sum(ss) / (float)dim + eps));
+    for (int64_t i = 0; i < dim; i += VW) {
+        const vf normed = v_round(v_mul(v_load(xr, i, dim - i, bf), scale), bf);
+        v_store(hr, i, dim - i, v_mul(v_load(w, i, dim - i, bf), normed), bf);
+    }
+}
+
+static void add_rmsnorm(void *x, const void *y, const void *w, void *h, int64_t rows, int64_t dim, float eps,
+                        int nthreads, int bf) {
+    const size_t el = bf ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) if (rows * dim >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const size_t at = r * dim * el;
+#define ROW(B) add_rmsnorm_row((char *)x + at, y ? (const char *)y + at : NULL, w, (char *)h + at, dim, eps, B)
+        SPECIALISE(bf, ROW);
+#undef ROW
+    }
+}
+
+/* One token of qkv [(heads + 2 kv_heads) * head_dim]: rotary (the half-split layout) on its q and
+ * k heads from the float32 tables' rows ct, st [head_dim / 2], rounded to the element type first
+ * as the eager path does; q -> q_out [heads, head_dim], k -> k_dst, v -> v_dst [kv_heads, head_dim]. */
+static inline void rope_kv_row(const char *src, const float *ct, const float *st, char *q_out, char *k_dst,
+                               char *v_dst, int64_t heads, int64_t kv_heads, int64_t head_dim, int bf) {
+    const size_t el = bf ? 2 : 4;
+    const int64_t half = head_dim / 2;
+    for (int64_t hh = 0; hh < heads + kv_heads; hh++) {
+        const char *x = src + hh * head_dim * el;
+        char *dst = hh < heads ? q_out + hh * head_dim * el : k_dst + (hh - heads) * head_dim * el;
+        for (int64_t i = 0; i < half; i += VW) {
+            const int64_t n = half - i;
+            const vf c = v_round(v_load(ct, i, n, 0), bf), s = v_round(v_load(st, i, n, 0), bf);
+            const vf x1 = v_load(x, i, n, bf), x2 = v_load(x, i + half, n, bf);
+            v_store(dst, i, n, v_sub(v_round(v_mul(x1, c), bf), v_round(v_mul(x2, s), bf)), bf);
+            v_store(dst, i + half, n, v_add(v_round(v_mul(x2, c), bf), v_round(v_mul(x1, s), bf)), bf);
+        }
+    }
+    memcpy(v_dst, src + (heads + kv_heads) * head_dim * el, kv_heads * head_dim * el);
+}
+
+/* qkv [tokens, (heads + 2 kv_heads) * head_dim] at positions pos[t]; k and v go to cache slots[t]. */
+static void rope_kv(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,
+                    const int64_t *slots, void *k_cache, void *v_cache, void *q_out, int64_t tokens, int64_t heads,
+                    int64_t kv_heads, int64_t head_dim, int nthreads, int bf) {
+    const size_t el = bf ? 2 : 4;
+    const int64_t half = head_dim / 2, row = (heads + 2 * kv_heads) * head_dim, kv_row = kv_heads * head_dim;
+#pragma omp parallel for num_threads(nthreads) if (tokens * row >= PAR_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+#define ROW(B)                                                                                                    \
+    rope_kv_row((const char *)qkv + t * row * el, cos_table + pos[t] * half, sin_table + pos[t] * half,           \
+                (char *)q_out + t * heads * head_dim * el, (char *)k_cache + slots[t] * kv_row * el,              \
+                (char *)v_cache + slots[t] * kv_row * el, heads, kv_heads, head_dim, B)
+        SPECIALISE(bf, ROW);
+#undef ROW
+    }
+}
+
+/* The addresses of a sequence's next nb keys (or values) of kv head kh in a cache [pages,
+ * page_size, kv_heads, D] (rows of row_bytes), walking its page table: (*page, *off) is where the
+ * next one is, and is moved past them. */
+static inline void walk_pages(const char *cache, const int64_t *table, int64_t page_size, int64_t kv_heads,
+                              int64_t kh, size_t row_bytes, int64_t nb, int64_t *page, int64_t *off,
+                              const char **out) {
+    for (int64_t jj = 0; jj < nb; jj++) {
+        out[jj] = cache + ((table[*page] * page_size + *off) * kv_heads + kh) * row_bytes;
+        if (++*off == page_size) {
+            *off = 0;
+            ++*page;
+        }
+    }
+}
+
+/* A block of nb scores (the first lanes of s) stored at sg + j0; the head's running max updated. */
+static inline void put_scores(float *sg, int64_t j0, int64_t nb, vf s, float *mx) {
+    v_store(sg, j0, nb, s, 0);
+    const float m = v_max_of(s, nb);
+    *mx = m > *mx ? m : *mx;
+}
+
+/* The scores sg [len] -> their softmax, given their max (exp vectorised; a tail's lanes are never
+ * stored). */
+static inline void softmax(float *sg, int64_t len, float mx) {
+    float total = 0.f;
+    for (int64_t j = 0; j < len; j += VW) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx))), 0);
+    for (int64_t j = 0; j < len; j++) total += sg[j];
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+}
+
+/* One (token, kv head): its group of query heads qt [group, D] over the keys 0 .. len - 1 of its
+ * sequence, key j in page table[j / page_size] of the caches [pages, page_size, kv_heads, D]:
+ * scores, softmax, then the weighted values -> ot [group, D]. scratch: group * max_len floats. */
+static inline void attention_item(const char *qt, const char *k_cache, const char *v_cache, const int64_t *table,
+                                  int64_t page_size, int64_t len, int64_t kh, int64_t kv_heads, int64_t group,
+                                  int64_t D, int64_t max_len, float *scratch, char *ot, int bf) {
+    const size_t el = bf ? 2 : 4, key_stride = kv_heads * D * el;
+    const int64_t chunks = (D + VW - 1) / VW;
+    const vf scale = v_set(1.f / sqrtf((float)D));
+    float *scores = scratch;
+    vf qv[group * chunks], acc[group * chunks];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) qv[g * chunks + c] = v_mul(v_load(qt, g * D + c * VW, D - c * VW, bf), scale);
+    float mx[group];
+    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
+    /* Pass 1: the scores, VW keys at a time: per query head, VW dot-product vectors summed across
+     * their lanes together (v_sums) instead of one horizontal reduction per key. */
+    int64_t page = 0, off = 0;
+    for (int64_t j0 = 0; j0 < len; j0 += VW) {
+        const int64_t nb = len - j0 < VW ? len - j0 : VW;
+        const char *kp[VW];
+        walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+        for (int64_t g = 0; g < group; g++) {
+            vf dots[VW];
+            for (int64_t jj = 0; jj < VW; jj++) {
+                dots[jj] = v_set(0.f);
+                if (jj < nb)
+                    for (int64_t c = 0; c < chunks; c++)
+                        dots[jj] = v_fma(qv[g * chunks + c], v_load(kp[jj], c * VW, D - c * VW, bf), dots[jj]);
+            }
+            put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
+        }
+    }
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * max_len, len, mx[g]);
+    /* Pass 2: the probability-weighted values, accumulated in registers. */
+    for (int64_t i = 0; i < group * chunks; i++) acc[i] = v_set(0.f);
+    for (int64_t first = 0; first < len; first += page_size) {
+        const char *v = v_cache + (table[first / page_size] * page_size * kv_heads + kh) * D * el;
+        const int64_t in_page = len - first < page_size ? len - first : page_size;
+        for (int64_t j = first; j < first + in_page; j++, v += key_stride)
+            for (int64_t c = 0; c < chunks; c++) {
+                const vf vc = v_load(v, c * VW, D - c * VW, bf);
+                for (int64_t g = 0; g < group; g++)
+                    acc[g * chunks + c] = v_fma(v_set(scores[g * max_len + j]), vc, acc[g * chunks + c]);
+            }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) v_store(ot, g * D + c * VW, D - c * VW, acc[g * chunks + c], bf);
+}
+
+#if VW > 1
+#define MAX_CH (128 / VW) /* D <= 128 */
+/* attention_item for head_dim = VW * CH, CH a literal at the call (always inlined): the loops over
+ * a head's vectors unroll, the VW dot products and the value accumulators stay in registers
+ * (with a run-time D they lived on the stack: 1.5x slower, the kernel alone at 32 sequences). The
+ * same math in the same order as attention_item, so the two agree bit for bit. */
+static inline __attribute__((always_inline)) void attention_item_fixed(
+    const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
+    int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH) {
+    const int64_t D = VW * CH;
+    const size_t el = bf ? 2 : 4;
+    const vf scale = v_set(1.f / sqrtf((float)D));
+    vf qv[8 * MAX_CH], keys[VW * MAX_CH], acc[8 * MAX_CH]; /* group <= 8 (checked by the caller) */
+    float mx[8];
+    for (int64_t g = 0; g < group; g++) {
+        for (int c = 0; c < CH; c++) qv[g * CH + c] = v_mul(v_load(qt, g * D + c * VW, VW, bf), scale);
+        mx[g] = -INFINITY;
+    }
+    /* Pass 1: the scores, VW keys at a time; a short last block repeats its last key. */
+    int64_t page = 0, off = 0;
+    const char *kp[VW];
+    for (int64_t j0 = 0; j0 < len; j0 += VW) {
+        const int64_t nb = len - j0 < VW ? len - j0 : VW;
+        walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+        for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
+        /* The block's keys in float32 once (exact), not once per query head. */
+        for (int jj = 0; jj < VW; jj++)
+            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(kp[jj], c * VW, VW, bf);
+        for (int64_t g = 0; g < group; g++) {
+            vf dots[VW];
+            for (int jj = 0; jj < VW; jj++) {
+                dots[jj] = v_set(0.f);
+                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[g * CH + c], keys[jj * CH + c], dots[jj]);
+            }
+            put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        softmax(scores + g * max_len, len, mx[g]);
+        for (int c = 0; c < CH; c++) acc[g * CH + c] = v_set(0.f);
+    }
+    /* Pass 2: the weighted values, VW keys at a time, each converted once for all heads; per
+     * head its CH accumulators stay in registers over the block. */
+    page = off = 0;
+    for (int64_t j0 = 0; j0 < len; j0 += VW) {
+        const int64_t nb = len - j0 < VW ? len - j0 : VW;
+        walk_pages(v_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+        for (int64_t jj = 0; jj < nb; jj++)
+            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(kp[jj], c * VW, VW, bf);
+        for (int64_t g = 0; g < group; g++) {
+            const float *sg = scores + g * max_len + j0;
+            vf a[MAX_CH];
+            for (int c = 0; c < CH; c++) a[c] = acc[g * CH + c];
+            for (int64_t jj = 0; jj < nb; jj++) {
+                const vf w = v_set(sg[jj]);
+                for (int c = 0; c < CH; c++) a[c] = v_fma(w, keys[jj * CH + c], a[c]);
+            }
+            for (int c = 0; c < CH; c++) acc[g * CH + c] = a[c];
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int c = 0; c < CH; c++) v_store(ot, g * D + c * VW, VW, acc[g * CH + c], bf);
+}
+#define FIXED_ITEM(D, group) (((D) == 64 || (D) == 128) && (group) <= 8)
+#else /* VW 1: the plain loops are the code */
+#define FIXED_ITEM(D, group) 0
+#define attention_item_fixed(...) ((void)0)
+#endif
+
+/* q [tokens, heads, D]; token t of sequence seq[t] sees keys 0 .. pos[t] of that sequence, whose
+ * pages are tables[seq[t] * table_width ...]; out [tokens, heads * D]. Query head h reads kv head
+ * h / (heads / kv_heads), as in transformers. scratch: nthreads * group * max_len floats. */
+static void attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                      int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos, void *out,
+                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, float *scratch,
+                      int nthreads, int bf) {
+    const size_t el = bf ? 2 : 4;
+    const int64_t group = heads / kv_heads, work = tokens * kv_heads;
+    const int fixed = FIXED_ITEM(D, group);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (work > 1)
+    for (int64_t item = 0; item < work; item++) {
+        const int64_t t = item / kv_heads, kh = item % kv_heads;
+        const int64_t at = (t * heads + kh * group) * D * el;
+        float *mine = scratch + (int64_t)omp_get_thread_num() * group * max_len;
+#define ITEM(B)                                                                                                   \
+    attention_item((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size, pos[t] + 1, \
+                   kh, kv_heads, group, D, max_len, mine, (char *)out + at, B)
+#define FIXED(B, CH)                                                                                              \
+    attention_item_fixed((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size,       \
+                         pos[t] + 1, kh, kv_heads, group, max_len, mine, (char *)out + at, B, CH)
+#define FIXED64(B) FIXED(B, 64 / VW)
+#define FIXED128(B) FIXED(B, 128 / VW)
+        if (fixed && D == 64) SPECIALISE(bf, FIXED64);
+        else if (fixed) SPECIALISE(bf, FIXED128);
+        else SPECIALISE(bf, ITEM);
+#undef ITEM
+#undef FIXED
+#undef FIXED64
+#undef FIXED128
+    }
+}
+
+/* One row: gate_up [2 inter] -> out [inter] = silu(gate) * up, each op rounded as eager. */
+static inline void silu_mul_row(const char *g, char *o, int64_t inter, int bf) {
+    const char *u = g + inter * (bf ? 2 : 4);
+    for (int64_t i = 0; i < inter; i += VW) {
+        const int64_t n = inter - i;
+        const vf x = v_load(g, i, n, bf);
+        const vf silu = v_round(v_div(x, v_add(v_set(1.f), v_exp(v_sub(v_set(0.f), x)))), bf);
+        v_store(o, i, n, v_mul(silu, v_load(u, i, n, bf)), bf);
+    }
+}
+
+static void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int nthreads, int bf) {
+    const size_t el = bf ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) if (rows * inter >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+#define ROW(B) silu_mul_row((const char *)gate_up + r * 2 * inter * el, (char *)out + r * inter * el, inter, B)
+        SPECIALISE(bf, ROW);
+#undef ROW
+    }
+}
+
+/* The exported entry points, one per element type. */
+#define EXPORT(SFX, BF)                                                                                          \
+    void add_rmsnorm_##SFX(void *x, const void *y, const void *w, void *h, int64_t rows, int64_t dim, float eps, \
+                           int nthreads) {                                                                       \
+        add_rmsnorm(x, y, w, h, rows, dim, eps, nthreads, BF);                                                   \
+    }                                                                                                            \
+    void rope_kv_##SFX(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,     \
+                       const int64_t *slots, void *k_cache, void *v_cache, void *q_out, int64_t tokens,          \
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int nthreads) {                        \
+        rope_kv(qkv, cos_table, sin_table, pos, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads,         \
+                head_dim, nthreads, BF);                                                                         \
+    }                                                                                                            \
+    void attention_##SFX(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,        \
+                         int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos,         \
+                         void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, \
+                         float *scratch, int nthreads) {                                                         \
+        attention(q, k_cache, v_cache, tables, table_width, page_size, seq, pos, out, tokens, heads, kv_heads,  \
+                  D, max_len, scratch, nthreads, BF);                                                            \
+    }                                                                                                            \
+    void silu_mul_##SFX(const void *gate_up, void *out, int64_t rows, int64_t inter, int nthreads) {            \
+        silu_mul(gate_up, out, rows, inter, nthreads, BF);                                                       \
+    }
+
+EXPORT(bf16, 1)
+EXPORT(f32, 0)
