@@ -196,6 +196,10 @@ _BF16_ONLY = {
     "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
                     _P, _P, _P, _P, _P, _P, _P, ctypes.c_int),
 }
+# quant.c's weight-only linears (every level; gpu_worker/quant.py calls them).
+_C = ctypes.c_int
+_QUANT = {"wlinear": (_C, _P, _C, _P, _P, _P, _I, _P, _P, _C, _I, _I, _I, _I, _C),
+          "wgather": (_C, _P, _P, _P, _I, _I, _P, _I, _P)}
 
 
 class _Functions(dict):
@@ -218,7 +222,7 @@ class CpuKernels:
         self._fn = _Functions(level)
         exported = {f"{name}_{sfx}": (argtypes, (name, dtype)) for name, argtypes in _PER_DTYPE.items()
                     for dtype, sfx in _SUFFIX.items()}
-        exported.update({name: (argtypes, name) for name, argtypes in _BF16_ONLY.items()})
+        exported.update({name: (argtypes, name) for name, argtypes in (_BF16_ONLY | _QUANT).items()})
         for symbol, (argtypes, key) in exported.items():
             fn = getattr(dll, symbol, None)
             if fn is not None:
@@ -227,6 +231,10 @@ class CpuKernels:
         self._scratch = torch.empty(0)
         # The AMX matmul (and what is built on it): level amx, which runs only where the kernel granted AMX.
         self.has_matmul = "linear_bf16" in self._fn
+
+    def function(self, name: str):
+        """The library's function ``name`` (typed), for the modules that wrap their own (quant.py)."""
+        return self._fn[name]
 
     def can_matmul(self, weight: torch.Tensor) -> bool:
         """Whether :meth:`linear` computes with ``weight`` [N, K]: bf16 on a CPU with AMX (any

@@ -97,12 +97,16 @@ def load_gguf(path: Path, kernels: QuantKernels | None, dtype: torch.dtype = tor
 
 def quantize_linears(model: nn.Module, method: str, group: int, kernels: QuantKernels) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantLinear` of its weight quantized
-    with ``method`` (int8, int4 in groups of ``group``); returns how many."""
+    with ``method`` (int8, int4) in groups of ``group``, the output head (``lm_head``) at 8 bits
+    symmetric in groups of 32 (see ``quant.py``); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, QuantLinear([quantize(child.weight, method, group)], child.bias, kernels))
+                head = child is getattr(model, "lm_head", None)
+                w = quantize(child.weight, "int8", 32, symmetric=True) if head else \
+                    quantize(child.weight, method, group)
+                setattr(parent, name, QuantLinear([w], child.bias, kernels))
                 count += 1
     log.info("quantized %d linears to %s (%s)", count, method, _formats(model))
     return count

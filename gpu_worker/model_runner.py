@@ -149,7 +149,13 @@ class ModelRunner:
         # activations cost nothing in weight traffic and keep the GGUF reference's numerics.
         self.dtype = getattr(torch, config.dtype) if config.dtype else \
             torch.float32 if quantized else default_dtype(device.is_cuda)
-        quant_kernels = quant.load() if quantized else None
+        kernels = None
+        if config.cpu_kernels and dev.type == "cpu" and (self.dtype == torch.bfloat16 or quantized):
+            kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
+        if quantized and kernels is None:
+            raise RuntimeError("quantized weights need the CPU kernels, which did not build here (see the log); "
+                               "--quantization none serves the dequantized weights")
+        quant_kernels = quant.QuantKernels(kernels) if quantized else None
         if llama is None:
             if is_moondream(path):
                 llama = Moondream.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
@@ -166,9 +172,6 @@ class ModelRunner:
             quantize_linears(llama, quantized, config.quantization_group, quant_kernels)
         self.model = llama.eval()
         self.config = llama.config
-        kernels = None
-        if config.cpu_kernels and dev.type == "cpu" and (self.dtype == torch.bfloat16 or quantized):
-            kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
         if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)
             pack_linears(self.model, kernels)
         if isinstance(llama, Llama):

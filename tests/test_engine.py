@@ -66,13 +66,15 @@ def reference():
     return reqs, stops
 
 
-@pytest.mark.parametrize("device, dtype", [("cpu", None), ("cpu", "float32"), ("sim:1", None)])
-def test_pipelined_equals_blocking(reference, device, dtype):
-    """Default dtype (bf16 where the CPU has native bf16) and fp32."""
+@pytest.mark.parametrize("device, dtype, quantization", [("cpu", None, "auto"), ("cpu", "float32", "auto"),
+                                                         ("sim:1", None, "auto"), ("cpu", None, "int8"),
+                                                         ("cpu", None, "int4")])
+def test_pipelined_equals_blocking(reference, device, dtype, quantization):
+    """Default dtype (bf16 where the CPU has native bf16) and fp32; weights quantized at load."""
     reqs, stops = reference
     outs = {}
     for pipelined in (False, True):
-        eng = make_engine(pipeline=pipelined, device=device, dtype=dtype)
+        eng = make_engine(pipeline=pipelined, device=device, dtype=dtype, quantization=quantization)
         seqs = run(eng, reqs, stops)
         check_accounting(eng, seqs, pipelined)
         outs[pipelined] = [(s.output_ids, s.finish_reason) for s in seqs]

@@ -8,7 +8,8 @@
  *
  * Formats (gpu_worker/quant.py repacks GGUF blocks and quantizes checkpoints into them):
  *   q8    int8 q [N, K], float32 scale [N, K / G]:            W[n][k] = scale[n][k / G] * q[n][k]
- *         (GGUF Q8_0: G = 32; Q6_K: G = 16, q - 32 and d * sc folded; int8 per channel: G = K)
+ *         (GGUF Q8_0: G = 32; Q6_K: G = 16, q - 32 and d * sc folded), or with an offset
+ *         [N, K / G] too: W = scale * q + offset (int8 quantized at load)
  *   q4    nibbles [N, K / 2], float32 scale, offset [N, K / G]: W[n][k] = scale * q + offset
  *         (q in 0..15; within each 32 k, byte j holds k = j in its low nibble and k = j + 16 in
  *         its high one, GGUF's order; G a multiple of 32. Q4_0: offset = -8 scale; Q4_1: the min;
@@ -26,15 +27,10 @@
  * in a fixed tree, whatever M, whichever block or thread: a row's result does not depend on the
  * rows computed with it (the engine's pipelined and blocking schedules batch rows differently).
  */
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include "vec.h"
 
 #define NB 4                     /* rows of W per block */
-#define MB (VW == 16 ? 4 : 2)   /* rows of x per block: MB * NB accumulators (AVX2: 16 registers) */
+#define MB (VW == 16 ? 4 : 2)   /* rows of x per block: MB * NB accumulators (AVX2 has 16 registers) */
 
 enum { FMT_Q8 = 0, FMT_Q4 = 1, FMT_BF16 = 2 };
 
@@ -52,9 +48,11 @@ static inline __attribute__((always_inline)) vf w_chunk(const int fmt, const voi
 #elif VW == 8
         const vf v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 #else
-        const vf v = (float)*q;
+        float f[VW];
+        for (int i = 0; i < VW; i++) f[i] = (float)q[i];
+        const vf v = v_load(f, 0, VW, 0);
 #endif
-        return v_mul(v, v_set(scale[g]));
+        return offset ? v_fma(v, v_set(scale[g]), v_set(offset[g])) : v_mul(v, v_set(scale[g]));
     }
     /* q4: within the 32 k of a group of bytes, k % 32 < 16 are the low nibbles */
     const int64_t in32 = k % 32, lo = in32 < 16;
@@ -66,19 +64,17 @@ static inline __attribute__((always_inline)) vf w_chunk(const int fmt, const voi
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
     const vf q = _mm256_cvtepi32_ps(lo ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4));
 #else
-    const vf q = (float)(lo ? *b & 15 : *b >> 4);
+    float f[VW];
+    for (int i = 0; i < VW; i++) f[i] = (float)(lo ? b[i] & 15 : b[i] >> 4);
+    const vf q = v_load(f, 0, VW, 0);
 #endif
     return v_fma(q, v_set(scale[g]), v_set(offset[g]));
 }
 
 /* The lane sums of MB * NB accumulators, acc[m * NB + n] -> sums[m * NB + n], each in one fixed
- * tree whatever its neighbours (see the top: batch invariance). */
+ * tree whatever its neighbours (see the top: batch invariance). MB * NB is a multiple of VW. */
 static inline void sum_lanes(const vf *acc, float *sums) {
-#if VW == 16
-    _mm512_storeu_ps(sums, hsum16(acc)); /* MB * NB = 16 */
-#else
-    for (int i = 0; i < MB * NB; i++) sums[i] = v_sum(acc[i]);
-#endif
+    for (int i = 0; i < MB * NB; i += VW) v_store(sums, i, VW, v_sums(acc + i), 0);
 }
 
 /* x rows m0 .. m0 + MBC - 1 (MBC <= MB, a literal at each call) times W's rows n0 .. n0 + nb - 1,
