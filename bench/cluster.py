@@ -74,7 +74,7 @@ class LocalCluster:
             self.proc = subprocess.Popen([*CLI, "cluster", "--http", f"127.0.0.1:{self.port}", *args], stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.seen: set[int] = set()  # every descendant pid ever seen (what must be gone after a stop)
-        self.replica_dirs: set[Path] = set()  # every replica's private directory seen (likewise)
+        self.replica_dirs: dict[str, Path] = {}  # every replica's private directory seen, by its name (likewise)
 
     def wait_ready(self, replicas: int, timeout: float = 300) -> "LocalCluster":
         _wait_for("tandem cluster", lambda: "tandem: serving on" in self.log.read_text(), self.proc, self.log,
@@ -102,8 +102,9 @@ class LocalCluster:
                 cmd = p.cmdline()
                 if "serve" in cmd and "--bind" in cmd and p.status() != psutil.STATUS_ZOMBIE:
                     home = Path(cmd[cmd.index("--bind") + 1][len("ipc://"):]).parent
-                    self.replica_dirs.add(home)
-                    out[home.name.split("-")[1]] = p
+                    name = home.name.split("-")[1]
+                    self.replica_dirs[name] = home
+                    out[name] = p
             except psutil.Error:
                 continue
         return out
