@@ -30,11 +30,6 @@ NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "api_key", "insecure"})  # the l
 HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 1.0
 QUIET = {"enable_access_log": False}  # Serve logs a line per request and per replica call otherwise
-# Serve's settings for the hop (BENCHMARKS.md, the Ray Serve hop), read by each deployment's process at start:
-# its own code and its router on the replica's event loop (not a thread and a loop of their own, each a
-# cross-thread handoff per streamed chunk), and request-path logs buffered.
-HOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-           "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
 SHUTDOWN_MARGIN_S = 10.0  # beyond the child's --drain-timeout: its worker stops, its sockets close
 
 
@@ -80,8 +75,7 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
     replica = serve.deployment(
         TandemReplica, name="TandemReplica", num_replicas=replicas,
         max_ongoing_requests=max_queue,  # the child's own queue decides ('overloaded'), not Serve's
-        ray_actor_options={"num_cpus": 1, "num_gpus": _gpus(str(options.get("device", "auto"))),
-                           "runtime_env": {"env_vars": HOP_ENV}},
+        ray_actor_options={"num_cpus": 1, "num_gpus": _gpus(str(options.get("device", "auto")))},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=5.0,
         graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S, logging_config=QUIET,
         max_constructor_retry_count=3,  # a tandem serve that cannot start (a bad --model) fails the deploy soon
@@ -90,8 +84,7 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
                if router == "affinity" else {}),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=2.0))
     ingress = serve.deployment(TandemIngress, name="TandemIngress", num_replicas=1,
-                               max_ongoing_requests=replicas * max_queue,
-                               ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": HOP_ENV}},
+                               max_ongoing_requests=replicas * max_queue, ray_actor_options={"num_cpus": 0},
                                logging_config=QUIET)
     return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key, options.get("metrics_compat"))
 

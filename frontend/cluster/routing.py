@@ -22,11 +22,13 @@ is the load of all of them (consistent hashing with bounded loads); without a
 preference, the least loaded (ties in turn). A replica whose queue is full is
 passed over while another is not.
 
-Invariants (tests/test_cluster.py proves them):
-- the replica chosen holds at most the bound once it has the request, so a
-  burst puts no more than ``(1 + max_overload)`` times the average on any one;
+Invariants (tests/test_routing.py proves them):
+- the replica chosen holds at most the bound once it has the request (while no
+  queue is full), so a burst puts no more than ``(1 + max_overload)`` times
+  the average on any one;
 - below the bound, a session always goes to its first replica;
-- removing a replica changes the choice only for requests that chose it;
+- removing a replica (the others idle) changes the choice only for the
+  requests that chose it;
 - ``Router``'s count of a replica is the requests routed to it that have not
   ended: each is counted once, at routing, and uncounted once, at its end.
 
