@@ -266,14 +266,15 @@ def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):
     assert own == set(names)
 
 
-def _burst(cluster: LocalCluster, n: int = 24) -> dict[str, int]:
+def _burst(cluster: LocalCluster, tag: str, n: int = 24) -> dict[str, int]:
     """``n`` concurrent sessionless chats sharing the chat template's first KV page (its default system
-    prompt), each its own after it: how many each replica answered."""
+    prompt), each its own after it (``tag``: never sent before, or each would follow its earlier copy's
+    replica): how many each replica answered."""
     out: list = []
 
     def one(i):
         r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=120,
-                       json={"messages": [{"role": "user", "content": f"request {i} " + "x " * 40}],
+                       json={"messages": [{"role": "user", "content": f"request {tag}{i} " + "x " * 40}],
                              "max_tokens": 8, "ignore_eos": True})
         out.append((r.status_code, r.headers.get("x-tandem-replica")))
 
@@ -287,7 +288,7 @@ def _burst(cluster: LocalCluster, n: int = 24) -> dict[str, int]:
 
 
 def test_a_sessionless_burst_is_spread_over_both_replicas(cluster):
-    counts = _burst(cluster)
+    counts = _burst(cluster, "first")
     assert sorted(counts) == sorted(cluster.replicas()) and min(counts.values()) >= 8, counts
 
 
@@ -373,7 +374,7 @@ def test_killed_and_never_ready_replicas_are_replaced(cluster):
     assert not psutil.pid_exists(fresh[0].pid) or psutil.Process(fresh[0].pid).status() == psutil.STATUS_ZOMBIE
     # sessionless traffic reaches the new replicas again, and a burst is spread over them
     _sessionless_until_answered_by(cluster, set(new))
-    counts = _burst(cluster)
+    counts = _burst(cluster, "after the kills")
     assert sorted(counts) == sorted(new) and min(counts.values()) >= 8, counts
 
 
