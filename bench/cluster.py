@@ -12,7 +12,9 @@ child processes, HTTP on loopback, every process with the same
    completions, ``ignore_eos``) loads the direct server, then the cluster,
    with the same requests, ``--repeats`` times alternately: the medians of
    TTFT p50 and output tokens/s of each, and the cluster's over the direct
-   server's.
+   server's; and where the cluster's CPU went during its runs (seconds per
+   process role: Serve's HTTP proxy, the ingress, the replica's actor, its
+   ``tandem serve``, the worker).
 2. **Affinity.** ``tandem cluster --replicas 2`` with the affinity router,
    then with Serve's default router (``--router ray``): ``--sessions``
    sessions of ``--turns`` turns (each session its own system prompt and
@@ -47,6 +49,8 @@ from .serve import make_work, run_level
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CLI = [sys.executable, "-m", "frontend.cli"]
+CPU_ROLES = {"proxy": "ProxyActor", "ingress": "TandemIngress", "replica actor": "TandemReplica",
+             "tandem serve": "--http none", "worker": "gpu_worker.worker"}  # role: what its command line has
 
 
 def free_port() -> int:
@@ -74,13 +78,28 @@ class LocalCluster:
             self.proc = subprocess.Popen([*CLI, "cluster", "--http", f"127.0.0.1:{self.port}", *args], stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.seen: set[int] = set()  # every descendant pid ever seen (what must be gone after a stop)
-        self.replica_dirs: set[Path] = set()  # every replica's private directory seen (likewise)
+        self.replica_dirs: dict[str, Path] = {}  # every replica's private directory seen, by its name (likewise)
 
     def wait_ready(self, replicas: int, timeout: float = 300) -> "LocalCluster":
         _wait_for("tandem cluster", lambda: "tandem: serving on" in self.log.read_text(), self.proc, self.log,
                   timeout)
         self.wait_replicas(replicas, timeout=timeout)
         return self
+
+    def cpu_seconds_by_role(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of each process role of the cluster (``CPU_ROLES``)."""
+        import psutil
+
+        out = dict.fromkeys(CPU_ROLES, 0.0)
+        for p in self.processes():
+            try:
+                cmd, times = " ".join(p.cmdline()), p.cpu_times()
+            except psutil.Error:
+                continue
+            role = next((role for role, tag in CPU_ROLES.items() if tag in cmd), None)
+            if role is not None:
+                out[role] += times.user + times.system
+        return out
 
     def processes(self) -> list:
         import psutil
@@ -102,8 +121,9 @@ class LocalCluster:
                 cmd = p.cmdline()
                 if "serve" in cmd and "--bind" in cmd and p.status() != psutil.STATUS_ZOMBIE:
                     home = Path(cmd[cmd.index("--bind") + 1][len("ipc://"):]).parent
-                    self.replica_dirs.add(home)
-                    out[home.name.split("-")[1]] = p
+                    name = home.name.split("-")[1]
+                    self.replica_dirs[name] = home
+                    out[name] = p
             except psutil.Error:
                 continue
         return out
@@ -192,17 +212,24 @@ def hop(serve_args: list[str], streams: list[int], requests: int, max_tokens: in
         for n in streams:
             work = make_work(max(requests, n * 2), (32, 32), (max_tokens, max_tokens), 7)
             runs: dict[str, list] = {"serve": [], "cluster": []}
+            cpu: list[dict[str, float]] = []
             for _ in range(repeats):  # alternated, so a change in the machine's load hits both alike
                 for name, target in (("serve", direct), ("cluster", cluster)):
+                    before = cluster.cpu_seconds_by_role()
                     level = asyncio.run(run_level("", n, work, True, True, 300, http=(target.url, model)))
                     assert level["errors"] == 0, level["error_samples"]
                     runs[name].append(level)
+                    if target is cluster:
+                        after = cluster.cpu_seconds_by_role()
+                        cpu.append({role: (after[role] - before[role]) / level["wall_s"] for role in after})
             row = {"streams": n}
             for name, levels in runs.items():
                 row[name] = {"ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] for lv in levels),
                              "tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels)}
             row["tokens_per_s_ratio"] = round(row["cluster"]["tokens_per_s"] / row["serve"]["tokens_per_s"], 3)
             row["ttft_p50_extra_ms"] = round(row["cluster"]["ttft_p50_ms"] - row["serve"]["ttft_p50_ms"], 2)
+            row["cluster_cpu_per_wall_s"] = {role: round(statistics.median(c[role] for c in cpu), 2)
+                                             for role in CPU_ROLES}
             rows.append(row)
         return rows
     finally:

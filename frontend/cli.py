@@ -28,7 +28,7 @@ from frontend.options import (ENGINE_OPTIONS, GroupedCommand, engine_options, no
 from frontend.client import DEFAULT_ENDPOINT
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 from shared.sampling import SAMPLING_FIELD_NAMES
-from frontend.cluster import NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
+from frontend.cluster import MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for a hub
 
@@ -458,15 +458,18 @@ main.add_command(serve_options.keygen_command())
 @click.option("--not-ready-grace", default=NOT_READY_GRACE_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds a replica's worker may stay not ready (restarting) before Serve replaces the replica.")
 @click.option("--router", type=click.Choice(ROUTERS), default="affinity", show_default=True,
-              help="Session affinity with a load escape valve, or Serve's default (power of two choices; for A/B "
-                   "runs).")
+              help="Affinity (sessions, shared prompt prefixes) within a load bound, or Serve's default (power of "
+                   "two choices; for A/B runs).")
+@click.option("--max-overload", default=MAX_OVERLOAD, show_default=True, type=click.FloatRange(min=0),
+              help="The affinity router's bound: a replica takes a request its affinity sends it only while it "
+                   "holds at most (1 + this) x the average load; above, the next replica in the request's order.")
 @click.pass_context
-def cluster(ctx, replicas, address, not_ready_grace, router, http, api_key, insecure, **serve_kw):
+def cluster(ctx, replicas, address, not_ready_grace, router, max_overload, http, api_key, insecure, **serve_kw):
     """Serve one HTTP address from N replicas of `tandem serve` on Ray Serve (the tandem[cluster] extra).
 
     Every option of `tandem serve` but --bind and CURVE is passed on to each replica's `tandem serve`;
-    requests of a session (X-Session-Id, else OpenAI's user, else the prompt's first KV page) stay on
-    one replica unless it is clearly busier than the others.
+    requests of a session (X-Session-Id, else OpenAI's user) stay on one replica, and so do prompts that
+    mostly repeat one sent before, while that replica's load is within --max-overload of the average.
 
     \b
     Examples:
@@ -481,6 +484,7 @@ def cluster(ctx, replicas, address, not_ready_grace, router, http, api_key, inse
     from frontend.cluster.run import run
 
     run(replicas, address, http_addr, {"api_key": api_key, "not_ready_grace_s": not_ready_grace, "router": router,
+                                       "max_overload": max_overload,
                                        **{k: v for k, v in serve_kw.items() if given(ctx, k)}})
 
 

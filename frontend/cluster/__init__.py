@@ -3,8 +3,9 @@
 Each replica is a ``tandem serve`` (frontend + worker, one GPU) run as the
 child process of a Serve replica (``replica.py``); the ingress serves the
 HTTP routes of ``tandem serve`` itself over a bridge to the replicas
-(``ingress.py``); the router keeps a session on one replica, with a load
-escape valve (``routing.py``, pure; ``router.py``, its Serve router);
+(``ingress.py``); the router keeps sessions and shared prompt prefixes on one
+replica while its load stays within a bound (``routing.py``, pure;
+``router.py``, its Serve router);
 ``app.py`` builds the application (``frontend.cluster:build_app``, for
 ``serve run``, ``serve deploy`` and KubeRay) and ``run.py`` is the command.
 Nothing here imports torch; Ray is the ``tandem[cluster]`` extra, imported
@@ -13,6 +14,8 @@ only by the modules that need it.
 
 NOT_READY_GRACE_S = 120.0  # how long a replica's worker may stay not ready (a restart warming up) before Serve
                            # replaces the replica (tandem cluster --not-ready-grace, build_app's not_ready_grace_s)
+MAX_OVERLOAD = 0.25  # how far above the average load a replica may go before affinity yields (tandem cluster
+                    # --max-overload, build_app's max_overload; routing.py)
 SERVE_ONLY = ("bind", "curve_secret_key", "curve_clients")  # serve's options a cluster has no use for (its replicas
                                                           # listen on private ipc:// endpoints)
 ROUTERS = ("affinity", "ray")  # ours (router.py), or Serve's default (power of two choices): for A/B runs

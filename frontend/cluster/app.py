@@ -4,8 +4,9 @@
 ``args`` are ``tandem serve``'s options by their Python names (``model``,
 ``device``, ``max_batch``, ``drain_timeout``, ...: what ``tandem serve --help``
 lists, less the network ones), plus ``replicas`` (default 1), ``api_key``
-(default ``$TANDEM_API_KEY``), ``not_ready_grace_s`` and ``router``
-(``affinity``, or ``ray``: Serve's default, for A/B runs). Each replica runs
+(default ``$TANDEM_API_KEY``), ``not_ready_grace_s``, ``router``
+(``affinity``, or ``ray``: Serve's default, for A/B runs) and ``max_overload``
+(the affinity router's load bound, ``routing.py``). Each replica runs
 ``tandem serve`` with exactly those options (``serve_argv``: the mapping is
 read from the ``serve`` command itself, so it is never written twice).
 """
@@ -18,12 +19,13 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from . import NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
+from . import MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 from .ingress import TandemIngress
 from .replica import TandemReplica
 from .router import AffinityRouter
+from .routing import checked_overload
 
-CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router")
+CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router", "max_overload")
 NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "api_key", "insecure"})  # the last three are the ingress's
 HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 1.0
@@ -65,6 +67,7 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
     router = options.pop("router", "affinity")
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
+    max_overload = checked_overload(float(options.pop("max_overload", MAX_OVERLOAD)))
     argv = serve_argv(options)
     defaults = serve_params()
     drain_s = float(options.get("drain_timeout", defaults["drain_timeout"].default))
@@ -77,7 +80,8 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
         graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S, logging_config=QUIET,
         max_constructor_retry_count=3,  # a tandem serve that cannot start (a bad --model) fails the deploy soon
         request_router_config=RequestRouterConfig(
-            **({"request_router_class": AffinityRouter} if router == "affinity" else {}),
+            **({"request_router_class": AffinityRouter, "request_router_kwargs": {"max_overload": max_overload}}
+               if router == "affinity" else {}),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=2.0))
     ingress = serve.deployment(TandemIngress, name="TandemIngress", num_replicas=1,
                                max_ongoing_requests=replicas * max_queue, ray_actor_options={"num_cpus": 0},

@@ -23,6 +23,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import RayActorError
 
+from gpu_worker.page_pool import chain
 from shared.config import EngineConfig
 from shared.models import load_tokenizer
 
@@ -31,7 +32,7 @@ from ..http.bridge import TERMINAL, Call
 from ..http.common import Context
 from ..metrics import Metrics
 from ..tokenization import chat_prompt_ids, text_prompt_ids
-from .routing import NOT_STARTED, session_key
+from .routing import NOT_STARTED
 
 log = logging.getLogger("tandem.cluster")
 
@@ -58,8 +59,8 @@ class ClusterBridge:
         rid = f"c{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        key = session_key(session, None if session else self._first_page(fields))
-        self._pumps[rid] = asyncio.create_task(self._pump(rid, fields, key, q))
+        route = {"session": session} if session else {"prefix_pages": self._prefix_pages(fields)}
+        self._pumps[rid] = asyncio.create_task(self._pump(rid, fields, route, q))
         return Call(self, rid, q)
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -75,11 +76,11 @@ class ClusterBridge:
         if pump is not None:
             pump.cancel()
 
-    async def _pump(self, rid: str, fields: dict[str, Any], key: str | None, q: asyncio.Queue) -> None:
+    async def _pump(self, rid: str, fields: dict[str, Any], route: dict[str, Any], q: asyncio.Queue) -> None:
         avoid: list[str] = []  # the replicas that refused it unstarted: the router sends it elsewhere
         try:
             for attempt in itertools.count():
-                refused = await self._stream_once(fields, key, tuple(avoid), q)
+                refused = await self._stream_once(fields, route, tuple(avoid), q)
                 if refused is None:
                     return
                 replica, why = refused
@@ -96,11 +97,12 @@ class ClusterBridge:
             self._pumps.pop(rid, None)
             self._queues.pop(rid, None)
 
-    async def _stream_once(self, fields: dict[str, Any], key: str | None, avoid: tuple[str, ...],
+    async def _stream_once(self, fields: dict[str, Any], route: dict[str, Any], avoid: tuple[str, ...],
                            q: asyncio.Queue) -> tuple[str | None, str] | None:
         """One replica's stream of the request into ``q``: None once its terminal message is
-        queued, or (the replica if it was reached, why) when no replica began it."""
-        responses = self._stream.generate.remote(fields, session_key=key, avoid=avoid)
+        queued, or (the replica if it was reached, why) when no replica began it. (``route``:
+        the router's ``session`` or ``prefix_pages``.)"""
+        responses = self._stream.generate.remote(fields, avoid=avoid, **route)
         replica = None
         try:
             async for item in responses:
@@ -123,8 +125,9 @@ class ClusterBridge:
                 raise
             return None, f"{type(e).__name__}: {e}"  # (a dead actor: Serve drops it from the candidates)
 
-    def _first_page(self, fields: dict[str, Any]) -> list[int] | None:
-        """The first full KV page of the prompt as the replicas render it (None: shorter)."""
+    def _prefix_pages(self, fields: dict[str, Any]) -> tuple[bytes, ...]:
+        """The prefix cache's names (the chained hashes) of the whole KV pages of the prompt as the
+        replicas render it (adapters and images, which the replicas' names also cover, left out)."""
         try:
             if fields.get("prompt_token_ids") is not None:
                 ids = list(fields["prompt_token_ids"])
@@ -133,8 +136,8 @@ class ClusterBridge:
             else:
                 ids = text_prompt_ids(self._tokenizer, fields.get("prompt") or "")
         except Exception:  # noqa: BLE001 - a malformed request: the replica answers it with the error
-            return None
-        return ids[:PAGE_SIZE] if len(ids) >= PAGE_SIZE else None
+            return ()
+        return tuple(chain(ids, PAGE_SIZE, len(ids) // PAGE_SIZE))
 
 
 def _note_replica(name: str) -> None:

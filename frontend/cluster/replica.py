@@ -114,11 +114,11 @@ class TandemReplica:
             return None
 
     # ------------------------------------------------------------------ requests (from the ingress)
-    async def generate(self, fields: dict[str, Any], session_key: str | None = None,
+    async def generate(self, fields: dict[str, Any], session: str | None = None, prefix_pages: tuple = (),
                        avoid: tuple[str, ...] = ()) -> AsyncIterator[Any]:
         """This replica's name, then the request's protocol messages in arrival batches, or
-        ``{NOT_STARTED: why}`` if its child has exited. (``session_key`` and ``avoid`` are the
-        router's; a cancelled stream cancels the request in the child.)"""
+        ``{NOT_STARTED: why}`` if its child has exited. (``session``, ``prefix_pages`` and
+        ``avoid`` are the router's; a cancelled stream cancels the request in the child.)"""
         yield self.name
         if self._exit_code is not None:  # the ingress sends it to another replica (Serve replaces this one soon)
             yield {NOT_STARTED: self._exited()}

@@ -1,20 +1,36 @@
-"""Which replica a request goes to: session affinity with a load escape valve (pure, no Ray).
+"""Which replica a request goes to: bounded-load affinity over what this router has sent (pure, no Ray).
 
-A request's *session key* is its ``X-Session-Id`` header, else the OpenAI
-``user`` field, else a hash of its rendered prompt's first full KV page (so
-the turns of one chat and prompts sharing a system prompt meet the replica
-whose prefix cache holds them). The key's *owner* is chosen by rendezvous
-hashing: each replica scores ``hash(key, replica)`` and the highest wins, so
-a replica's death (or a new one) moves only the sessions it owned.
+A request's *preference* is the order in which it would like the replicas:
 
-The escape valve: a replica's *load* is ``waiting * 4 + running`` (a waiting
-request costs a whole prefill plus a queue slot; from the routing stats each
-replica reports). A keyed request leaves its owner for the least-loaded
-replica when the owner's queue is full or the owner is clearly hotter than
-the rest (load above ``2 * least + OVERFLOW_SLACK``): affinity is worth a
-prefix cache hit, not an unbounded queue. Requests without a key go to the
-less loaded of two replicas drawn at random (two choices spread a burst even
-when the reported loads are a moment old).
+- with a session (its ``X-Session-Id`` header, else the OpenAI ``user``
+  field): the session's rendezvous order (each replica scores
+  ``hash(session, replica)``, highest first), so a replica's death, or a new
+  one, moves only the sessions it was first for;
+- without one, if the longest prefix of its prompt's whole KV pages that this
+  router has sent before covers at least half of those pages: the replica that
+  prefix was last sent to (its prefix cache likely holds it), then that
+  prefix's rendezvous order. A shorter shared prefix (one system prompt under
+  many different questions) is not worth following: such a request, like one
+  shorter than a page, has no preference.
+
+The *load* of a replica is the number of requests it holds: those this router
+sent it and has not yet seen end (exact, now), or what the replica last
+reported if that is more (another router's requests; reports are a moment
+old). ``choose`` takes the first replica of the preference whose load is below
+the *bound* ``ceil((1 + max_overload) * (total + 1) / replicas)``, where total
+is the load of all of them (consistent hashing with bounded loads); without a
+preference, the least loaded (ties in turn). A replica whose queue is full is
+passed over while another is not.
+
+Invariants (tests/test_routing.py proves them):
+- the replica chosen holds at most the bound once it has the request (while no
+  queue is full), so a burst puts no more than ``(1 + max_overload)`` times
+  the average on any one;
+- below the bound, a session always goes to its first replica;
+- removing a replica (the others idle) changes the choice only for the
+  requests that chose it;
+- ``Router``'s count of a replica is the requests routed to it that have not
+  ended: each is counted once, at routing, and uncounted once, at its end.
 
 Failure: a replica whose ``tandem serve`` has exited reports ``failed`` until
 Serve replaces it, and a request it refused (``NOT_STARTED``) is sent again
@@ -24,32 +40,36 @@ them only when nothing else is left).
 from __future__ import annotations
 
 import hashlib
-import random
-from dataclasses import dataclass
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-WAITING_WEIGHT = 4
-OVERFLOW_SLACK = 8  # two waiting requests: below this gap affinity always wins
+from . import MAX_OVERLOAD
+
 NOT_STARTED = "not_started"  # a replica's answer to a request it never began (its tandem serve had exited)
+REMEMBERED_PAGES = 1 << 16  # page hashes a router remembers (its guess at what the replicas' caches hold)
+WORTH_FOLLOWING = 0.5  # the share of a prompt's pages a sent prefix must cover to pull the request after it
 
 
 @dataclass(frozen=True)
 class Load:
-    running: int = 0
-    waiting: int = 0
+    running: int = 0  # reported by the replica
+    waiting: int = 0  # reported by the replica
     queue_full: bool = False
     failed: bool = False  # its tandem serve exited: Serve is replacing it
+    sent: int = 0  # this router's requests to it that have not ended
 
     @property
-    def score(self) -> int:
-        return self.waiting * WAITING_WEIGHT + self.running
+    def held(self) -> int:
+        return max(self.sent, self.running + self.waiting)
 
     @staticmethod
-    def from_stats(stats: Mapping[str, Any] | None) -> "Load":
-        """A replica's routing stats (``TandemReplica.record_routing_stats``); none yet: idle."""
+    def from_stats(stats: Mapping[str, Any] | None, sent: int = 0) -> "Load":
+        """A replica's routing stats (``TandemReplica.record_routing_stats``; none yet: idle)."""
         s = stats or {}
         return Load(int(s.get("running", 0)), int(s.get("waiting", 0)), bool(s.get("queue_full", False)),
-                    bool(s.get("failed", False)))
+                    bool(s.get("failed", False)), sent)
 
 
 def usable(loads: Mapping[str, Load], avoid: Sequence[str] = ()) -> dict[str, Load]:
@@ -57,32 +77,99 @@ def usable(loads: Mapping[str, Load], avoid: Sequence[str] = ()) -> dict[str, Lo
     return {r: load for r, load in loads.items() if not load.failed and r not in avoid} or dict(loads)
 
 
-def owner(key: str, replicas: Sequence[str]) -> str:
-    """The replica that owns ``key`` by rendezvous (highest random weight) hashing."""
-    return max(replicas, key=lambda r: hashlib.blake2b(f"{key}\0{r}".encode(), digest_size=8).digest())
+def rendezvous(key: str, replicas: Sequence[str]) -> list[str]:
+    """``replicas`` in ``key``'s rendezvous (highest random weight) order: its owner first."""
+    return sorted(replicas, reverse=True,
+                  key=lambda r: hashlib.blake2b(f"{key}\0{r}".encode(), digest_size=8).digest())
 
 
-def choose(key: str | None, loads: Mapping[str, Load], rng: random.Random = random._inst) -> str:
-    """The replica for a request with session ``key`` (None: no key) among ``loads``' replicas."""
+def checked_overload(max_overload: float) -> float:
+    if not max_overload >= 0:  # (NaN too)
+        raise ValueError(f"max_overload must be >= 0 (how far above the average load a replica may go), "
+                         f"not {max_overload!r}")
+    return float(max_overload)
+
+
+def bound(loads: Mapping[str, Load], max_overload: float) -> int:
+    """The most requests a replica may hold once it takes the next one."""
+    total = sum(load.held for load in loads.values()) + 1
+    return math.ceil((1 + max_overload) * total / len(loads))
+
+
+def choose(preference: Sequence[str], loads: Mapping[str, Load], max_overload: float = MAX_OVERLOAD,
+           turn: int = 0) -> str:
+    """The first replica of ``preference`` below the bound; with no preference, the least loaded
+    (``turn`` picks among equals)."""
     if not loads:
         raise ValueError("no replicas to choose from")
     names = sorted(loads)
-    if key is None:
-        pair = rng.sample(names, 2) if len(names) > 1 else names
-        return min(pair, key=lambda r: loads[r].score)
-    own = owner(key, names)
     room = [r for r in names if not loads[r].queue_full] or names
-    least = min(room, key=lambda r: (loads[r].score, r != own))  # on a tie, the owner
-    hot = loads[own].score > 2 * loads[least].score + OVERFLOW_SLACK
-    return least if loads[own].queue_full or hot else own
+    limit = bound(loads, max_overload)
+    for r in preference:
+        if r in room and loads[r].held < limit:
+            return r
+    least = min(loads[r].held for r in room)  # below the bound: total < len(loads) * limit
+    equals = [r for r in room if loads[r].held == least]
+    return equals[turn % len(equals)]
 
 
-def session_key(session: str | None, first_page: Sequence[int] | None) -> str | None:
-    """The key a request is routed by: the client's session (header or ``user``), else its
-    prompt's first full KV page (``first_page``: those token ids, None when the prompt is
-    shorter than a page)."""
-    if session:
-        return "s:" + session
-    if first_page:
-        return "p:" + hashlib.blake2b(repr(list(first_page)).encode(), digest_size=16).hexdigest()
-    return None
+class Router:
+    """One router's state: what it has in flight on each replica, and where it sent which prompt pages."""
+
+    def __init__(self, max_overload: float = MAX_OVERLOAD, remembered_pages: int = REMEMBERED_PAGES) -> None:
+        self.max_overload = checked_overload(max_overload)
+        self._remembered = remembered_pages
+        self._routed: dict[str, str] = {}  # request id -> the replica it was routed to (until it ends)
+        self._sent: dict[str, int] = {}  # replica -> requests routed to it that have not ended
+        self._pages: OrderedDict[bytes, str] = OrderedDict()  # page hash -> the replica it was last sent to (LRU)
+        self._turns = 0
+
+    def sent(self, replica: str) -> int:
+        return self._sent.get(replica, 0)
+
+    def route(self, request_id: str, session: str | None, pages: Sequence[bytes],
+              loads: Mapping[str, Load]) -> str:
+        """Choose a replica among ``loads`` (its reports; this router's counts are added here) for a
+        request with ``session`` (or None) and its prompt's page hashes (``prefix_pages``), and count
+        it there. Routing a request again (Serve retries one) moves it."""
+        self.ended(request_id)
+        loads = {r: replace(load, sent=self.sent(r)) for r, load in loads.items()}
+        chosen = choose(self.preference(session, pages, loads), loads, self.max_overload, self._turns)
+        self._turns += 1
+        self.moved(request_id, chosen)
+        for page in pages:
+            self._pages[page] = chosen
+            self._pages.move_to_end(page)
+        while len(self._pages) > self._remembered:
+            self._pages.popitem(last=False)
+        return chosen
+
+    def preference(self, session: str | None, pages: Sequence[bytes], replicas: Mapping[str, Any]) -> list[str]:
+        if session:
+            return rendezvous("s:" + session, list(replicas))
+        shared = 0
+        while shared < len(pages) and pages[shared] in self._pages:
+            shared += 1
+        if not shared or shared < WORTH_FOLLOWING * len(pages):
+            return []
+        last = pages[shared - 1]
+        order = rendezvous("p:" + last.hex(), list(replicas))
+        home = self._pages[last]
+        return [home, *(r for r in order if r != home)] if home in replicas else order
+
+    def moved(self, request_id: str, replica: str) -> None:
+        """``request_id`` is on ``replica`` (routed there, or sent there by Serve instead)."""
+        self.ended(request_id)
+        self._routed[request_id] = replica
+        self._sent[replica] = self.sent(replica) + 1
+
+    def ended(self, request_id: str, replica: str | None = None) -> None:
+        """``request_id`` ended (a no-op if it is not counted, or counted on another replica than
+        ``replica``)."""
+        where = self._routed.get(request_id)
+        if where is None or replica not in (None, where):
+            return
+        del self._routed[request_id]
+        self._sent[where] -= 1
+        if not self._sent[where]:
+            del self._sent[where]
