@@ -229,6 +229,10 @@ class QuantLinear(nn.Module):
 
     def __init__(self, parts: list[QWeight], bias: torch.Tensor | None, kernels: QuantKernels):
         super().__init__()
+        for p in parts:  # what kernels/quant.c takes
+            if p.shape[1] % 32 or (p.fmt != "bf16" and (p.group < 16 or p.group & (p.group - 1))):
+                raise ValueError(f"{p.fmt} weight {p.shape}: K must be a multiple of 32 and the group a power of two "
+                                 f">= 16 (group {p.group})")
         self.parts = concat(parts)
         self.in_features = self.parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in self.parts)

@@ -34,41 +34,58 @@
 
 enum { FMT_Q8 = 0, FMT_Q4 = 1, FMT_BF16 = 2 };
 
-/* Lanes k .. k + VW - 1 of row `row` of W in float32 (q8, q4: k a multiple of VW; bf16: a tail
- * past K reads zeros). */
-static inline __attribute__((always_inline)) vf w_chunk(const int fmt, const void *w, const float *scale,
-                                                        const float *offset, int64_t G, int64_t K, int64_t row,
-                                                        int64_t k) {
-    if (fmt == FMT_BF16) return v_load((const bf16 *)w + row * K, k, K - k, 1);
-    const int64_t g = row * ((K + G - 1) / G) + k / G;
+#define STEP 32         /* k per step: a q4 group's bytes hold 32 weights */
+#define CHUNKS (STEP / VW)
+
+/* Lanes k .. k + STEP - 1 of row `row` of W in float32, as CHUNKS vectors (k a multiple of STEP,
+ * and so is K: no tails). A group is G = 2^gshift weights (G divides K): its index is a
+ * shift, not a division, in this innermost loop. */
+static inline __attribute__((always_inline)) void w_step(const int fmt, const void *w, const float *scale,
+                                                         const float *offset, int gshift, int64_t K, int64_t row,
+                                                         int64_t k, vf out[CHUNKS]) {
+    if (fmt == FMT_BF16) {
+        for (int c = 0; c < CHUNKS; c++) out[c] = v_load((const bf16 *)w + row * K, k + c * VW, VW, 1);
+        return;
+    }
     if (fmt == FMT_Q8) {
         const int8_t *q = (const int8_t *)w + row * K + k;
+        for (int c = 0; c < CHUNKS; c++) {
 #if VW == 16
-        const vf v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+            const vf v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + c * 16))));
 #elif VW == 8
-        const vf v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+            const vf v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + c * 8))));
 #else
-        float f[VW];
-        for (int i = 0; i < VW; i++) f[i] = (float)q[i];
-        const vf v = v_load(f, 0, VW, 0);
+            float f[VW];
+            for (int i = 0; i < VW; i++) f[i] = (float)q[c * VW + i];
+            const vf v = v_load(f, 0, VW, 0);
 #endif
-        return offset ? v_fma(v, v_set(scale[g]), v_set(offset[g])) : v_mul(v, v_set(scale[g]));
+            const int64_t g = (row * K + k + c * VW) >> gshift; /* Q6_K's groups of 16 change within a step */
+            out[c] = offset ? v_fma(v, v_set(scale[g]), v_set(offset[g])) : v_mul(v, v_set(scale[g]));
+        }
+        return;
     }
-    /* q4: within the 32 k of a group of bytes, k % 32 < 16 are the low nibbles */
-    const int64_t in32 = k % 32, lo = in32 < 16;
-    const uint8_t *b = (const uint8_t *)w + row * K / 2 + k / 32 * 16 + (lo ? in32 : in32 - 16);
+    /* q4: the step's 16 bytes, k .. k + 15 in the low nibbles, k + 16 .. k + 31 in the high ones */
+    const uint8_t *b = (const uint8_t *)w + (row * K + k) / 2;
+    const int64_t g = (row * K + k) >> gshift;
+    const vf s = v_set(scale[g]), o = v_set(offset[g]);
 #if VW == 16
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    const vf q = _mm512_cvtepi32_ps(lo ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4));
+    out[0] = v_fma(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), s, o);
+    out[1] = v_fma(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s, o);
 #elif VW == 8
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    const vf q = _mm256_cvtepi32_ps(lo ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4));
+    for (int h = 0; h < 2; h++) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * h)));
+        out[h] = v_fma(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), s, o);
+        out[2 + h] = v_fma(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), s, o);
+    }
 #else
-    float f[VW];
-    for (int i = 0; i < VW; i++) f[i] = (float)(lo ? b[i] & 15 : b[i] >> 4);
-    const vf q = v_load(f, 0, VW, 0);
+    float f[STEP];
+    for (int j = 0; j < 16; j++) {
+        f[j] = (float)(b[j] & 15);
+        f[16 + j] = (float)(b[j] >> 4);
+    }
+    for (int c = 0; c < CHUNKS; c++) out[c] = v_fma(v_load(f, c * VW, VW, 0), s, o);
 #endif
-    return v_fma(q, v_set(scale[g]), v_set(offset[g]));
 }
 
 /* The lane sums of MB * NB accumulators, acc[m * NB + n] -> sums[m * NB + n], each in one fixed
@@ -81,21 +98,26 @@ static inline void sum_lanes(const vf *acc, float *sums) {
  * read from the expanded block `buf` [NB][Kp] or, where buf is NULL, expanded in registers as
  * they are used -> y (+ bias), rounded to y's type once. */
 static inline __attribute__((always_inline)) void multiply_block(
-    const int fmt, const void *w, const float *scale, const float *offset, int64_t G, const float *buf,
-    const void *x, const int x_bf, int64_t K, int64_t Kp, int64_t m0, const int MBC, int64_t n0, int64_t nb,
+    const int fmt, const void *w, const float *scale, const float *offset, int gshift, const int from_buf,
+    const float *buf, const void *x, const int x_bf, int64_t K, int64_t Kp, int64_t m0, const int MBC, int64_t n0, int64_t nb,
     const float *bias, void *y, int y_bf, int64_t ldy) {
     vf acc[MB * NB];
     for (int i = 0; i < MB * NB; i++) acc[i] = v_set(0.f);
     const size_t x_el = x_bf ? 2 : 4;
     int64_t rows[NB];
     for (int n = 0; n < NB; n++) rows[n] = n0 + (n < nb ? n : 0);
-    for (int64_t k = 0; k < Kp; k += VW) {
-        vf wv[NB];
-        for (int n = 0; n < NB; n++)
-            wv[n] = buf ? v_load(buf + n * Kp, k, VW, 0) : w_chunk(fmt, w, scale, offset, G, K, rows[n], k);
-        for (int m = 0; m < MBC; m++) {
-            const vf xv = v_load((const char *)x + (m0 + m) * K * x_el, k, K - k, x_bf); /* past K: zeros */
-            for (int n = 0; n < NB; n++) acc[m * NB + n] = v_fma(xv, wv[n], acc[m * NB + n]);
+    for (int64_t k = 0; k < Kp; k += STEP) {
+        vf xv[MB][CHUNKS];
+        for (int m = 0; m < MBC; m++)
+            for (int c = 0; c < CHUNKS; c++) xv[m][c] = v_load((const char *)x + (m0 + m) * K * x_el, k + c * VW, VW, x_bf);
+        for (int n = 0; n < NB; n++) {
+            vf wv[CHUNKS];
+            if (from_buf) /* a literal: two copies of this loop, each with one source */
+                for (int c = 0; c < CHUNKS; c++) wv[c] = v_load(buf + n * Kp, k + c * VW, VW, 0);
+            else
+                w_step(fmt, w, scale, offset, gshift, K, rows[n], k, wv);
+            for (int c = 0; c < CHUNKS; c++) /* in k order: a lane's sum does not depend on the blocking */
+                for (int m = 0; m < MBC; m++) acc[m * NB + n] = v_fma(xv[m][c], wv[c], acc[m * NB + n]);
         }
     }
     float sums[MB * NB];
@@ -113,35 +135,45 @@ static inline __attribute__((always_inline)) void multiply_block(
  * registers as they stream by (read once: decode); past that, once into `buf` and reused by each
  * group of MB rows (prefill, many streams). */
 static inline __attribute__((always_inline)) void block_rows(
-    const int fmt, const void *w, const float *scale, const float *offset, int64_t G, float *buf, const void *x,
+    const int fmt, const void *w, const float *scale, const float *offset, int gshift, float *buf, const void *x,
     const int x_bf, int64_t K, int64_t Kp, int64_t M, int64_t n0, int64_t nb, const float *bias, void *y, int y_bf,
     int64_t ldy) {
     if (M > MB) {
         for (int64_t r = 0; r < NB; r++)
-            for (int64_t k = 0; k < Kp; k += VW)
-                v_store(buf + r * Kp, k, VW, w_chunk(fmt, w, scale, offset, G, K, n0 + (r < nb ? r : 0), k), 0);
+            for (int64_t k = 0; k < Kp; k += STEP) {
+                vf wv[CHUNKS];
+                w_step(fmt, w, scale, offset, gshift, K, n0 + (r < nb ? r : 0), k, wv);
+                for (int c = 0; c < CHUNKS; c++) v_store(buf + r * Kp, k + c * VW, VW, wv[c], 0);
+            }
     } else {
         buf = NULL;
     }
+#define ROWS(B, R) multiply_block(fmt, w, scale, offset, gshift, B, buf, x, x_bf, K, Kp, m0, R, n0, nb, bias, y, y_bf, ldy)
     int64_t m0 = 0;
-    for (; m0 + MB <= M; m0 += MB)
-        multiply_block(fmt, w, scale, offset, G, buf, x, x_bf, K, Kp, m0, MB, n0, nb, bias, y, y_bf, ldy);
+    if (buf) {
+        for (; m0 + MB <= M; m0 += MB) ROWS(1, MB);
+    } else if (M == MB) {
+        ROWS(0, MB);
+        m0 = MB;
+    }
     switch (M - m0) { /* the last rows, with as many accumulators as they need */
-    case 1: multiply_block(fmt, w, scale, offset, G, buf, x, x_bf, K, Kp, m0, 1, n0, nb, bias, y, y_bf, ldy); break;
+    case 1: buf ? ROWS(1, 1) : ROWS(0, 1); break;
 #if MB > 2
-    case 2: multiply_block(fmt, w, scale, offset, G, buf, x, x_bf, K, Kp, m0, 2, n0, nb, bias, y, y_bf, ldy); break;
-    case 3: multiply_block(fmt, w, scale, offset, G, buf, x, x_bf, K, Kp, m0, 3, n0, nb, bias, y, y_bf, ldy); break;
+    case 2: buf ? ROWS(1, 2) : ROWS(0, 2); break;
+    case 3: buf ? ROWS(1, 3) : ROWS(0, 3); break;
 #endif
     default: break;
     }
+#undef ROWS
 }
 
 /* y [M, ldy] columns 0 .. N - 1 = x [M, K] @ W^T + bias (float32, may be NULL). x_bf, y_bf: bf16
- * (else float32). fmt: FMT_*; for q8 and q4, scale (and offset) [N, ceil(K / G)], K a multiple of
- * 32. */
+ * (else float32). fmt: FMT_*; for q8 and q4, scale (and offset) [N, K / G], G a power of two >= 16
+ * dividing K. K a multiple of 32 for every format (quant.py checks). */
 void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale, const float *offset, int64_t G,
              const float *bias, void *y, int y_bf, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
-    const int64_t Kp = (K + VW - 1) / VW * VW, blocks = (N + NB - 1) / NB;
+    const int64_t Kp = K, blocks = (N + NB - 1) / NB; /* K: a multiple of STEP */
+    const int gshift = G > 0 ? __builtin_ctzll((unsigned long long)G) : 0; /* G: a power of two */
     if (M * N * K < (1 << 15)) nthreads = 1; /* a parallel region costs more than it saves */
 #pragma omp parallel num_threads(nthreads)
     {
@@ -149,7 +181,7 @@ void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < blocks; blk++) {
             const int64_t n0 = blk * NB, nb = N - n0 < NB ? N - n0 : NB;
-#define BLOCK(F, XB) block_rows(F, w, scale, offset, G, buf, x, XB, K, Kp, M, n0, nb, bias, y, y_bf, ldy)
+#define BLOCK(F, XB) block_rows(F, w, scale, offset, gshift, buf, x, XB, K, Kp, M, n0, nb, bias, y, y_bf, ldy)
             /* one specialised copy per format and x type: the branches leave the inner loop */
             if (fmt == FMT_Q8) x_bf ? BLOCK(FMT_Q8, 1) : BLOCK(FMT_Q8, 0);
             else if (fmt == FMT_Q4) x_bf ? BLOCK(FMT_Q4, 1) : BLOCK(FMT_Q4, 0);
@@ -163,8 +195,12 @@ void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale
 /* The rows `ids` of a q8 or q4 table [rows, K] (an embedding), expanded to float32 -> out [n, K]. */
 void wgather(int fmt, const void *w, const float *scale, const float *offset, int64_t G, int64_t K,
              const int64_t *ids, int64_t n, float *out) {
+    const int gshift = __builtin_ctzll((unsigned long long)G);
     for (int64_t i = 0; i < n; i++)
-        for (int64_t k = 0; k < K; k += VW)
-            v_store(out + i * K, k, VW, fmt == FMT_Q8 ? w_chunk(FMT_Q8, w, scale, offset, G, K, ids[i], k)
-                                                      : w_chunk(FMT_Q4, w, scale, offset, G, K, ids[i], k), 0);
+        for (int64_t k = 0; k < K; k += STEP) {
+            vf wv[CHUNKS];
+            if (fmt == FMT_Q8) w_step(FMT_Q8, w, scale, offset, gshift, K, ids[i], k, wv);
+            else w_step(FMT_Q4, w, scale, offset, gshift, K, ids[i], k, wv);
+            for (int c = 0; c < CHUNKS; c++) v_store(out + i * K, k + c * VW, VW, wv[c], 0);
+        }
 }
