@@ -3,13 +3,19 @@
     python -m bench.peers                                          # Tandem only
     python -m bench.peers --vllm-python /work/peers/vllm-venv/bin/python \\
         --llama-server /work/peers/llama.cpp/build/bin/llama-server --gguf /work/peers/smollm2-135m-bf16.gguf
+    python -m bench.peers --tandem q4_1= --tandem bf16="--quantization none --dtype bfloat16" \\
+        --llama-server LLAMA_SERVER --gguf Q4_1.gguf --gguf Q8_0.gguf     # formats side by side
 
-The workload (issue 24): SmolLM2-135M-Instruct in bf16, a 47-token chat prompt
+The workload (issue 24): SmolLM2-135M-Instruct, a 47-token chat prompt
 (the chat template included), 128 output tokens with EOS ignored, greedy,
 OpenAI chat completions streamed over HTTP, with ``bench/serve.py``'s HTTP client;
 first 1 stream (``--one-requests`` requests one after another), then 32 streams
 (closed-loop clients) over 64 requests. Every engine is started by this command
-(``nice`` 0, on a free port) and warmed up with two requests; then ``--rounds`` rounds
+(``nice`` 0, on a free port) and warmed up with two requests; each ``--tandem NAME=ARGS`` is a
+Tandem server with those options (default: one, ``tandem``, with its defaults), each ``--gguf``
+one llama.cpp server on that file. The machine's memory read bandwidth is measured first (a sum
+over a buffer larger than the last-level cache, every core) and each GGUF file's weight bytes
+over it give the 1-stream limit printed beside the engines (a decode step reads every weight); then ``--rounds`` rounds
 measure each engine in turn while the others sit idle (so they never share the cores),
 each round starting one engine later. The rounds are there because this kind of VM's
 speed drifts by up to 2x within minutes: a ratio is taken between the engines of one
@@ -109,9 +115,11 @@ class Server:
 
 def engines(args) -> list[tuple[str, list[str], dict]]:
     """(name, argv with {port}, extra environment) of each engine to run."""
-    out = [("tandem", [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model, "--device", "cpu",
-                       "--dtype", "bfloat16", "--bind", "tcp://127.0.0.1:{zmq}", "--http", "127.0.0.1:{port}",
-                       *args.tandem_arg], {})]
+    variants = [v.partition("=") for v in args.tandem] or [("tandem", "=", "")]
+    out = [(name if name.startswith("tandem") else f"tandem {name}",
+            [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model, "--device", "cpu",
+             "--bind", "tcp://127.0.0.1:{zmq}", "--http", "127.0.0.1:{port}", *extra.split(), *args.tandem_arg], {})
+           for name, _, extra in variants]
     if args.vllm_python:
         out.append(("vllm-cpu", [args.vllm_python, str(ROOT / "bench" / "vllm_cpu.py"), "serve", args.hf_dir,
                                  "--dtype", "bfloat16", "--port", "{port}", "--max-model-len", "2048",
@@ -124,9 +132,49 @@ def engines(args) -> list[tuple[str, list[str], dict]]:
         # (the GGUF's own template has no default system prompt: 37 tokens instead of 47).
         template = Path(args.hf_dir) / "chat_template.jinja"
         same_prompt = ["--jinja", "--chat-template-file", str(template)] if template.exists() else []
-        out.append(("llama.cpp", [args.llama_server, "-m", args.gguf, "-t", str(os.cpu_count()), "--port", "{port}",
-                                  "-np", "32", "-c", str(32 * 512), "--no-webui", *same_prompt], {}))
+        for gguf in args.gguf:
+            out.append((f"llama.cpp {gguf_kind(gguf)}", [args.llama_server, "-m", gguf, "-t", str(os.cpu_count()),
+                                                         "--port", "{port}", "-np", "32", "-c", str(32 * 512),
+                                                         "--no-webui", *same_prompt], {}))
     return out
+
+
+def gguf_kind(path: str) -> str:
+    """A GGUF file's main weight type (its most common one by bytes), e.g. ``Q4_1``."""
+    from collections import Counter
+
+    import gguf
+
+    sizes = Counter()
+    for t in gguf.GGUFReader(path).tensors:
+        sizes[t.tensor_type.name] += int(t.n_bytes)
+    return sizes.most_common(1)[0][0]
+
+
+def gguf_weight_bytes(path: str) -> int:
+    """The bytes of a GGUF file's tensors: what one decode step reads (the tied head reads the
+    embedding table once; a lookup reads a few rows)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+def read_bandwidth(gib: float = 1.0) -> float:
+    """The machine's memory read bandwidth, bytes/s: the best of 5 sums over a ``gib`` GiB buffer
+    (larger than any last-level cache) on every core (STREAM's read kernel in spirit)."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    buf = torch.ones(int(gib * 2 ** 30) // 4)
+    buf.sum()
+    best = min(_timed(buf.sum) for _ in range(5))
+    return buf.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- the workload
@@ -177,12 +225,21 @@ def prompt_tokens(url: str, model: str, words: int) -> int | None:
 
 def run(args) -> dict:
     words = prompt_words(args.hf_dir, args.prompt_tokens)
+    bandwidth = read_bandwidth()
+    limits = {}
+    for gguf in args.gguf:
+        weight_bytes = gguf_weight_bytes(gguf)
+        limits[gguf_kind(gguf)] = {"weight_bytes": weight_bytes, "step_ms": round(weight_bytes / bandwidth * 1e3, 2),
+                                   "tokens_per_s": round(bandwidth / weight_bytes, 1)}
     results = {"workload": {"prompt_tokens": args.prompt_tokens, "words": words, "max_tokens": args.max_tokens,
                             "one_stream_requests": args.one_requests, "streams": args.streams,
                             "requests": args.requests},
-               "machine": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg()[0],
+               "machine": {"cpus": os.cpu_count(), "cpu": cpu_name(), "load_at_start": os.getloadavg()[0],
+                           "read_gb_per_s": round(bandwidth / 1e9, 1),
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+               "bandwidth_limits": limits,
                "engines": {}}
+    print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; 1-stream limits: {limits}", file=sys.stderr, flush=True)
     servers = {}
     try:
         for name, argv, env in engines(args):  # all started first, then measured in turns (below)
@@ -228,6 +285,18 @@ def run(args) -> dict:
 # --------------------------------------------------------------------------- the table
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the flags that pick Tandem's kernel level."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    return f"{name} ({' '.join(keep) or 'no AVX2'})"
+
+
 def row_text(name: str, r: dict) -> str:
     one, many = r["one"], r["many"]
     return (f"{name}: 1 stream {one['output_tokens_per_s']} tok/s ITL p50 {one['itl_ms']['p50']} ms | "
@@ -241,7 +310,7 @@ def table(results: dict) -> str:
     """One row per engine and round; a peer's ratio is Tandem's over the peer's in the same round
     (measured minutes apart, so a drift in the machine's speed between rounds cancels)."""
     eng = {k: v for k, v in results["engines"].items() if "error" not in v}
-    base = eng.get("tandem")
+    base = next((v for k, v in eng.items() if k.startswith("tandem")), None)  # the first Tandem variant
     n = results["workload"]["streams"]
     lines = [f"| engine | round | prompt tokens | 1 stream tok/s | ITL p50 ms | {n} streams tok/s | "
              f"TTFT p50 @{n} ms | server CPU @{n} | errors | load | Tandem / engine (1, {n} streams) |",
@@ -250,7 +319,7 @@ def table(results: dict) -> str:
         for i, r in enumerate(e["rounds"]):
             one, many = r["one"], r["many"]
             ratio = "-"
-            if base is not None and name != "tandem" and i < len(base["rounds"]):
+            if base is not None and not name.startswith("tandem") and i < len(base["rounds"]):
                 t = base["rounds"][i]
                 ratio = (f"{t['one']['output_tokens_per_s'] / one['output_tokens_per_s']:.2f}x, "
                          f"{t['many']['output_tokens_per_s'] / many['output_tokens_per_s']:.2f}x")
@@ -261,6 +330,11 @@ def table(results: dict) -> str:
     for name, e in results["engines"].items():
         if "error" in e:
             lines.append(f"| {name} | failed: {e['error'][:120]} |")
+    m = results["machine"]
+    lines.append(f"\n{m['cpu']}, {m['cpus']} CPUs; memory read {m['read_gb_per_s']} GB/s; a 1-stream decode step "
+                 "reads every weight once, so at most: " + ", ".join(
+                     f"{k} {v['weight_bytes'] / 1e6:.0f} MB -> {v['step_ms']} ms, {v['tokens_per_s']} tok/s"
+                     for k, v in results["bandwidth_limits"].items()))
     return "\n".join(lines)
 
 
@@ -273,8 +347,11 @@ def main(argv=None) -> dict:
                                                    "tokenizer (default: Tandem's converted cache directory)")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (BENCHMARKS.md Peers)")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
-    ap.add_argument("--gguf", default=None, help="bf16 GGUF of the same weights, for llama.cpp")
-    ap.add_argument("--tandem-arg", action="append", default=[], help="extra option of tandem serve (repeatable)")
+    ap.add_argument("--gguf", action="append", default=[], help="a GGUF of the same weights, for llama.cpp "
+                                                                   "(repeatable: one server each)")
+    ap.add_argument("--tandem", action="append", default=[], metavar="NAME=ARGS",
+                    help="a Tandem server named NAME with the options ARGS (repeatable; default: one, its defaults)")
+    ap.add_argument("--tandem-arg", action="append", default=[], help="extra option of every tandem serve (repeatable)")
     ap.add_argument("--prompt-tokens", type=int, default=47)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--one-requests", type=int, default=8, help="requests at 1 stream")

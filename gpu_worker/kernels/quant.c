@@ -192,15 +192,16 @@ void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale
     }
 }
 
-/* The rows `ids` of a q8 or q4 table [rows, K] (an embedding), expanded to float32 -> out [n, K]. */
+/* The rows `ids` of a table [rows, K] in any format (an embedding), expanded to float32 -> out [n, K]. */
 void wgather(int fmt, const void *w, const float *scale, const float *offset, int64_t G, int64_t K,
              const int64_t *ids, int64_t n, float *out) {
-    const int gshift = __builtin_ctzll((unsigned long long)G);
+    const int gshift = G > 0 ? __builtin_ctzll((unsigned long long)G) : 0;
     for (int64_t i = 0; i < n; i++)
         for (int64_t k = 0; k < K; k += STEP) {
             vf wv[CHUNKS];
             if (fmt == FMT_Q8) w_step(FMT_Q8, w, scale, offset, gshift, K, ids[i], k, wv);
-            else w_step(FMT_Q4, w, scale, offset, gshift, K, ids[i], k, wv);
+            else if (fmt == FMT_Q4) w_step(FMT_Q4, w, scale, offset, gshift, K, ids[i], k, wv);
+            else w_step(FMT_BF16, w, scale, offset, gshift, K, ids[i], k, wv);
             for (int c = 0; c < CHUNKS; c++) v_store(out + i * K, k + c * VW, VW, wv[c], 0);
         }
 }
