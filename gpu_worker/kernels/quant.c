@@ -14,15 +14,16 @@
  *         (q in 0..15; within each 32 k, byte j holds k = j in its low nibble and k = j + 16 in
  *         its high one, GGUF's order; G a multiple of 32. Q4_0: offset = -8 scale; Q4_1: the min;
  *         Q4_K: scale = d * sc, offset = -dmin * m)
- *   bf16  W [N, K] bf16 (CPUs without AMX: oneDNN's bf16 path needs AVX-512)
+ *   bf16  W [N, K] bf16 (a BF16 GGUF file's matrices)
  * Each expanded weight is bit for bit GGUF's own dequantization in float32 (scale * q is exact:
  * an fp16 scale times a small integer fits float32's 24 bits; the offset is added with one
  * rounding, as `d * q + m` does), so against a float32 matmul over the dequantized weights only
  * the order of the sums differs.
  *
- * Shape of the work: threads split the output columns into blocks of NB rows of W; a thread
- * expands its block's NB rows into a float32 buffer (L1/L2-resident), then multiplies every row
- * of x by it, MB rows of x at a time with MB x NB accumulators in registers. Batch invariance:
+ * Shape of the work: threads split the output columns into blocks of NB rows of W. Against up
+ * to MB rows of x (decode) a block's weights are expanded in registers as they stream by; against
+ * more, once into a float32 buffer (L1/L2-resident) that each group of MB rows then reads. Either
+ * way MB x NB accumulators stay in registers, 32 k per step. Batch invariance:
  * y[m][n] is one float32 accumulation over K in VW-wide lanes, in k order, then the lanes summed
  * in a fixed tree, whatever M, whichever block or thread: a row's result does not depend on the
  * rows computed with it (the engine's pipelined and blocking schedules batch rows differently).
@@ -95,25 +96,25 @@ static inline void sum_lanes(const vf *acc, float *sums) {
 }
 
 /* x rows m0 .. m0 + MBC - 1 (MBC <= MB, a literal at each call) times W's rows n0 .. n0 + nb - 1,
- * read from the expanded block `buf` [NB][Kp] or, where buf is NULL, expanded in registers as
+ * read from the expanded block `buf` [NB][K] or, where buf is NULL, expanded in registers as
  * they are used -> y (+ bias), rounded to y's type once. */
 static inline __attribute__((always_inline)) void multiply_block(
     const int fmt, const void *w, const float *scale, const float *offset, int gshift, const int from_buf,
-    const float *buf, const void *x, const int x_bf, int64_t K, int64_t Kp, int64_t m0, const int MBC, int64_t n0, int64_t nb,
+    const float *buf, const void *x, const int x_bf, int64_t K, int64_t m0, const int MBC, int64_t n0, int64_t nb,
     const float *bias, void *y, int y_bf, int64_t ldy) {
     vf acc[MB * NB];
     for (int i = 0; i < MB * NB; i++) acc[i] = v_set(0.f);
     const size_t x_el = x_bf ? 2 : 4;
     int64_t rows[NB];
     for (int n = 0; n < NB; n++) rows[n] = n0 + (n < nb ? n : 0);
-    for (int64_t k = 0; k < Kp; k += STEP) {
+    for (int64_t k = 0; k < K; k += STEP) {
         vf xv[MB][CHUNKS];
         for (int m = 0; m < MBC; m++)
             for (int c = 0; c < CHUNKS; c++) xv[m][c] = v_load((const char *)x + (m0 + m) * K * x_el, k + c * VW, VW, x_bf);
         for (int n = 0; n < NB; n++) {
             vf wv[CHUNKS];
             if (from_buf) /* a literal: two copies of this loop, each with one source */
-                for (int c = 0; c < CHUNKS; c++) wv[c] = v_load(buf + n * Kp, k + c * VW, VW, 0);
+                for (int c = 0; c < CHUNKS; c++) wv[c] = v_load(buf + n * K, k + c * VW, VW, 0);
             else
                 w_step(fmt, w, scale, offset, gshift, K, rows[n], k, wv);
             for (int c = 0; c < CHUNKS; c++) /* in k order: a lane's sum does not depend on the blocking */
@@ -131,24 +132,23 @@ static inline __attribute__((always_inline)) void multiply_block(
         }
 }
 
-/* One block of NB rows of W against all M rows of x. Up to MB rows the weights are expanded in
- * registers as they stream by (read once: decode); past that, once into `buf` and reused by each
- * group of MB rows (prefill, many streams). */
+/* One block of NB rows of W against all M rows of x (see the top: streamed up to MB rows, else
+ * expanded into `buf` once). */
 static inline __attribute__((always_inline)) void block_rows(
     const int fmt, const void *w, const float *scale, const float *offset, int gshift, float *buf, const void *x,
-    const int x_bf, int64_t K, int64_t Kp, int64_t M, int64_t n0, int64_t nb, const float *bias, void *y, int y_bf,
+    const int x_bf, int64_t K, int64_t M, int64_t n0, int64_t nb, const float *bias, void *y, int y_bf,
     int64_t ldy) {
     if (M > MB) {
         for (int64_t r = 0; r < NB; r++)
-            for (int64_t k = 0; k < Kp; k += STEP) {
+            for (int64_t k = 0; k < K; k += STEP) {
                 vf wv[CHUNKS];
                 w_step(fmt, w, scale, offset, gshift, K, n0 + (r < nb ? r : 0), k, wv);
-                for (int c = 0; c < CHUNKS; c++) v_store(buf + r * Kp, k + c * VW, VW, wv[c], 0);
+                for (int c = 0; c < CHUNKS; c++) v_store(buf + r * K, k + c * VW, VW, wv[c], 0);
             }
     } else {
         buf = NULL;
     }
-#define ROWS(B, R) multiply_block(fmt, w, scale, offset, gshift, B, buf, x, x_bf, K, Kp, m0, R, n0, nb, bias, y, y_bf, ldy)
+#define ROWS(B, R) multiply_block(fmt, w, scale, offset, gshift, B, buf, x, x_bf, K, m0, R, n0, nb, bias, y, y_bf, ldy)
     int64_t m0 = 0;
     if (buf) {
         for (; m0 + MB <= M; m0 += MB) ROWS(1, MB);
@@ -172,16 +172,16 @@ static inline __attribute__((always_inline)) void block_rows(
  * dividing K. K a multiple of 32 for every format (quant.py checks). */
 void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale, const float *offset, int64_t G,
              const float *bias, void *y, int y_bf, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
-    const int64_t Kp = K, blocks = (N + NB - 1) / NB; /* K: a multiple of STEP */
+    const int64_t blocks = (N + NB - 1) / NB;
     const int gshift = G > 0 ? __builtin_ctzll((unsigned long long)G) : 0; /* G: a power of two */
     if (M * N * K < (1 << 15)) nthreads = 1; /* a parallel region costs more than it saves */
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = M > MB ? aligned_alloc(64, (size_t)(NB * Kp * 4 + 63) / 64 * 64) : NULL;
+        float *buf = M > MB ? aligned_alloc(64, (size_t)(NB * K * 4 + 63) / 64 * 64) : NULL;
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < blocks; blk++) {
             const int64_t n0 = blk * NB, nb = N - n0 < NB ? N - n0 : NB;
-#define BLOCK(F, XB) block_rows(F, w, scale, offset, gshift, buf, x, XB, K, Kp, M, n0, nb, bias, y, y_bf, ldy)
+#define BLOCK(F, XB) block_rows(F, w, scale, offset, gshift, buf, x, XB, K, M, n0, nb, bias, y, y_bf, ldy)
             /* one specialised copy per format and x type: the branches leave the inner loop */
             if (fmt == FMT_Q8) x_bf ? BLOCK(FMT_Q8, 1) : BLOCK(FMT_Q8, 0);
             else if (fmt == FMT_Q4) x_bf ? BLOCK(FMT_Q4, 1) : BLOCK(FMT_Q4, 0);
