@@ -18,16 +18,9 @@ import torch.nn as nn
 
 from gpu_worker.model import Llama, LlamaConfig
 from gpu_worker.quant import QuantEmbedding, QuantKernels, QuantLinear, QWeight, from_gguf, quantize
-from shared.models import GGUF_FILE, gguf_tensor_name
+from shared.models import GGUF_FILE, gguf_tensor_name, unpermute_rope_rows
 
 log = logging.getLogger(__name__)
-
-
-def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
-    """The row order that undoes llama.cpp's q/k permutation (``shared.models._unpermute`` of an
-    index vector), applied to quantized rows as they are."""
-    idx = np.arange(n_rows)
-    return idx.reshape(n_heads, n_rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
 def load_gguf(path: Path, kernels: QuantKernels | None, dtype: torch.dtype = torch.float32,
@@ -48,7 +41,7 @@ def load_gguf(path: Path, kernels: QuantKernels | None, dtype: torch.dtype = tor
         kind = name.rsplit(".", 2)[-2]
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(kind)
         if heads is not None:  # llama.cpp stores q and k rows in its rope order
-            order = torch.from_numpy(_unpermute_rows(w.shape[0], heads))
+            order = torch.from_numpy(unpermute_rope_rows(np.arange(w.shape[0]), heads))
             w = w.rows(order) if isinstance(w, QWeight) else w[order]
         return w
 

@@ -222,8 +222,9 @@ def _extract_smollm2_tokenizer(out: Path, quiet: bool) -> None:
     tok.save_pretrained(str(out))
 
 
-def _unpermute(w, n_heads: int):
-    """Undo llama.cpp's q/k row permutation (interleaved rope → HF half-split rope)."""
+def unpermute_rope_rows(w, n_heads: int):
+    """Undo llama.cpp's q/k row permutation (interleaved rope → HF half-split rope) of ``w``'s
+    rows (a weight, or an index vector whose order then applies to rows of blocks)."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -283,7 +284,7 @@ def _gguf_directory(src: Path, out: Path, quiet: bool, dequantize: bool) -> None
     reader = gguf.GGUFReader(str(src))
     config = gguf_config(reader)
     if dequantize:
-        _dequantize_gguf(reader, config, out, quiet)
+        _dequantize_gguf(reader, config, out, quiet, src.name)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
@@ -308,7 +309,7 @@ def gguf_tensor_name(name: str) -> str:
     return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"
 
 
-def _dequantize_gguf(reader, config: dict, out: Path, quiet: bool) -> None:
+def _dequantize_gguf(reader, config: dict, out: Path, quiet: bool, label: str) -> None:
     import gguf
     import numpy as np
     from safetensors.numpy import save_file
@@ -321,12 +322,12 @@ def _dequantize_gguf(reader, config: dict, out: Path, quiet: bool) -> None:
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if kind == "attn_q":
-            w = _unpermute(w, config["num_attention_heads"])
+            w = unpermute_rope_rows(w, config["num_attention_heads"])
         elif kind == "attn_k":
-            w = _unpermute(w, config["num_key_value_heads"])
+            w = unpermute_rope_rows(w, config["num_key_value_heads"])
         tensors[gguf_tensor_name(t.name)] = np.ascontiguousarray(w)
         if not quiet and (i % 8 == 7 or i + 1 == total):
-            _progress(f"dequantizing {out.name.lstrip('.').split('-')[0]}", i + 1, total, t0)
+            _progress(f"dequantizing {label}", i + 1, total, t0)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
