@@ -141,8 +141,7 @@ def from_gguf(tensor) -> QWeight | torch.Tensor:
     kind = tensor.tensor_type.name
     K, N = (int(d) for d in tensor.shape[:2]) if len(tensor.shape) > 1 else (int(tensor.shape[0]), 1)
     if kind in ("F32", "F16"):
-        return torch.from_numpy(np.asarray(tensor.data).astype(np.float32).reshape(N, K) if N > 1
-                                else np.asarray(tensor.data).astype(np.float32).reshape(K))
+        return torch.from_numpy(np.asarray(tensor.data).astype(np.float32).reshape((N, K) if N > 1 else (K,)))
     if kind == "BF16":  # a matrix stays bf16 (the kernel expands it exactly); a vector becomes float32
         w = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.int16).copy()).view(torch.bfloat16)
         return QWeight("bf16", w.reshape(N, K), None, None, 0, (N, K)) if N > 1 else w.float().reshape(K)
@@ -199,6 +198,11 @@ def quantize(weight: torch.Tensor, method: str, group: int = 32, symmetric: bool
 
 # ---- the modules ---------------------------------------------------------------------------------
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for ctypes; None (NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
+
+
 class QuantKernels:
     """``kernels/quant.c``'s ``wlinear`` and ``wgather``, from the CPU kernels' library."""
 
@@ -209,16 +213,14 @@ class QuantKernels:
     def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:
         """y [M, ldy]'s first N columns (a view) = x [M, K] @ w^T + bias (float32 or None)."""
         M, K = x.shape
-        addr = lambda t: None if t is None else t.data_ptr()
-        self._linear(FORMATS[w.fmt], x.data_ptr(), x.dtype == torch.bfloat16, w.data.data_ptr(), addr(w.scale),
-                     addr(w.offset), w.group, addr(bias), y.data_ptr(), y.dtype == torch.bfloat16, y.stride(0), M, K,
+        self._linear(FORMATS[w.fmt], x.data_ptr(), x.dtype == torch.bfloat16, w.data.data_ptr(), _ptr(w.scale),
+                     _ptr(w.offset), w.group, _ptr(bias), y.data_ptr(), y.dtype == torch.bfloat16, y.stride(0), M, K,
                      w.shape[0], torch.get_num_threads())
 
     def gather(self, w: QWeight, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.contiguous()
         out = torch.empty((ids.numel(), w.shape[1]), dtype=torch.float32)
-        addr = lambda t: None if t is None else t.data_ptr()
-        self._gather(FORMATS[w.fmt], w.data.data_ptr(), addr(w.scale), addr(w.offset), w.group, w.shape[1],
+        self._gather(FORMATS[w.fmt], w.data.data_ptr(), _ptr(w.scale), _ptr(w.offset), w.group, w.shape[1],
                      ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
 
