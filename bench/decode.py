@@ -111,6 +111,7 @@ class Loaded:
     path: str | None  # HF directory for file models, None for random-*
     dtype: object  # torch.dtype
     torch_device: str
+    eos: tuple[int, ...] = ()  # the model's EOS ids (shared.models.ModelInfo's, or a built-in config's)
 
 
 def resolve_device(spec: str) -> str:
@@ -129,7 +130,8 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
     torch_device = "cuda" if device.startswith("cuda") else "cpu"
     if device.startswith("cuda:"):
         torch_device = device
-    from gpu_worker.model_runner import default_dtype
+    from gpu_worker.engine import EngineConfig
+    from gpu_worker.model_runner import default_dtype, model_eos_ids
 
     auto = dtype_name in (None, "auto")
     dtype = default_dtype(torch_device != "cpu") if auto else getattr(torch, dtype_name)
@@ -139,14 +141,14 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
             raise SystemExit(f"{name} is not a Llama: `{model.bench} --model {name}` benchmarks it")
         cfg = LlamaConfig.from_hf_config(model.random_config)
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)
-        return Loaded(name, llama, None, dtype, torch_device)
+        return Loaded(name, llama, None, dtype, torch_device, model_eos_ids(EngineConfig(model=name)))
     from shared.models import resolve_model
 
     path = resolve_model(name)
     cfg = LlamaConfig.from_pretrained(path)
     llama = Llama.from_pretrained(path, dtype=dtype, device=torch_device,
                                   max_model_len=min(max_model_len, cfg.max_position_embeddings))
-    return Loaded(name, llama, str(path), dtype, torch_device)
+    return Loaded(name, llama, str(path), dtype, torch_device, model_eos_ids(EngineConfig(model=str(path))))
 
 
 def make_engine(loaded: Loaded, device: str, pipelined: bool, max_batch: int, max_model_len: int,
@@ -278,7 +280,7 @@ def build_hf_model(loaded: Loaded, dtype=None):
                     rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None,
                     tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
                     mlp_bias=c.mlp_bias, bos_token_id=c.bos_token_id,
-                    eos_token_id=list(c.eos_token_id) or None, pad_token_id=0)
+                    eos_token_id=list(loaded.eos) or None, pad_token_id=0)
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # older transformers
@@ -407,7 +409,7 @@ def run_throughput(args, loaded, engines, streams_list, modes, hf, result, devic
     from shared.sampling import SamplingParams
 
     vocab = loaded.llama.config.vocab_size
-    eos = loaded.llama.config.eos_token_id
+    eos = loaded.eos
     params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
     for streams in streams_list:
         prompts = make_prompts(streams, args.prompt_len, vocab, args.seed + streams, avoid=eos)
@@ -473,7 +475,7 @@ def _zombie_request(engine, loaded, args):
     from shared.sampling import SamplingParams
 
     vocab = loaded.llama.config.vocab_size
-    eos = set(loaded.llama.config.eos_token_id)
+    eos = set(loaded.eos)
     cap = ZOMBIE_TARGET + 40
     best = None
     for attempt in range(8):

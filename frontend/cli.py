@@ -163,11 +163,13 @@ def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, reg
                                    "(the server's own apply: set them on `tandem serve`)")
     elif given(ctx, "timeout"):
         raise click.UsageError("--timeout applies to --connect only")
-    sampling = {name: kw.pop(name) for name in SAMPLING_FIELD_NAMES}
+    # Only the sampling options given are sent: the others take the model's defaults (generation_config.json),
+    # else the protocol's.
+    sampling = {name: value for name in SAMPLING_FIELD_NAMES if (value := kw.pop(name)) is not None and given(ctx, name)}
     engine_kw = kw
     if skill is not None:  # the model renders its own prompt; the sampling fields set override its defaults
         fields = _skill_fields(skill, prompt, length, reasoning, max_objects, images,
-                               {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "seed") if given(ctx, k)})
+                               {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in sampling})
     else:
         prompt = _read_prompt(prompt)
         kinds = [g for g in (grammar, regex, json_schema) if g is not None]
@@ -180,7 +182,6 @@ def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, reg
             spec = {"kind": "regex", "pattern": regex}
         elif json_schema is not None:
             spec = {"kind": "json_schema", "schema": json.load(json_schema)}
-        sampling["stop_token_ids"] = list(sampling["stop_token_ids"])
         fields = _request_fields(prompt, raw, sampling, list(stop), spec, adapter, images)
     live = stream and not as_json
     echo = (lambda text: click.echo(text, nl=False)) if live else (lambda text: None)
@@ -233,7 +234,7 @@ def _server_info(client, endpoint: str, timeout: float) -> dict:
 def _request_fields(prompt, raw, sampling, stop, spec, adapter, images) -> dict:
     """The generate call of ``tandem generate``, the same with and without --connect."""
     kw = dict(sampling, stop=stop or None, grammar=spec, adapter=adapter, images=list(images) or None)
-    kw["stop_token_ids"] = kw["stop_token_ids"] or None
+    kw["stop_token_ids"] = list(kw.get("stop_token_ids") or ()) or None
     if raw:
         kw["prompt"] = prompt
     else:

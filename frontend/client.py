@@ -66,6 +66,7 @@ from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_F
 from frontend.protocol import encode_message as _encode
 from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
+from shared.families import native_skills
 from shared.sampling import SAMPLING_FIELD_NAMES
 
 __all__ = [
@@ -284,11 +285,11 @@ def image_bytes(image: Any) -> bytes:
     raise TypeError(f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
 
 
-def _skill_msg(skill: str, image: Any, options: dict[str, Any], family: str | None, **args: Any) -> dict[str, Any]:
+def _skill_msg(skill: str, image: Any, options: dict[str, Any], native: bool, **args: Any) -> dict[str, Any]:
     """The generate options of a skill, overridden by the caller's ``options``. A Moondream model
     renders its own skills (``skill`` and its fields); else ``frontend.skills``'s prompt, where the
     image goes before the text (the protocol's rule for messages without image parts)."""
-    if family == "moondream":
+    if native:
         own = {"length": args.get("length"), "question": args.get("question"), "object": args.get("obj"),
                "max_objects": args.get("max_objects") if skill in ("point", "detect") else None}
         return {**skills_native(skill, own), **options, "images": [] if image is None else [image]}
@@ -532,7 +533,7 @@ class _ClientBase:
         self.curve = curve
         self._demux = _Demux()
         self._closed = False
-        self._family: str | None = None  # the server's model family, asked once by the first skill call
+        self._native_skills: bool | None = None  # the server's model renders its skills: asked once, by the first
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -603,15 +604,15 @@ class _ClientBase:
         return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 
     def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:
-        """A Moondream server renders its own skills: the server's family is asked once, by the first call."""
-        def send(family: str) -> Any:
-            self._family = family
-            return self._then(self.generate(**_skill_msg(skill, image, options, family, **args)),
+        """A Moondream server renders its own skills: whether it does is asked once, by the first call."""
+        def send(native: bool) -> Any:
+            self._native_skills = native
+            return self._then(self.generate(**_skill_msg(skill, image, options, native, **args)),
                               lambda r: _skill_result(skill, r))
 
-        if self._family is not None:
-            return send(self._family)
-        return self._then(self.info(), lambda info: send(info.get("family", "")))
+        if self._native_skills is not None:
+            return send(self._native_skills)
+        return self._then(self.info(), lambda info: send(native_skills(info.get("family"))))
 
     @property
     def closed(self) -> bool:

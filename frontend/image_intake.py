@@ -22,7 +22,7 @@ request is sent, ``cancel`` with the request, ``close`` with the service.
 A cancel at any of these phases ends the request at once (one still queued in
 the pool never runs; a result that arrives for an ended request is dropped).
 
-A vision family plugs in here with an ``IntakeFamily`` (``intake_family``): the
+A vision family plugs in here with an ``IntakeFamily`` (``INTAKES``, by its family's name): the
 function the pool runs (Idefics3: ``images.prepare_images``; Moondream:
 ``moondream_images.prepare_images``), its tiles' geometry and how many prompt
 positions an image fills; the caller brings the renderer. The slots, the
@@ -65,16 +65,24 @@ class IntakeFamily:
     tiling: bool = False  # the worker needs each image's tiling (Moondream encodes its crops together)
 
 
+def _idefics3(model: ModelInfo) -> IntakeFamily:
+    params = ImageProcessorParams.from_model_dir(model.path)
+    return IntakeFamily(prepare_images, params, max_tiles_per_image(params), params.tile_size,
+                        lambda ids, images: ids.count(params.image_token_id))  # one feature row each
+
+
+def _moondream(model: ModelInfo) -> IntakeFamily:  # the BOS + image block of each image
+    return IntakeFamily(moondream_images.prepare_images, None, 1 + moondream_images.MAX_CROPS,
+                        moondream_images.CROP_SIZE, lambda ids, images: PREFIX_LEN * len(images), tiling=True)
+
+
+# Each vision family's intake, by its shared.families name.
+INTAKES: dict[str, Callable[[ModelInfo], IntakeFamily]] = {"idefics3": _idefics3, "moondream": _moondream}
+
+
 def intake_family(model: ModelInfo) -> IntakeFamily | None:
     """The model's vision family on the frontend side; None for a text-only model."""
-    if model.family == "idefics3":
-        params = ImageProcessorParams.from_model_dir(model.path)
-        return IntakeFamily(prepare_images, params, max_tiles_per_image(params), params.tile_size,
-                            lambda ids, images: ids.count(params.image_token_id))  # one feature row each
-    if model.family == "moondream":  # the BOS + image block of each image
-        return IntakeFamily(moondream_images.prepare_images, None, 1 + moondream_images.MAX_CROPS,
-                            moondream_images.CROP_SIZE, lambda ids, images: PREFIX_LEN * len(images), tiling=True)
-    return None
+    return INTAKES[model.family.name](model) if model.vision else None
 
 
 @dataclass(eq=False)

@@ -83,6 +83,7 @@ def engine_options(fn: Callable) -> Callable:
         engine_option("--quantization", "quantization", type=click.Choice(QUANTIZATIONS)),
         engine_option("--quantization-group", "quantization_group", type=click.Choice([str(g) for g in INT4_GROUPS]),
                       default=str(config_field("quantization_group").default)),
+        engine_option("--generation-config", "generation_config", metavar="auto|vllm|FOLDER"),
         *(option("Engine", "--" + flag.replace("_", "-"), is_flag=True, help=config_field(field).metadata["help"])
           for flag, field in no.items()),
         engine_option("--max-batch", "max_batch"),

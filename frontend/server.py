@@ -29,7 +29,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import zmq
@@ -85,7 +85,7 @@ class Gate:
                                   msg.id)
         if msg.skill is not None:
             return self._submit_skill(msg, on_event, user_data)
-        if msg.images and service.model.family == "moondream":
+        if msg.images and service.model.family.native_skills:
             raise P.ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
                                   "(skill: caption, query, point or detect)", msg.id)
         try:
@@ -102,13 +102,19 @@ class Gate:
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
         kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=on_event,
                   user_data=user_data, adapter=msg.adapter)
+        sampling = self.sampling(msg)
         try:
             if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
-                return service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling,
-                                             **kw)
-            return service.submit(ids, msg.sampling, **kw)
+                return service.submit_images(list(msg.images), self._image_renderer(msg), sampling, **kw)
+            return service.submit(ids, sampling, **kw)
         except ValueError as e:
             raise P.ProtocolError("bad_request", str(e), msg.id) from None
+
+    def sampling(self, msg: P.GenerateRequest):
+        """The request's sampling parameters: the fields it sets, the model's defaults
+        (generation_config.json) for those it leaves out, the protocol's defaults for the rest."""
+        defaults = {k: v for k, v in self.service.model.sampling_defaults.items() if k not in msg.explicit}
+        return replace(msg.sampling, **defaults) if defaults else msg.sampling
 
     def _submit_skill(self, msg: P.GenerateRequest, on_event, user_data) -> Request:
         """A skill request: the model renders its own prompt (Moondream: its token templates); the
@@ -285,7 +291,8 @@ class Server:
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
                      "grammar_cache_hits": self.gate.grammars.cache_hits,
                      "adapters": list(self.service.adapters),
-                     "vision": self.service.model.vision, "family": self.service.model.family}
+                     "vision": self.service.model.vision, "family": self.service.model.family.name,
+                     "sampling_defaults": self.service.model.sampling_defaults}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}

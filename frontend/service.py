@@ -85,7 +85,7 @@ class Service:
     def __init__(self, config: ServiceConfig | None = None, tokenizer=None, on_progress=None) -> None:
         """``on_progress(msg)`` sees the worker's start-up ``Progress`` messages (stage, done, total)."""
         self.config = cfg = config or ServiceConfig()
-        self.model = ModelInfo.load(cfg.model)  # converts once, with progress, before the worker starts
+        self.model = ModelInfo.load(cfg.model, cfg.generation_config)  # converts once, with progress, before the worker starts
         self.model_path = self.model.path
         # LoRA adapters are checked against the model here, so a bad one fails before a worker starts.
         self.adapters = read_adapters(cfg.loras, read_config(self.model_path))
@@ -185,7 +185,7 @@ class Service:
                      on_event=None, user_data=None) -> Request:
         """A Moondream skill request (``moondream_skills.plan``): the model's own prompt, the task its
         row runs on the device, and (at ``done``) its answer. ValueError names a bad field."""
-        if self.model.family != "moondream":
+        if not self.model.family.native_skills:
             raise ValueError("skill: this model has no Moondream skills; send a prompt")
         if len(images) > 1:
             raise ValueError("images: a skill takes one image")

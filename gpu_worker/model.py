@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral; Qwen3 with ``qk_norm``) over a paged KV cache.
 
 Plain PyTorch in the spirit of gpt-fast. One ``forward`` serves prefill, chunked
 prefill, decode and any mix of them: the caller packs the new tokens of all
@@ -9,22 +9,29 @@ A vision-language checkpoint (Idefics3 / SmolVLM) loads as its text backbone;
 the prefill of an image prompt passes the vision encoder's features for the
 ``<image>`` placeholder tokens (``gpu_worker/vision.py``).
 
+Qwen3 (``LlamaConfig.qk_norm``) normalises each head of q and k (RMSNorm over ``head_dim``) before
+the rotary embedding. The fused CPU kernels do not have that step: such a model never takes them
+for its layers (``Llama.cpu_kernels`` stays None, logged), only for its matmuls.
+
+The EOS ids are not the model's business: ``shared.models.ModelInfo`` reads them, for both processes.
+
 The forward does no host syncs and allocates only shape-determined tensors, so a
 decode step can be captured in a CUDA graph and replayed with new Batch contents.
 """
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from shared.families import read_config
 
 from gpu_worker.batch import Batch
 from gpu_worker.cpu_kernels import CpuKernels
@@ -52,7 +59,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q, k, v (Qwen2); o_proj never has one here
     mlp_bias: bool = False
-    eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False  # Qwen3: RMSNorm per head on q and k before rope
     bos_token_id: int | None = None
     model_type: str = "llama"
     sliding_window: int | None = None  # Mistral/Qwen2: parsed but not applied (full attention)
@@ -63,18 +70,16 @@ class LlamaConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if isinstance(self.eos_token_id, int):
-            self.eos_token_id = (self.eos_token_id,)
-        self.eos_token_id = tuple(self.eos_token_id or ())
+
+    @property
+    def unfused_reason(self) -> str | None:
+        """Why the fused CPU kernels cannot run these layers (they would compute them wrong); None: they can."""
+        return "the kernels have no per-head q/k norm (Qwen3)" if self.qk_norm else None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "LlamaConfig":
-        """Parse a Hugging Face config.json dict (transformers 4.x or 5.x layout).
-
-        A vision-language config (Idefics3) is parsed as its Llama text backbone.
-        """
-        if "text_config" in cfg:
-            cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
+    def from_hf_config(cls, cfg: dict, **overrides) -> "LlamaConfig":
+        """Parse a language model's Hugging Face config dict (transformers 4.x or 5.x layout, flat: a
+        family's ``text_config``); ``overrides``: fields the family sets (Qwen3's ``qk_norm``)."""
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}")
@@ -86,8 +91,7 @@ class LlamaConfig:
         if rope_type not in ("default", "linear", "llama3"):
             raise NotImplementedError(f"rope type {rope_type!r} is not supported")
         model_type = cfg.get("model_type", "llama")
-        eos = cfg.get("eos_token_id")
-        return cls(
+        return cls(**(dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -102,16 +106,17 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            eos_token_id=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
             bos_token_id=cfg.get("bos_token_id"),
             model_type=model_type,
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        )
+        ) | overrides))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "LlamaConfig":
-        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        """The text model's config of a checkpoint directory, as its family parses it."""
+        from .families import llama_config
+        return llama_config(read_config(path))
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -304,14 +309,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias, dtype=dtype, device=device)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False, dtype=dtype,
                                 device=device)
+        # Qwen3: each head of q and k RMS-normalised (over head_dim) before rope.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: PagedKVCache,
                 mask: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         # Rope on q and k in one go; they are adjacent in the fused output.
-        qk = apply_rope(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([H, Hkv], dim=1)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
 
@@ -358,10 +369,24 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.max_model_len = max_model_len or min(config.max_position_embeddings, MAX_ROPE_LEN)
         # The fused CPU kernels (cpu_kernels.py), attached by the runner for bf16 on a CPU; None: eager.
-        self.cpu_kernels: CpuKernels | None = None
+        self._cpu_kernels: CpuKernels | None = None
         self._layer_table: tuple | None = None  # _layer_weights' (kernels, parts, table)
         if torch.device(device).type != "meta":
             self._init_rope(device)
+
+    @property
+    def cpu_kernels(self) -> CpuKernels | None:
+        return self._cpu_kernels
+
+    @cpu_kernels.setter
+    def cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """Attach the fused CPU kernels for the layers; refused (logged, eager layers) where they would
+        compute these layers wrong (``LlamaConfig.unfused_reason``)."""
+        why = self.config.unfused_reason
+        if kernels is not None and why is not None:
+            log.info("CPU kernels: the decoder layers run eagerly: %s (linears still use the kernels' matmul)", why)
+            kernels = None
+        self._cpu_kernels = kernels
 
     def _init_rope(self, device) -> None:
         # cos/sin tables [max_model_len, head_dim / 2], kept in float32 and cast
@@ -530,6 +555,9 @@ class Llama(nn.Module):
             if config.attention_bias:
                 put(attn.qkv_proj, "bias", torch.cat([need(n + "bias") for n in qkv]))
             put(attn.o_proj, "weight", need(p + "self_attn.o_proj.weight"))
+            if config.qk_norm:
+                put(attn.q_norm, "weight", need(p + "self_attn.q_norm.weight"))
+                put(attn.k_norm, "weight", need(p + "self_attn.k_norm.weight"))
             put(mlp.gate_up_proj, "weight", torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")]))
             put(mlp.down_proj, "weight", need(p + "mlp.down_proj.weight"))
             if config.mlp_bias:
@@ -579,6 +607,8 @@ def _hf_shape(config: LlamaConfig, name: str) -> tuple[int, ...] | None:
     if config.attention_bias:
         shapes.update({"self_attn.q_proj.bias": (H * D,), "self_attn.k_proj.bias": (Hkv * D,),
                        "self_attn.v_proj.bias": (Hkv * D,)})
+    if config.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
     if config.mlp_bias:
         shapes.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (hid,)})
     return shapes.get(leaf)

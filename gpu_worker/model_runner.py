@@ -31,17 +31,17 @@ import torch
 
 from shared.arith import ceil_div
 from shared.config import QUANTIZATIONS, EngineConfig
-from shared.models import GGUF_FILE, resolve_model
-from shared.moondream_config import is_moondream
-from shared.vision_config import ImageProcessorParams, is_vision_model
+from shared.families import family_of, read_config
+from shared.models import GGUF_FILE, ModelInfo, builtin, resolve_model
+from shared.vision_config import ImageProcessorParams
 
 from .device import Device
 from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
-from . import cpu_kernels, quant
-from .gguf_weights import load_gguf, quantize_linears
-from .model import Llama, LlamaConfig, pack_linears
+from . import cpu_kernels, families, quant
+from .gguf_weights import quantize_linears
+from .model import Llama, pack_linears
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS
@@ -117,8 +117,8 @@ def _quantization(config: EngineConfig, dev: torch.device, path) -> str | None:
     if method in ("int8", "int4"):
         if dev.type != "cpu":
             raise ValueError(f"--quantization {method} runs on a CPU only (the device is {dev.type})")
-        if path is not None and is_moondream(path):
-            raise ValueError(f"--quantization {method} is not supported for Moondream yet")
+        if path is not None and not families.worker_family(path).quantizable:
+            raise ValueError(f"--quantization {method} is not supported for {family_of(read_config(path)).name} yet")
         if config.loras:
             raise ValueError(f"--quantization {method} cannot be combined with LoRA adapters")
         return method
@@ -126,6 +126,15 @@ def _quantization(config: EngineConfig, dev: torch.device, path) -> str | None:
     if method == "auto" and gguf and dev.type == "cpu" and not config.loras:
         return "gguf"
     return None
+
+
+def model_eos_ids(config: EngineConfig) -> tuple[int, ...]:
+    """The EOS ids of ``config.model``, read where the frontend reads them (``ModelInfo``); a model the
+    benchmarks draw in memory has only its built-in config."""
+    model = builtin(config.model)
+    if model is not None and model.build is None:
+        return family_of(model.random_config).eos_token_ids(model.random_config)
+    return ModelInfo.load(config.model, config.generation_config).eos_token_ids
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -144,6 +153,8 @@ class ModelRunner:
         dev = device.torch_device
         max_model_len, page_size, max_rows = config.max_model_len, config.page_size, config.max_batch
         path = resolve_model(config.model) if llama is None else None
+        if path is not None:
+            family_of(read_config(path))  # an unsupported architecture or quantization: refused before any work
         quantized = _quantization(config, dev, path)
         # Quantized weights are expanded to float32 in registers and summed in float32: float32
         # activations cost nothing in weight traffic and keep the GGUF reference's numerics.
@@ -156,18 +167,9 @@ class ModelRunner:
             raise RuntimeError("quantized weights need the CPU kernels, which did not build here (see the log); "
                                "--quantization none serves the dequantized weights")
         quant_kernels = quant.QuantKernels(kernels) if quantized else None
-        if llama is None:
-            if is_moondream(path):
-                llama = Moondream.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
-            else:
-                max_model_len = min(max_model_len, LlamaConfig.from_pretrained(path).max_position_embeddings)
-                if quantized == "gguf" or not any(path.glob("*.safetensors")):  # a GGUF file alone: dequantized
-                    llama = load_gguf(path, quant_kernels, self.dtype, dev, max_model_len)
-                else:
-                    llama = Llama.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
-            if is_vision_model(path):
-                vision = VisionEncoder.from_pretrained(path, dtype=self.dtype, device=dev)
-                image_params = ImageProcessorParams.from_model_dir(path)
+        if llama is None:  # the family's model, and its image encoder if it takes images
+            loaded = families.load(path, self.dtype, dev, max_model_len, quant_kernels, gguf=quantized == "gguf")
+            llama, vision, image_params = loaded.model, loaded.vision, loaded.image_params
         if quantized in ("int8", "int4"):
             quantize_linears(llama, quantized, config.quantization_group, quant_kernels)
         self.model = llama.eval()
@@ -180,7 +182,7 @@ class ModelRunner:
         self.moondream = llama if isinstance(llama, Moondream) else None
         self.skills = SkillRows(max_rows + 1, dev) if self.moondream is not None else None
         # The image family (image_prefill.ImageFamily): Moondream encodes its own images; None: a text-only model.
-        self.vision = self.moondream if self.moondream is not None else vision
+        self.vision = vision if vision is not None else self.moondream
         self.image_params = image_params
         # LoRA: wraps the targeted linear layers (before any graph is captured).
         self.lora = LoraPool(self.model, config.loras, config.max_loras, config.lora_kernel) if config.loras else None
@@ -190,7 +192,7 @@ class ModelRunner:
         self.debug = config.debug
         self.vocab_size = self.config.vocab_size
         self.mask_words = ceil_div(self.vocab_size, 32)  # int32 words of one token bitmask
-        self.eos_ids = tuple(self.config.eos_token_id)
+        self.eos_ids = model_eos_ids(config)
         if len(self.eos_ids) > MAX_EOS_IDS:
             raise ValueError(f"the model has {len(self.eos_ids)} EOS ids; at most {MAX_EOS_IDS} are supported")
         kv_pages = config.kv_pages

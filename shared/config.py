@@ -47,6 +47,10 @@ class EngineConfig:
                                        "(groups of --quantization-group) quantize a float checkpoint at load; none "
                                        "dequantizes a GGUF file.")
     quantization_group: int = _about(32, "int4's group along K (32, 64 or 128).")
+    generation_config: str = _about("auto", "Where the model's generation_config.json is read from: auto (the model's "
+                                             "directory; its temperature, top_p, top_k and max_new_tokens are the "
+                                             "defaults of requests that leave them out), vllm (Tandem's defaults; its "
+                                             "EOS ids still apply) or a folder holding one.")
     cuda_graphs: bool = True
     prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.model.PackedLinear)
     cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused, AMX matmul (gpu_worker/kernels/)

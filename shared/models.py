@@ -49,12 +49,13 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shared.moondream_config import HUB_MODEL_TYPE, MoondreamConfig, is_moondream, is_moondream_config
-from shared.vision_config import is_vision_model, read_config
+from shared import generation_config as generation_defaults
+from shared.families import Family, family_of, read_config
+from shared.moondream_config import HUB_MODEL_TYPE, is_moondream_config
 
 # numpy is imported where weights are built or converted: the command line imports this
 # module for its --help (the registry), and numpy alone would double that time.
@@ -84,6 +85,13 @@ TINY_RANDOM_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "torch_dtype": "float32",
+}
+# A 2-layer Qwen3 (per-head q/k norm; head_dim 32, not hidden / heads; tied head) as transformers'
+# Qwen3Config writes it, SmolLM2's vocabulary.
+TINY_RANDOM_QWEN3_CONFIG = TINY_RANDOM_CONFIG | {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32, "attention_bias": False,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
 }
 # SmolLM2-135M-Instruct's config.json, as the GGUF conversion writes it.
 SMOLLM2_135M_CONFIG = TINY_RANDOM_CONFIG | {
@@ -171,8 +179,8 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = resolve_model(name_or_path)
-    if is_moondream(path):  # the hub's moondream2 ships a bare tokenizer.json (starmie-v1)
-        return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    if not (path / "tokenizer_config.json").exists() and (path / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))  # a bare one (moondream2's)
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -348,7 +356,7 @@ def gguf_model_dir(src: Path, quiet: bool = False) -> Path:
     return target
 
 
-def _build_random_llama(c: dict, out: Path, quiet: bool) -> None:
+def _build_random_llama(c: dict, out: Path, quiet: bool, qk_norm: bool = False) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -364,6 +372,8 @@ def _build_random_llama(c: dict, out: Path, quiet: bool) -> None:
         tensors["lm_head.weight"] = w(c["vocab_size"], h)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if qk_norm:  # Qwen3's per-head q/k norm weights, near 1: a dropped or misplaced one would show
+            tensors |= {p + f"self_attn.{n}_norm.weight": 1.0 + 0.1 * w(d) / 0.02 for n in "qk"}
         tensors |= {
             p + "input_layernorm.weight": np.ones(h, np.float32),
             p + "post_attention_layernorm.weight": np.ones(h, np.float32),
@@ -554,6 +564,8 @@ REGISTRY = _builtins(
             build=_convert_smollm2),
     Builtin("tiny-random-smollm2", "2-layer Llama (hidden 64), random weights, SmolLM2's tokenizer: for tests",
             aliases=("tiny-random",), build=lambda out, quiet: _build_random_llama(TINY_RANDOM_CONFIG, out, quiet)),
+    Builtin("tiny-random-qwen3", "2-layer Qwen3 (hidden 64, q/k norm, head_dim 32), random weights, SmolLM2's "
+            "tokenizer: for tests", build=lambda out, quiet: _build_random_llama(TINY_RANDOM_QWEN3_CONFIG, out, quiet, qk_norm=True)),
     Builtin("tiny-random-smolvlm", "tiny Idefics3 (SigLIP 2 layers + Llama 2 layers), random weights, SmolLM2's "
             "tokenizer plus image tokens: for vision tests", aliases=("tiny-random-vlm",),
             build=lambda out, quiet: _build_random_vlm("tiny-random-smolvlm", out, quiet)),
@@ -588,31 +600,36 @@ def list_models() -> list[dict]:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A model's facts, read once from its directory (both processes use them)."""
+    """A model's facts, read once from its directory (both processes use them: ``load`` is the one
+    place the family, the EOS ids and the generation defaults are read)."""
     path: Path
+    family: Family  # which code serves it (shared/families): vision, skills, the worker's loader
     vocab_size: int
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, once each
     max_context: int  # max_position_embeddings
     has_chat_template: bool
-    vision: bool  # the model takes images
-    family: str = "llama"  # llama | idefics3 | moondream: who renders the prompt of a skill
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's (shared/generation_config.py)
+
+    @property
+    def vision(self) -> bool:
+        """The model takes images."""
+        return self.family.vision
 
     @classmethod
-    def load(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL) -> "ModelInfo":
-        """Resolve (building a built-in model once) and read config.json and the tokenizer config."""
+    def load(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL, generation_config: str = "auto") -> "ModelInfo":
+        """Resolve (building a built-in model once) and read config.json, generation_config.json (where
+        ``generation_config`` says: auto, vllm or a folder) and the tokenizer config. An unsupported
+        architecture or quantization raises ``UnsupportedModel``."""
         path = resolve_model(name_or_path)
-        if is_moondream(path):
-            t = MoondreamConfig.from_dir(path).text
-            return cls(path=path, vocab_size=t.vocab_size, eos_token_ids=(0,), max_context=t.max_context,
-                       has_chat_template=False, vision=True, family="moondream")
-        cfg = read_config(path)
-        text = cfg.get("text_config") or cfg  # a vision-language model nests its language model's config
-        eos = cfg.get("eos_token_id", text.get("eos_token_id"))
+        config = read_config(path)
+        family = family_of(config)
+        text = family.text_config(config)
+        generation = generation_defaults.read(path, generation_config)
         tok_cfg = path / "tokenizer_config.json"
         template = (path / "chat_template.jinja").exists() or (path / "chat_template.json").exists() or (
             tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text()))
-        return cls(path=path, vocab_size=int(text["vocab_size"]),
-                   eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
-                   max_context=int(text.get("max_position_embeddings", 4096)),
-                   has_chat_template=bool(template), vision=is_vision_model(path),
-                   family="idefics3" if is_vision_model(path) else "llama")
+        return cls(path=path, family=family, vocab_size=int(text["vocab_size"]),
+                   eos_token_ids=tuple(dict.fromkeys(family.eos_token_ids(config)
+                                                     + generation_defaults.eos_token_ids(generation))),
+                   max_context=int(text.get("max_position_embeddings", 4096)), has_chat_template=bool(template),
+                   sampling_defaults=generation_defaults.sampling_defaults(generation, generation_config))

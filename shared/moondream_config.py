@@ -118,8 +118,3 @@ class MoondreamConfig:
 def is_moondream_config(cfg: dict) -> bool:
     return cfg.get("model_type") == HUB_MODEL_TYPE or ("text" in cfg and "vision" in cfg and "region" in cfg)
 
-
-def is_moondream(path: str | Path) -> bool:
-    """True if the model directory holds a Moondream 2 checkpoint (reads config.json)."""
-    p = Path(path) / "config.json"
-    return p.exists() and is_moondream_config(json.loads(p.read_text()))

@@ -16,9 +16,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# Architectures whose directory this project can serve as a vision-language model.
-VISION_MODEL_TYPES = ("idefics3",)
-
 # PIL's resampling filter numbers, as saved in preprocessor configs.
 PIL_LANCZOS = 1
 
@@ -37,11 +34,6 @@ def read_config(path: str | Path) -> dict:
 def vision_config(config: dict) -> dict:
     """The vision_config of an Idefics3 config.json dict, with transformers' defaults filled in."""
     return {**VISION_DEFAULTS, **config.get("vision_config", {})}
-
-
-def is_vision_model(path: str | Path) -> bool:
-    """True if the model directory holds a vision-language model (reads config.json)."""
-    return read_config(path).get("model_type") in VISION_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -71,8 +63,8 @@ class ImageProcessorParams:
     def from_model_dir(cls, path: str | Path) -> "ImageProcessorParams":
         path = Path(path)
         config = read_config(path)
-        if config.get("model_type") not in VISION_MODEL_TYPES:
-            raise ValueError(f"{path} is not a vision-language model (model_type {config.get('model_type')!r})")
+        if "vision_config" not in config or "image_token_id" not in config:
+            raise ValueError(f"{path} is not an Idefics3-style vision-language model (no vision_config / image_token_id)")
         processor = _read_json(path / "processor_config.json")
         image = _read_json(path / "preprocessor_config.json") or processor.get("image_processor") or {}
         if not image:

@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = require("transformers")
 
 from gpu_worker.batch import Batch  # noqa: E402
+from gpu_worker.families import llama_config  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama, LlamaConfig, pack_linears  # noqa: E402
 
@@ -42,6 +43,8 @@ CONFIGS = {
                                      tie_word_embeddings=True)),
     # Qwen2-style: q/k/v bias, a single kv head (MQA).
     "qwen2-bias-mqa": ("qwen2", dict(TINY, num_attention_heads=4, num_key_value_heads=1, rope_theta=1e6)),
+    # Qwen3: per-head q/k RMSNorm before rope (norm weights randomised below), head_dim != hidden / heads.
+    "qwen3-qk-norm": ("qwen3", dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=1e6)),
 }
 
 
@@ -50,6 +53,9 @@ def make_hf_model(kind: str, kwargs: dict, seed: int = 0):
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**kwargs)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**kwargs)
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**kwargs)
         model = transformers.LlamaForCausalLM(cfg)
@@ -308,17 +314,23 @@ def test_config_parsing():
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=[2, 3],
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=8192)))
-    assert llama3.head_dim == 8 and llama3.rope_theta == 500000.0 and llama3.eos_token_id == (2, 3)
+    assert llama3.head_dim == 8 and llama3.rope_theta == 500000.0
     assert llama3.rope_scaling["rope_type"] == "llama3" and llama3.tie_word_embeddings and not llama3.attention_bias
     old_style = LlamaConfig.from_hf_config(dict(
         vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
         rope_theta=1e6, rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                           original_max_position_embeddings=8192), eos_token_id=5))
-    assert old_style.num_key_value_heads == 8 and old_style.rope_theta == 1e6 and old_style.eos_token_id == (5,)
+    assert old_style.num_key_value_heads == 8 and old_style.rope_theta == 1e6
     qwen = LlamaConfig.from_hf_config(dict(
         model_type="qwen2", vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, sliding_window=4096, use_sliding_window=False))
     assert qwen.attention_bias and qwen.sliding_window is None
+    qwen3 = llama_config(dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=10, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32, attention_bias=False))
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.attention_bias and qwen3.unfused_reason
+    assert not LlamaConfig.from_hf_config(dict(model_type="qwen3", vocab_size=10, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=8)).unfused_reason
     mistral = LlamaConfig.from_hf_config(dict(
         model_type="mistral", vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, sliding_window=4096, head_dim=16))
@@ -346,7 +358,7 @@ def test_config_json_roundtrip(tmp_path):
     hf_cfg.save_pretrained(tmp_path)
     cfg = LlamaConfig.from_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    assert cfg.rope_theta == 5000.0 and cfg.eos_token_id == (1, 2) and cfg.head_dim == 8, raw
+    assert cfg.rope_theta == 5000.0 and cfg.head_dim == 8 and not cfg.qk_norm, raw
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

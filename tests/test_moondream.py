@@ -16,7 +16,8 @@ import torch
 from frontend import moondream_prompts as prompts
 from frontend.moondream_images import image_tiling, overlap_crops, select_tiling
 from gpu_worker.moondream import Moondream
-from shared.moondream_config import MoondreamConfig, is_moondream
+from shared.families import family_of, read_config
+from shared.moondream_config import MoondreamConfig
 import moondream_greedy as greedy
 from shared.moondream_random import make_image, sha256_file
 from bench.moondream_fixture import (EXPECTED, IMAGES, case_id, encoder, engine_answer, engine_request,
@@ -54,7 +55,7 @@ def image_prefix(model, name: str) -> torch.Tensor:
 def test_generator_matches_the_recipe(checkpoints):
     assert sha256_file(checkpoints["plain"] / "model.safetensors") == EXPECTED["checkpoint_sha256"]
     assert sha256_file(checkpoints["eos"] / "model.safetensors") == EXPECTED["eos_checkpoint_sha256"]
-    assert is_moondream(checkpoints["plain"])
+    assert family_of(read_config(checkpoints["plain"])).name == "moondream"
 
 
 def test_tiling_examples():
@@ -219,7 +220,7 @@ def test_service_serves_a_moondream_directory(checkpoints, encode):
     svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=4,
                                 max_model_len=512))
     try:
-        assert svc.model.family == "moondream" and svc.model.vision and svc.info["vision"]
+        assert svc.model.family.native_skills and svc.model.vision and svc.info["vision"]
         from shared.sampling import SamplingParams
         req = svc.submit(prompts.query_ids(encode, case["question"], image=False),
                          SamplingParams(temperature=0.0, max_tokens=case["max_tokens"]))
@@ -235,7 +236,7 @@ def test_tiny_random_moondream_is_built_in():
     """The registry's random Moondream loads and answers a detect on an image of any size."""
     from shared.models import ModelInfo
     info = ModelInfo.load("tiny-random-moondream")
-    assert info.family == "moondream" and info.vision and info.vocab_size == 51200
+    assert info.family.name == "moondream" and info.vision and info.vocab_size == 51200
     engine = make_engine("tiny-random-moondream")
     crops, tiling = overlap_crops(make_image(500, 700, 9))
     case = {"skill": "detect", "object": "dog", "image": "x", "max_objects": 2}

@@ -33,7 +33,7 @@ from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama, LlamaConfig  # noqa: E402
 from gpu_worker.image_prefill import image_rows_in_chunk  # noqa: E402
 from gpu_worker.vision import VisionConfig, VisionEncoder, normalize_tiles  # noqa: E402
-from shared.models import is_vision_model, resolve_model  # noqa: E402
+from shared.models import ModelInfo, resolve_model  # noqa: E402
 from shared.vision_config import ImageProcessorParams  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -321,12 +321,13 @@ def test_hub_style_directory_parses_the_same(vlm_path, tmp_path, params):
     assert LlamaConfig.from_pretrained(hub) == LlamaConfig.from_pretrained(vlm_path)
     cfg = LlamaConfig.from_pretrained(hub)
     assert cfg.vocab_size == 49280 and cfg.rope_theta == 10000.0 and not cfg.tie_word_embeddings
-    assert 2 in cfg.eos_token_id and len(cfg.eos_token_id) == 2  # <|im_end|> and <end_of_utterance>
+    eos = ModelInfo.load(hub).eos_token_ids
+    assert 2 in eos and len(eos) == 2  # <|im_end|> and <end_of_utterance>
     assert VisionConfig.from_hf_config(config).tokens_per_tile == params.image_seq_len == 16
-    assert is_vision_model(hub)
+    assert ModelInfo.load(hub).vision
     (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert not is_vision_model(tmp_path / "llama")
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
+    assert not ModelInfo.load(tmp_path / "llama").vision
 
 
 def test_partial_hub_vision_config_takes_transformers_defaults():

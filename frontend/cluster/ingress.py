@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError
 
 from gpu_worker.page_pool import chain
 from shared.config import EngineConfig
+from shared.families import native_skills
 from shared.models import load_tokenizer
 
 from ..http.app import build_app as build_http_app
@@ -178,7 +179,8 @@ class TandemIngress:
         self._bridge = ClusterBridge(replicas, tokenizer)
         self._ctx = Context(bridge=self._bridge, model=info["model"], tokenizer=tokenizer,
                             adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")),
-                            family=info.get("family", "llama"))
+                            native_skills=native_skills(info.get("family")),
+                            sampling_defaults=info.get("sampling_defaults") or {})
         self._api_key = api_key
         self._metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
 

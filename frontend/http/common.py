@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import json
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -27,7 +28,8 @@ class Context:
     tokenizer: Any = None  # for logprobs' token strings (decoding only)
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (--lora): OpenAI routes take them as models
     vision: bool = False  # the model takes images
-    family: str = "llama"  # llama | idefics3 | moondream (a Moondream model renders its own skill prompts)
+    native_skills: bool = False  # the model renders its own skill prompts (Moondream: shared/families)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # the model's (generation_config.json), applied by the server
     max_body_bytes: int = MAX_BODY_BYTES
 
 

@@ -105,7 +105,9 @@ class HttpListener:
         # The loop thread's tokenizer is its own (a Rust tokenizer borrowed by two threads at once
         # may raise "Already borrowed"): this thread decodes logprobs' token strings with a copy.
         ctx = Context(bridge=bridge, model=service.config.model, tokenizer=copy.deepcopy(service.tokenizer),
-                      adapters=tuple(service.adapters), vision=service.model.vision, family=service.model.family)
+                      adapters=tuple(service.adapters), vision=service.model.vision,
+                      native_skills=service.model.family.native_skills,
+                      sampling_defaults=service.model.sampling_defaults)
         app = build_app(ctx, self._server.metrics, self._health, self._api_key)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, ws="none", http=JsonErrorsH11Protocol)

@@ -28,7 +28,7 @@ async def caption(ctx: Context, request: Request):
     body = await _body(ctx, request)
     images = _image(ctx, body, required=True)
     length = field(body, "length", str, "one of normal, short, long") or "normal"
-    if ctx.family == "moondream":
+    if ctx.native_skills:
         fields = _skill(skills.native, "caption", {"length": length}, body.get("settings"))
     else:
         fields = _skill(skills.caption, length, body.get("settings"))
@@ -38,7 +38,7 @@ async def caption(ctx: Context, request: Request):
 async def query(ctx: Context, request: Request):
     body = await _body(ctx, request)
     images = _image(ctx, body, required=False)
-    if ctx.family == "moondream":
+    if ctx.native_skills:
         own = {k: body.get(k) for k in ("question", "reasoning", "spatial_refs")}
         fields = _skill(skills.native, "query", own, body.get("settings"))
     else:
@@ -85,7 +85,7 @@ def _skill(fn, *args) -> dict[str, Any]:
 async def _located(ctx: Context, request: Request, fn, key: str):
     body = await _body(ctx, request)
     images = _image(ctx, body, required=True)
-    if ctx.family == "moondream":
+    if ctx.native_skills:
         fields = _skill(skills.native, "point" if key == "points" else "detect", {"object": body.get("object")},
                         body.get("settings"))
     else:

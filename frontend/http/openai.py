@@ -7,8 +7,10 @@ have: message content parts, ``stop`` as a string, ``response_format``,
 ``n``, the completions ``prompt`` forms. Unknown fields are ignored, as
 OpenAI does.
 
-Defaults follow OpenAI, not the protocol: ``temperature`` 1.0. Without
-``max_tokens``/``max_completion_tokens`` the protocol's default (256) applies.
+Defaults follow OpenAI, not the protocol: ``temperature`` 1.0, unless the model's
+generation_config.json has one (then the server applies it, as it does its other
+sampling defaults: ``Gate.sampling``). Without ``max_tokens``/``max_completion_tokens``
+the model's default or else the protocol's (256) applies.
 Extras beyond OpenAI's fields: ``top_k``, ``ignore_eos``, ``stop_token_ids``
 (as vLLM takes them) and ``grammar`` (the protocol's grammar map:
 ``{"kind": "point"|"box", "max_objects": n}``, ``{"kind": "regex", "pattern": s}``,
@@ -30,6 +32,7 @@ from .common import (Context, adapter_field, check_model, field, first_event, im
                      session_of, sse, sse_response, terminal_or_raise)
 from .errors import HttpError, bad_request
 
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default where the model has none
 PASS_THROUGH = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop_token_ids")
 ROLE_ALIASES = {"developer": "system"}
 
@@ -45,7 +48,7 @@ async def chat_completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     model = check_model(ctx, body, adapters=True)
     images: list[bytes] = []
-    fields = {"messages": _messages(ctx, body.get("messages"), images), **_sampling(body, chat=True),
+    fields = {"messages": _messages(ctx, body.get("messages"), images), **_sampling(ctx, body, chat=True),
               **adapter_field(ctx, model)}
     if images:
         fields["images"] = images
@@ -61,15 +64,15 @@ async def completions(ctx: Context, request: Request):
         raise bad_request("suffix is not supported")
     if field(body, "best_of", int, "an integer") not in (None, 1):
         raise bad_request("best_of must be 1")
-    fields = {**_prompt(body.get("prompt")), **_sampling(body, chat=False), **adapter_field(ctx, model)}
+    fields = {**_prompt(body.get("prompt")), **_sampling(ctx, body, chat=False), **adapter_field(ctx, model)}
     return await _respond(ctx, request, body, model, fields, _CompletionShape())
 
 
 # --------------------------------------------------------------------------- request mapping
 
 
-def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"temperature": 1.0}
+def _sampling(ctx: Context, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {} if "temperature" in ctx.sampling_defaults else {"temperature": OPENAI_TEMPERATURE}
     out.update({k: body[k] for k in PASS_THROUGH if body.get(k) is not None})
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
