@@ -233,3 +233,9 @@ def test_generation_config_sampling_defaults_apply_where_the_request_is_silent(t
         (path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
         ModelInfo.load(path)
     assert ModelInfo.load(path, "vllm").sampling_defaults == {}
+
+
+def test_every_family_has_its_worker_loader_and_each_vision_family_its_intake():
+    from frontend.image_intake import INTAKES
+    assert set(worker_families.WORKER_FAMILIES) == set(FAMILIES)
+    assert set(INTAKES) == {name for name, f in FAMILIES.items() if f.vision}
