@@ -333,7 +333,8 @@ def test_bad_image_input_is_a_bad_request_for_that_request_only(case, server):
 
 def test_images_to_a_text_only_model_are_refused(server, monkeypatch):
     # what a text-only model's service has
-    monkeypatch.setattr(server.svc, "model", dataclasses.replace(server.svc.model, vision=False))
+    from shared.families import FAMILIES
+    monkeypatch.setattr(server.svc, "model", dataclasses.replace(server.svc.model, family=FAMILIES["llama"]))
     monkeypatch.setattr(server.svc, "image_params", None)
     server.send({"type": "generate", "id": "t", "prompt": "<image>x", "images": [WIDE[0]]})
     msg = server.until_terminal("t")
