@@ -174,6 +174,27 @@ def test_qwen3_never_takes_the_fused_cpu_layers(qwen3_path, caplog):
     assert llama.cpu_kernels is stand_in
 
 
+def test_qwen3_in_bf16_runs_eager_layers_and_pipelined_equals_blocking(qwen3_prompts, caplog):
+    """bf16 on a CPU attaches the fused kernels to a Llama; a Qwen3's layers stay eager (logged), and
+    both schedules give the same tokens."""
+    outs = {}
+    for pipeline in (True, False):
+        with caplog.at_level(logging.INFO, logger="gpu_worker.model"):
+            engine = Engine(EngineConfig(model=QWEN3, device="cpu", dtype="bfloat16", pipeline=pipeline, max_batch=4,
+                                         kv_pages=64, page_size=8, prefill_budget=16))
+        try:
+            assert engine.runner.model.cpu_kernels is None
+            seqs = [engine.submit(p, SamplingParams(max_tokens=NEW_TOKENS)) for p in qwen3_prompts]
+            engine.run_until_idle()
+        finally:
+            engine.close()
+        outs[pipeline] = [s.output_ids for s in seqs]
+    from gpu_worker import cpu_kernels
+    if cpu_kernels.load() is not None:  # the kernels build here (a compiler): their refusal was logged
+        assert "q/k norm" in caplog.text
+    assert outs[True] == outs[False] and all(len(t) == NEW_TOKENS for t in outs[True])
+
+
 # ------------------------------------------------------------------ generation_config.json
 
 
@@ -239,3 +260,15 @@ def test_every_family_has_its_worker_loader_and_each_vision_family_its_intake():
     from frontend.image_intake import INTAKES
     assert set(worker_families.WORKER_FAMILIES) == set(FAMILIES)
     assert set(INTAKES) == {name for name, f in FAMILIES.items() if f.vision}
+
+
+def test_an_openai_request_without_temperature_leaves_it_to_the_model_default():
+    """OpenAI's default (1.0) is sent only where the model has none; the server then applies the model's."""
+    from frontend.http.common import Context
+    from frontend.http.openai import OPENAI_TEMPERATURE, _sampling
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert _sampling(Context(bridge=None, model="m"), body, chat=True)["temperature"] == OPENAI_TEMPERATURE
+    assert "temperature" not in _sampling(Context(bridge=None, model="m", sampling_defaults={"temperature": 0.6}),
+                                          body, chat=True)
+    assert _sampling(Context(bridge=None, model="m", sampling_defaults={"temperature": 0.6}),
+                     {**body, "temperature": 0.2}, chat=True)["temperature"] == 0.2
