@@ -13,8 +13,8 @@ torch = require("torch")
 transformers = require("transformers")
 
 from frontend import protocol as P  # noqa: E402
-from frontend.server import Gate  # noqa: E402
-from frontend.service import Service, ServiceConfig  # noqa: E402
+from frontend.server.service import Service, ServiceConfig  # noqa: E402
+from frontend.server.zmq_server import Gate  # noqa: E402
 from gpu_worker import families as worker_families  # noqa: E402
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig  # noqa: E402
@@ -257,7 +257,7 @@ def test_generation_config_sampling_defaults_apply_where_the_request_is_silent(t
 
 
 def test_every_family_has_its_worker_loader_and_each_vision_family_its_intake():
-    from frontend.image_intake import INTAKES
+    from frontend.images.intake import INTAKES
     assert set(worker_families.WORKER_FAMILIES) == set(FAMILIES)
     assert set(INTAKES) == {name for name, f in FAMILIES.items() if f.vision}
 
