@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.moondream_config import BOS_ID, COORD_ID, EOS_ID, SIZE_ID, MoondreamConfig
+from shared.moondream_config import BOS_ID, COORD_ID, SIZE_ID, MoondreamConfig
 from shared.moondream_random import scaled
 
 from .batch import Batch
@@ -258,7 +258,6 @@ class EngineShape:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    eos_token_id: tuple[int, ...] = (EOS_ID,)
     bos_token_id: int = BOS_ID
     model_type: str = "moondream"
 
