@@ -21,7 +21,10 @@ from frontend.server.metrics import COMPAT
 from shared.config import INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
 from shared.lora_config import KERNELS
 from shared.models import REGISTRY
+from shared.generation_config import SAMPLING_DEFAULTS
 from shared.sampling import SAMPLING_FIELDS
+
+MODEL_DEFAULTS = frozenset(SAMPLING_DEFAULTS.values())  # the sampling fields a model's generation_config.json sets
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 MAX_QUEUE = 1024  # requests in flight before 'overloaded' (the Server's default too)
@@ -151,6 +154,9 @@ def sampling_options(fn: Callable) -> Callable:
             opts.append(option("Sampling", flag, is_flag=True, help=f.help))
         elif f.type is tuple:  # stop_token_ids: one --stop-token-id per id
             opts.append(option("Sampling", "--stop-token-id", f.name, multiple=True, type=int, help=f.help))
+        elif f.name in MODEL_DEFAULTS:  # left out, the model's generation_config.json value applies first
+            opts.append(option("Sampling", flag, type=f.type, default=f.default, help=f"{f.help} [default: the "
+                               f"model's generation_config.json, else {f.default}]"))
         else:
             opts.append(option("Sampling", flag, type=f.type, default=f.default, show_default=f.default is not None,
                                help=f.help))
