@@ -37,7 +37,8 @@ from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
-from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention
+from .cpu_backend import PackedLinear
+from .model import attention_mask, checkpoint_index, paged_attention
 
 ROPE_THETA = 10000.0
 
