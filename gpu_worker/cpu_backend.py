@@ -34,8 +34,9 @@ class PackedLinear(nn.Linear):
     every call; packed once, a call only multiplies (BENCHMARKS.md "The CPU
     forward"). The kernels' AMX matmul reads the weight at about twice oneDNN's rate
     at 1 and 32 rows, and computes each row the same whatever the batch around it
-    (BENCHMARKS.md "Session 7"). ``weight`` stays the plain parameter (tied embeddings,
-    LoRA and checkpoint code read it); the packed copy costs the weights' size once more.
+    (BENCHMARKS.md "The AMX matmul and the layers in one C call"). ``weight`` stays the
+    plain parameter (tied embeddings, LoRA and checkpoint code read it); the packed copy
+    costs the weights' size once more.
     """
 
     packed: torch.Tensor
