@@ -40,8 +40,9 @@ from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
 from . import cpu_kernels, families, quant
+from .cpu_backend import pack_linears
 from .gguf_weights import quantize_linears
-from .model import Llama, pack_linears
+from .model import Llama
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS
