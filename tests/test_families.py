@@ -272,3 +272,8 @@ def test_an_openai_request_without_temperature_leaves_it_to_the_model_default():
                                           body, chat=True)
     assert _sampling(Context(bridge=None, model="m", sampling_defaults={"temperature": 0.6}),
                      {**body, "temperature": 0.2}, chat=True)["temperature"] == 0.2
+
+
+def test_an_architecture_belongs_to_one_family_at_most():
+    architectures = [a for f in FAMILIES.values() for a in f.architectures]
+    assert len(architectures) == len(set(architectures))

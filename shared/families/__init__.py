@@ -17,11 +17,13 @@ A family is one module in this package with one :class:`Family`; a new one imple
   model's config in transformers' flat names: ``vocab_size``, ``max_position_embeddings``,
   ``eos_token_id``, and, for a Llama-like text model, the rest ``LlamaConfig`` parses), and
   whether it takes images (``vision``) or renders its own skill prompts (``native_skills``);
-- on the worker: its model and a loader in ``gpu_worker/families.py`` (``LOADERS``, by name);
+- on the worker: its model and a loader in ``gpu_worker/families.py`` (``WORKER_FAMILIES``, by name);
 - on the frontend, if it takes images: its ``IntakeFamily`` (``frontend/images/intake.py``,
   ``INTAKES``) and, on the worker, its ``ImageFamily`` (``gpu_worker/image_prefill.py``).
 
 Callers ask the family (``family.vision``, ``family.native_skills``), never compare its name.
+Invariants (tests/test_families.py): every family has its worker loader and each vision family
+its intake; an architecture is served by one family at most.
 """
 from __future__ import annotations
 
