@@ -22,7 +22,7 @@ A family is one module in this package with one :class:`Family`; a new one imple
   ``INTAKES``) and, on the worker, its ``ImageFamily`` (``gpu_worker/image_prefill.py``).
 
 Callers ask the family (``family.vision``, ``family.native_skills``), never compare its name.
-Invariants (tests/test_families.py): every family has its worker loader and each vision family
+Invariants (tests/models/test_families.py): every family has its worker loader and each vision family
 its intake; an architecture is served by one family at most.
 """
 from __future__ import annotations
