@@ -27,7 +27,7 @@ PIL = require("PIL")
 from PIL import Image  # noqa: E402
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil  # noqa: E402
 
-from frontend import images as fi  # noqa: E402
+from frontend.images import idefics3 as fi  # noqa: E402
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.image_prefill import image_rows_in_chunk  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
