@@ -635,6 +635,10 @@ def _sampling_values(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
             continue
         if f.type is tuple:  # token ids
             values[f.name] = tuple(_int_list(ctx, v, f.name, limits))
+        elif f.type is dict:  # token id -> number (keys: integers, or decimal strings as JSON has them)
+            if not isinstance(v, dict):
+                raise ctx.bad(f"{f.name} must be {f.must_be}, got {_tname(v)}")
+            values[f.name] = v
         elif not _WIRE_TYPE_OK[f.type](v):
             raise ctx.bad(f"{f.name} must be {f.must_be}, got {_tname(v)}")
         else:

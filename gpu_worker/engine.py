@@ -291,7 +291,7 @@ class Engine:
     def _launch(self) -> Launch | None:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
-            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages, seq.task)
+            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages, seq.task, seq.prompt_ids)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
             if seq.images:
@@ -353,8 +353,10 @@ class Engine:
             sample_rows=np.fromiter((s.row for s in sample_seqs), np.int64, len(sample_seqs)),
             sample_pos=np.asarray(sample_pos, dtype=np.int64),
             any_random=any(p.temperature > 0 for p in params),
-            any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
+            any_bias=any(p.logit_bias for p in params),
+            any_penalty=any(p.penalized for p in params),
             token_lora=token_lora_slots(plan) if self.lora_slots is not None else None,
             **(launch.images.inputs() if launch.images else {}),
         )

@@ -68,6 +68,8 @@ class LaunchInputs:
     any_random: bool
     any_filter: bool
     want_logprobs: bool
+    any_bias: bool = False  # some row has a logit_bias
+    any_penalty: bool = False  # some row has a penalty: its sampled tokens are counted
     # Encode units of this launch, before its text forward (image_prefill.py): (host tile blocks,
     # FeatureHolder, first feature row of the run in its image, the image's feature rows, its
     # ImageInput.tiling) per run.
@@ -210,7 +212,7 @@ class ModelRunner:
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
         self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)
         self.pending[max_rows] = 0
-        self.params = RowParams(max_rows + 1, dev)
+        self.params = RowParams(max_rows + 1, self.vocab_size, dev)
         # Host copy of every row's page table, written at admission, so a decode
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
@@ -221,12 +223,12 @@ class ModelRunner:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     # -- rows -----------------------------------------------------------------
-    def set_row(self, row: int, params, seed: int, pages: list[int], task=None) -> None:
-        """Admission: the row's page table (host) and sampling parameters (device, on the compute stream);
-        a Moondream row's skill task (``moondream_skills.SkillTask``)."""
+    def set_row(self, row: int, params, seed: int, pages: list[int], task=None, prompt_ids=()) -> None:
+        """Admission: the row's page table (host) and sampling parameters (device, on the compute stream;
+        ``prompt_ids`` for the repetition penalty); a Moondream row's skill task (``moondream_skills.SkillTask``)."""
         self.block_tables[row, :len(pages)] = pages
         self.block_tables[row, len(pages):] = 0
-        self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids))
+        self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids, prompt_ids))
         if self.skills is not None:
             self.device.compute.submit(lambda: self.skills.set_row(row, task or SkillTask()))
 
@@ -400,11 +402,14 @@ class ModelRunner:
                     logits = apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
                 if self.skills is not None:
                     logits = self.skills.suppress(logits, rows)
-                sampled = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter, inp.want_logprobs)
+                sampled = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter, inp.want_logprobs,
+                                 inp.any_bias, inp.any_penalty)
                 if self.skills is not None:  # the phase decides what is emitted; values stay on the device
                     tokens, flags, values = self.skills.advance(self.moondream.region, hidden, rows, *sampled[:2])
                     sampled = (tokens, flags, sampled[2], values)
                 self.pending.index_copy_(0, rows, sampled[0])
+                if inp.any_penalty:  # before the next step's sampling, in either mode (sampler.py)
+                    self.params.count(rows, sampled[0])
                 for out, values in zip(buf.out, sampled):  # tokens, flags, logprobs (None unless asked)
                     if values is not None:
                         out.copy_(values) if idx is None else out.index_copy_(0, idx, values)

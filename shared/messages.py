@@ -44,9 +44,11 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
 
 def _wire_field(f: SamplingField) -> tuple[str, Any, Any]:
     # Token ids travel as a list (what msgpack arrays decode to, so a decoded
-    # message equals the one encoded); unset-able fields (seed) may be nil.
-    kind = list[int] if f.type is tuple else f.type
+    # message equals the one encoded), logit biases as a map; unset-able fields (seed) may be nil.
+    kind = {tuple: list[int], dict: dict[int, float]}.get(f.type, f.type)
     default = list(f.default) if f.type is tuple else f.default
+    if f.type is dict:
+        return f.name, kind, msgspec.field(default_factory=dict)
     return f.name, (Optional[kind] if f.default is None else kind), default
 
 

@@ -147,6 +147,51 @@ def test_openai_client_errors(oai):
     assert "does not take images" in e.value.body["message"]
 
 
+def test_each_sampler_field_reaches_the_sampler(live, oai):
+    """The unmodified openai client sends each field (vLLM's extras through ``extra_body``): the HTTP
+    answer equals the ZeroMQ answer with the same field (it reached the sampler as it was sent) and
+    differs from the answer without it (it was not dropped)."""
+    prompt = "Once upon a time"
+    greedy = dict(max_tokens=16, temperature=0.0)
+    with Client(live.endpoint) as zc:
+        first = zc.generate(prompt, **greedy).token_ids[0]
+        cases = [  # (the request without the field, the field as the openai client takes it, as extra_body)
+            # greedy on the random model hardly repeats: penalties < 0 (< 1) that reward repeats show
+            (greedy, dict(presence_penalty=-2.0), {}),
+            (greedy, dict(frequency_penalty=-2.0), {}),
+            (greedy, dict(logit_bias={str(first): -100}), {}),
+            (greedy, {}, dict(repetition_penalty=0.3)),
+            # the random model's distribution is nearly flat: min_p 1 keeps the most likely tokens only
+            (dict(max_tokens=16, temperature=1.5, seed=5), {}, dict(min_p=1.0)),
+        ]
+        for base, kw, extra in cases:
+            http = oai.completions.create(model=MODEL, prompt=prompt, **base, **kw, extra_body=extra).choices[0]
+            zmq = zc.generate(prompt, **base, **kw, **extra)
+            without = zc.generate(prompt, **base)
+            assert http.text == zmq.text != without.text, (kw, extra)
+        assert first not in zc.generate(prompt, **greedy, logit_bias={first: -100}).token_ids
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 2),
+                                         ("repetition_penalty", 0), ("logit_bias", {"x": 1}),
+                                         ("logit_bias", {"99999999": 1})])
+def test_sampler_fields_out_of_range_are_400s_naming_them(oai, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body={field: value})
+    assert e.value.status_code == 400 and field in e.value.body["message"], e.value.body
+
+
+def test_tools_are_refused_unless_tool_choice_is_none(oai):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kw, name in [(dict(tools=tools), "tools"), (dict(tools=tools, tool_choice="auto"), "tools"),
+                     (dict(tool_choice="required"), "tool_choice")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, **kw)
+        assert e.value.body["message"].startswith(name), e.value.body
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, tools=tools, tool_choice="none")
+    assert r.usage.completion_tokens == 2
+
+
 # --------------------------------------------------------------------------- moondream
 
 

@@ -212,7 +212,7 @@ def test_sampling_fields_are_read_as_sampling_params_declares_them(f):
     assert getattr(parse(gen(**{f.name: None})).sampling, f.name) == f.default
     e = err(gen(**{f.name: "x"}))
     assert (e.code, e.message, e.id) == ("bad_request", f"{f.name} must be {f.must_be}, got str", "r1")
-    value = {int: 1 + (f.default or 0), float: 0.5, bool: not f.default, tuple: [1]}[f.type]
+    value = {int: 1 + (f.default or 0), float: 0.5, bool: not f.default, tuple: [1], dict: {7: 1.5}}[f.type]
     parsed = getattr(parse(gen(**{f.name: value})).sampling, f.name)
     assert parsed == (tuple(value) if f.type is tuple else value) and parsed != f.default
 

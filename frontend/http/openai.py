@@ -4,13 +4,13 @@ An OpenAI request becomes one protocol ``generate``; the server validates it
 (types, ranges, limits; ``bad_request`` names the field) like any ZeroMQ
 request. What this module checks is only the HTTP shape the protocol does not
 have: message content parts, ``stop`` as a string, ``response_format``,
-``n``, the completions ``prompt`` forms. Unknown fields are ignored, as
-OpenAI does.
+``n``, ``tools``/``tool_choice`` (refused: never dropped in silence), the
+completions ``prompt`` forms. Unknown fields are ignored, as OpenAI does.
 
 Defaults follow OpenAI, not the protocol: ``temperature`` 1.0. Without
 ``max_tokens``/``max_completion_tokens`` the protocol's default (256) applies.
-Extras beyond OpenAI's fields: ``top_k``, ``ignore_eos``, ``stop_token_ids``
-(as vLLM takes them) and ``grammar`` (the protocol's grammar map:
+Extras beyond OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids`` (as vLLM takes them) and ``grammar`` (the protocol's grammar map:
 ``{"kind": "point"|"box", "max_objects": n}``, ``{"kind": "regex", "pattern": s}``,
 ``{"kind": "json_schema", "schema": {...}}``), whose parsed result comes back
 as ``choices[0].output``. See docs/HTTP.md.
@@ -30,7 +30,9 @@ from .common import (Context, adapter_field, check_model, field, first_event, im
                      session_of, sse, sse_response, terminal_or_raise)
 from .errors import HttpError, bad_request
 
-PASS_THROUGH = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop_token_ids")
+# OpenAI's sampling fields and vLLM's extras, the protocol's names: the server checks them.
+PASS_THROUGH = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
 ROLE_ALIASES = {"developer": "system"}
 
 
@@ -81,6 +83,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
         out["stop"] = [stop] if isinstance(stop, str) else stop
     if field(body, "n", int, "an integer") not in (None, 1):
         raise bad_request("n must be 1 (one choice per request)")
+    if chat:
+        _refuse_tools(body)
     lp = body.get("logprobs")
     if chat:
         out["logprobs"] = bool(field(body, "logprobs", bool, "a boolean"))
@@ -101,6 +105,19 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     if so is not None and not isinstance(so.get("include_usage", False), bool):
         raise bad_request("stream_options.include_usage must be a boolean")
     return out
+
+
+def _refuse_tools(body: dict[str, Any]) -> None:
+    """Tool calling is not served: a request that offers tools is a 400 naming the field, never
+    answered as if they were not there (``tool_choice: "none"`` asks for no call: that is served)."""
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return
+    if body.get("tools"):
+        raise bad_request("tools: tool calling is not supported by this server (send tool_choice: \"none\" "
+                          "or no tools)")
+    if choice is not None:
+        raise bad_request(f"tool_choice: tool calling is not supported by this server, got {json.dumps(choice)[:80]}")
 
 
 def _response_format(rf: Any) -> dict[str, Any] | None:
