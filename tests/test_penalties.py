@@ -10,6 +10,7 @@ import torch
 from gpu_worker.engine import Engine, EngineConfig
 from gpu_worker.sampler import RowParams, _filter, apply_logit_bias, apply_penalties, sample
 from shared.sampling import MAX_LOGIT_BIAS, SamplingParams
+from workload import BannedByLastToken
 
 VOCAB = 64
 
@@ -160,25 +161,28 @@ def penalized_workload(n=24):
                       repetition_penalty=rng.choice([1.0, 1.3]), logit_bias={rng.randrange(1000): -100.0})
         if i % 2:
             kw.update(temperature=0.8, seed=i, min_p=rng.choice([0.0, 0.1]))
-        reqs.append(([rng.randrange(1000) for _ in range(rng.randrange(1, 60))], SamplingParams(**kw)))
+        reqs.append(([rng.randrange(1000) for _ in range(rng.randrange(1, 60))], SamplingParams(**kw), i % 3 == 0))
     return reqs
 
 
 def test_pipelined_equals_blocking_with_penalties_on():
+    """A third of the rows are constrained: they are sampled in a later part of their step, after the
+    mask came (their counts are updated by that part)."""
     reqs = penalized_workload()
     outs = {}
     for pipelined in (False, True):
         eng = make_engine(pipelined)
-        seqs = [eng.submit(prompt, p) for prompt, p in reqs]
-        eng.run_until_idle()
-        assert eng.idle
+        seqs = [eng.submit(prompt, p, constrained=c) for prompt, p, c in reqs]
+        masks = BannedByLastToken()
+        eng.run_until_idle(masks)
+        assert eng.idle and masks.calls > 0
         eng.close()
         outs[pipelined] = [s.output_ids for s in seqs]
     assert outs[True] == outs[False]
     # non-vacuity: the same requests without their penalties and biases give other tokens
     eng = make_engine(True)
     plain = [eng.submit(prompt, SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=p.temperature,
-                                               seed=p.seed)) for prompt, p in reqs]
+                                               seed=p.seed)) for prompt, p, _ in reqs]
     eng.run_until_idle()
     eng.close()
     assert [s.output_ids for s in plain] != outs[True]
