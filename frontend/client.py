@@ -77,6 +77,7 @@ __all__ = [
     "UnsupportedVersion",
     "DuplicateId",
     "TooLong",
+    "ContextLengthExceeded",
     "Overloaded",
     "WorkerFailed",
     "InternalError",
@@ -106,7 +107,7 @@ class TandemError(Exception):
     """An ``error`` from the server (or a client-side failure); see ``.code``.
 
     ``code`` is one of the protocol's codes (``bad_request``, ``unsupported_version``,
-    ``duplicate_id``, ``too_long``, ``overloaded``, ``worker_failed``, ``internal``)
+    ``duplicate_id``, ``too_long``, ``context_length_exceeded``, ``overloaded``, ``worker_failed``, ``internal``)
     or, for client-side failures, ``timeout`` / ``closed``.  ``id`` is the
     request id, when there is one.  Each code has a subclass; catch
     ``TandemError`` and check ``.code``, or catch the subclass.
@@ -148,6 +149,12 @@ class TooLong(TandemError):
     code = "too_long"
 
 
+class ContextLengthExceeded(TooLong):
+    """The prompt does not fit the model's context (a kind of too long)."""
+
+    code = "context_length_exceeded"
+
+
 class Overloaded(TandemError):
     code = "overloaded"
 
@@ -174,7 +181,8 @@ class ConnectionClosed(TandemError):
 
 _ERROR_CLASSES: dict[str, type[TandemError]] = {
     c.code: c
-    for c in (BadRequest, UnsupportedVersion, DuplicateId, TooLong, Overloaded, WorkerFailed, InternalError)
+    for c in (BadRequest, UnsupportedVersion, DuplicateId, TooLong, ContextLengthExceeded, Overloaded, WorkerFailed,
+              InternalError)
 }
 
 
@@ -550,9 +558,10 @@ class _ClientBase:
         or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
         ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
         max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, logprobs, grammar, images (paths, bytes or PIL images, placed by
+        ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p,
+        logit_bias, logprobs, grammar, images (paths, bytes or PIL images, placed by
         ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
-        server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
+        server's defaults apply: max_tokens the rest of the context, temperature 0 = greedy, top_p 1,
         top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
         server ``error``.
         """

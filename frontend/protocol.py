@@ -78,6 +78,7 @@ ERROR_CODES = frozenset(
         "unsupported_version",
         "duplicate_id",
         "too_long",
+        "context_length_exceeded",
         "overloaded",
         "worker_failed",
         "internal",

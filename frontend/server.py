@@ -63,7 +63,7 @@ class Gate:
     renders the prompt (text, chat messages or token ids; with images, once the image pool knows
     their tiling), compiles the grammar, checks what needs the model (an empty prompt, the
     context length, images on a text model) and submits. Bad input raises ``ProtocolError``
-    (``bad_request``, ``too_long``) naming the field; nothing has been submitted then."""
+    (``bad_request``, ``too_long``, ``context_length_exceeded``) naming the field; nothing has been submitted then."""
 
     def __init__(self, service: Service, limits: P.Limits | None = None) -> None:
         self.service = service
@@ -98,7 +98,7 @@ class Gate:
         if ids is not None and not ids:
             raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
         if ids is not None and len(ids) >= self.max_model_len:
-            raise P.ProtocolError("too_long", f"the prompt has {len(ids)} tokens; the context holds "
+            raise P.ProtocolError("context_length_exceeded", f"the prompt has {len(ids)} tokens; the context holds "
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
         kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=on_event,
                   user_data=user_data, adapter=msg.adapter)

@@ -63,7 +63,7 @@ log = logging.getLogger("tandem.frontend")
 # Plain ints for the per-token loop (IntFlag operators cost a Python call each).
 _ZOMBIE, _FINISH_MASK = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISH_MASK)
 
-PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "internal"}
+PROTOCOL_CODES = {"bad_request", "too_long", "context_length_exceeded", "overloaded", "worker_failed", "internal"}
 
 
 @dataclass

@@ -125,10 +125,18 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt: {len(prompt)} tokens do not fit the context of {self.max_model_len} "
                              "(prompt + at least one generated token)")
-        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
-        if len(prompt) + max_tokens > self.alloc.pages.capacity * self.alloc.page_size:
-            raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
-                             f"({self.alloc.pages.capacity}); lower max_tokens")
+        room = self.max_model_len - len(prompt)
+        kv_room = self.alloc.pages.capacity * self.alloc.page_size - len(prompt)
+        if params.max_tokens is None:  # the rest of the context, as far as the KV cache can hold it
+            if kv_room < 1:
+                raise ValueError(f"prompt: {len(prompt)} tokens need more KV pages than the cache has "
+                                 f"({self.alloc.pages.capacity})")
+            max_tokens = min(room, kv_room)
+        else:
+            max_tokens = min(params.max_tokens, room)
+            if max_tokens > kv_room:
+                raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
+                                 f"({self.alloc.pages.capacity}); lower max_tokens")
         if self.runner.skills is not None:  # a Moondream model: the caption/query rules by default
             task = (task or SkillTask()).checked(len(prompt), params.temperature)
         elif task is not None:

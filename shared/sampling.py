@@ -35,7 +35,8 @@ def _about(default: Any, must_be: str, help: str) -> Any:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = _about(256, "an integer >= 1", "Most tokens to generate.")
+    max_tokens: int | None = _about(None, "an integer >= 1", "Most tokens to generate (default: the rest of the "
+                                                             "context, as vLLM).")
     temperature: float = _about(0.0, "a finite number >= 0", "0 = greedy.")
     top_p: float = _about(1.0, "a number in (0, 1]", "Nucleus sampling: keep the most likely tokens "
                                                      "up to this total probability (1 = off).")
@@ -76,7 +77,7 @@ class SamplingParams:
         def is_num(v: object) -> bool:
             return (isinstance(v, (int, float))) and not isinstance(v, bool)
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_num(self.temperature) or not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")

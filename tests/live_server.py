@@ -26,8 +26,8 @@ from frontend.service import Service, ServiceConfig
 V = b"TANDEM1"
 TERMINAL = ("done", "error")
 FINISH_REASONS = {"stop", "length", "cancelled"}
-ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "overloaded", "worker_failed",
-               "internal"}
+ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "context_length_exceeded", "overloaded",
+               "worker_failed", "internal"}
 MAX_BATCH = 32
 
 

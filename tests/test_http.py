@@ -181,6 +181,23 @@ def test_sampler_fields_out_of_range_are_400s_naming_them(oai, field, value):
     assert e.value.status_code == 400 and field in e.value.body["message"], e.value.body
 
 
+def test_max_tokens_omitted_fills_the_context_and_an_overlong_prompt_is_openais_400(live, oai):
+    with Client(live.endpoint) as zc:
+        context = zc.info()["max_model_len"]
+    near_full = [7] * (context - 5)
+    r = oai.completions.create(model=MODEL, prompt=near_full, extra_body={"ignore_eos": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (context - 5, 5)
+    assert r.choices[0].finish_reason == "length"
+    for prompt in ([7] * context, [7] * (context + 100)):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert e.value.status_code == 400 and e.value.code == "context_length_exceeded", e.value.body
+        assert e.value.body["type"] == "invalid_request_error" and str(context) in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # chat: the rendered conversation is what counts
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * context}])
+    assert e.value.code == "context_length_exceeded"
+
+
 def test_tools_are_refused_unless_tool_choice_is_none(oai):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     for kw, name in [(dict(tools=tools), "tools"), (dict(tools=tools, tool_choice="auto"), "tools"),

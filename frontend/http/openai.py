@@ -8,7 +8,8 @@ have: message content parts, ``stop`` as a string, ``response_format``,
 completions ``prompt`` forms. Unknown fields are ignored, as OpenAI does.
 
 Defaults follow OpenAI, not the protocol: ``temperature`` 1.0. Without
-``max_tokens``/``max_completion_tokens`` the protocol's default (256) applies.
+``max_tokens``/``max_completion_tokens`` the protocol's default applies (as vLLM:
+the rest of the context).
 Extras beyond OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids`` (as vLLM takes them) and ``grammar`` (the protocol's grammar map:
 ``{"kind": "point"|"box", "max_objects": n}``, ``{"kind": "regex", "pattern": s}``,
