@@ -198,6 +198,21 @@ def test_max_tokens_omitted_fills_the_context_and_an_overlong_prompt_is_openais_
     assert e.value.code == "context_length_exceeded"
 
 
+def test_text_parts_render_the_same_through_every_door(live, oai):
+    """Text parts are joined with newlines over HTTP and over ZeroMQ alike."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    answers = {}
+    with Client(live.endpoint) as zc:
+        for name, content in [("parts", parts), ("newline", "Hello\nworld"), ("glued", "Helloworld")]:
+            messages = [{"role": "user", "content": content}]
+            http = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+            zmq = zc.generate(messages=messages, max_tokens=8, temperature=0)
+            assert (http.choices[0].message.content, http.usage.prompt_tokens) == \
+                (zmq.text, zmq.usage["prompt_tokens"]), name
+            answers[name] = (zmq.text, zmq.usage["prompt_tokens"])
+    assert answers["parts"] == answers["newline"] != answers["glued"]
+
+
 def test_tools_are_refused_unless_tool_choice_is_none(oai):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     for kw, name in [(dict(tools=tools), "tools"), (dict(tools=tools, tool_choice="auto"), "tools"),

@@ -159,8 +159,8 @@ def _messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str
     return out
 
 
-def _content_parts(ctx: Context, parts: list, where: str, images: list[bytes]) -> str | list[dict[str, Any]]:
-    """Text parts joined into one string; with images, the protocol's text and image parts in order."""
+def _content_parts(ctx: Context, parts: list, where: str, images: list[bytes]) -> list[dict[str, Any]]:
+    """The protocol's text and image parts in order (the server renders them as for any client)."""
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -173,9 +173,7 @@ def _content_parts(ctx: Context, parts: list, where: str, images: list[bytes]) -
             out.append({"type": "image"})
         else:
             raise bad_request(f"{where}[{j}] must be a text or image_url part, got type {kind!r}")
-    if any(p["type"] == "image" for p in out):
-        return out
-    return "\n".join(p["text"] for p in out)
+    return out
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
