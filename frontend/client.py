@@ -191,12 +191,14 @@ _ERROR_CLASSES: dict[str, type[TandemError]] = {
 
 @dataclass
 class Chunk:
-    """One ``chunk``: the text and token ids new since the previous chunk."""
+    """One ``chunk``: the text and token ids new since the previous chunk (and their logprobs,
+    if the request asked for them)."""
 
     id: str
     seq: int
     text: str
     token_ids: list[int]
+    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -229,7 +231,8 @@ class Result:
 
 
 def _chunk(msg: dict) -> Chunk:
-    return Chunk(msg.get("id"), msg.get("seq", 0), msg.get("text", ""), list(msg.get("token_ids") or []))
+    return Chunk(msg.get("id"), msg.get("seq", 0), msg.get("text", ""), list(msg.get("token_ids") or []),
+                 msg.get("logprobs"))
 
 
 # --------------------------------------------------------------------------- core (no I/O)

@@ -722,10 +722,13 @@ def encode_message(msg: Mapping[str, Any]) -> list[bytes]:
         raise
 
 
-def encode_chunk(id: str, seq: int, text: str, token_ids: Sequence[int]) -> list[bytes]:
-    return _frames(
-        {"type": "chunk", "id": id, "seq": int(seq), "text": text, "token_ids": [int(t) for t in token_ids]}
-    )
+def encode_chunk(id: str, seq: int, text: str, token_ids: Sequence[int],
+                 logprobs: Sequence[float] | None = None) -> list[bytes]:
+    """``logprobs`` (one per token id) is omitted from the message when None."""
+    msg = {"type": "chunk", "id": id, "seq": int(seq), "text": text, "token_ids": [int(t) for t in token_ids]}
+    if logprobs is not None:
+        msg["logprobs"] = [float(x) for x in logprobs]
+    return _frames(msg)
 
 
 def encode_done(

@@ -330,7 +330,7 @@ class Server:
             state.t_last = now
             if state.stream:
                 sent = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
-                                                                 payload["token_ids"]))
+                                                                 payload["token_ids"], payload.get("logprobs")))
                 state.seq += 1
                 if sent is Sent.GONE:
                     self._clients_gone([state.identity])

@@ -412,7 +412,10 @@ class Service:
     # ------------------------------------------------------------------ events
     def _emit_chunk(self, req: Request, text: str, token: int) -> None:
         if req.on_event is not None:
-            req.on_event(req, "chunk", {"text": text, "token_ids": [token]})
+            payload = {"text": text, "token_ids": [token]}
+            if req.logprobs:  # streamed with its token, not only in the terminal message
+                payload["logprobs"] = req.token_logprobs[-1:]
+            req.on_event(req, "chunk", payload)
 
     def _end(self, req: Request, reason: FinishReason = FinishReason.NONE,
              error: tuple[str, str] | None = None) -> None:

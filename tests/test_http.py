@@ -109,6 +109,30 @@ def test_stop_and_logprobs(oai):
     assert text.startswith(cut.choices[0].message.content)
 
 
+def test_logprobs_stream_with_each_chunk(live, oai):
+    """Streamed, each text chunk carries its tokens' logprobs; together they are the non-streamed
+    answer's, over HTTP (chat and completions) and over ZeroMQ."""
+    kw = dict(model=MODEL, messages=MSG, max_tokens=12, temperature=0, logprobs=True)
+    whole = oai.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = [c for c in oai.chat.completions.create(**kw, stream=True) if c.choices]
+    with_lp = [c for c in chunks if c.choices[0].logprobs is not None]
+    assert len(with_lp) >= len(whole) // 2 > 1  # non-vacuity: spread over the stream, not only the last chunk
+    streamed = [t for c in with_lp for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+    ckw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=0)
+    one = oai.completions.create(**ckw).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in oai.completions.create(**ckw, stream=True)
+             if c.choices and c.choices[0].logprobs is not None]
+    assert len(parts) > 1
+    assert [t for p in parts for t in p.tokens] == one.tokens
+    assert [x for p in parts for x in p.token_logprobs] == one.token_logprobs
+    assert [x for p in parts for x in p.text_offset] == one.text_offset
+    with Client(live.endpoint) as zc:
+        s = zc.stream("Once upon a time", max_tokens=10, temperature=0, logprobs=True)
+        got = [x for chunk in s for x in chunk.logprobs]
+        assert got == s.result.logprobs and len(got) == 10
+
+
 def test_response_format_json_schema_and_grammar_extra(oai):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}

@@ -200,30 +200,49 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     batches = call.batches()
     first = await first_event(request, batches)
-    return sse_response(_stream(ctx, call, batches, first, meta, shape, include_usage))
+    return sse_response(_stream(ctx, call, batches, first, meta, shape, include_usage, fields["logprobs"]))
 
 
 _MARK = "\u0000text\u0000"
 
 
 async def _stream(ctx: Context, call: Call, batches: AsyncIterator[list], first: list, meta: dict, shape: "_Shape",
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
     """The SSE body. Text chunks are the hot path: one pre-encoded template per stream with the
-    text spliced in, and whatever arrived together goes out in one write."""
+    text spliced in, and whatever arrived together goes out in one write. With logprobs, each
+    chunk carries its tokens' (a token whose text is not out yet goes with the next chunk)."""
     head = {**meta, "object": shape.chunk_object}
     extra = {"usage": None} if include_usage else {}
     before, after = sse({**head, "choices": [shape.delta(_MARK)], **extra}).split(json.dumps(_MARK).encode())
+    held_ids: list[int] = []  # tokens (and logprobs) not sent yet: their text is still held
+    held_lps: list[float] = []
+
+    def with_logprobs(m: dict) -> bytes | None:
+        held_ids.extend(m["token_ids"])
+        held_lps.extend(m.get("logprobs") or ())
+        if not m["text"]:
+            return None
+        lp = shape.logprobs(ctx, held_ids, held_lps)
+        held_ids.clear()
+        held_lps.clear()
+        return sse({**head, "choices": [shape.delta(m["text"], lp)], **extra})
+
     try:
         opening = shape.opening()
         if opening is not None:
             yield sse({**head, "choices": [opening], **extra})
         batch = first
         while True:
-            out = [before + json.dumps(m["text"]).encode() + after for m in batch if m["type"] == "chunk" and m["text"]]
+            if want_logprobs:
+                out = [c for c in (with_logprobs(m) for m in batch if m["type"] == "chunk") if c is not None]
+            else:
+                out = [before + json.dumps(m["text"]).encode() + after
+                       for m in batch if m["type"] == "chunk" and m["text"]]
             last = batch[-1]
             if last["type"] != "chunk":
                 done = terminal_or_raise(last)
-                out.append(sse({**head, "choices": [shape.last(ctx, done)], **extra}))
+                rest = shape.logprobs(ctx, held_ids, held_lps) if want_logprobs and held_ids else None
+                out.append(sse({**head, "choices": [shape.last(ctx, done, rest)], **extra}))
                 if include_usage:
                     out.append(sse({**head, "choices": [], "usage": _usage(done)}))
                 yield b"".join(out)
@@ -254,66 +273,69 @@ class _Shape:
 
     def choice(self, ctx: Context, done: dict) -> dict: ...
     def opening(self) -> dict | None: ...
-    def delta(self, text: str) -> dict: ...
-    def last(self, ctx: Context, done: dict) -> dict: ...
+    def delta(self, text: str, logprobs: dict | None = None) -> dict: ...
+    def last(self, ctx: Context, done: dict, logprobs: dict | None) -> dict: ...
 
-    def _end_fields(self, ctx: Context, done: dict) -> dict:
-        out: dict[str, Any] = {"finish_reason": done["finish_reason"], "logprobs": self.logprobs(ctx, done)}
+    def _end_fields(self, done: dict, logprobs: dict | None) -> dict:
+        out: dict[str, Any] = {"finish_reason": done["finish_reason"], "logprobs": logprobs}
         if "output" in done:
             out["output"] = done["output"]  # the grammar's parsed result (a Tandem extra)
         return out
 
-    def logprobs(self, ctx: Context, done: dict) -> Any: ...
+    def all_logprobs(self, ctx: Context, done: dict) -> dict | None:
+        """The whole completion's logprobs (a non-streamed answer), None if not asked."""
+        return self.logprobs(ctx, done["token_ids"], done["logprobs"]) if "logprobs" in done else None
+
+    def logprobs(self, ctx: Context, token_ids: list[int], logprobs: list[float]) -> dict: ...
 
 
 class _ChatShape(_Shape):
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def choice(self, ctx, done):
-        return {"index": 0, "message": {"role": "assistant", "content": done["text"]}, **self._end_fields(ctx, done)}
+        return {"index": 0, "message": {"role": "assistant", "content": done["text"]},
+                **self._end_fields(done, self.all_logprobs(ctx, done))}
 
     def opening(self):
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, text):
-        return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    def delta(self, text, logprobs=None):
+        return {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
 
-    def last(self, ctx, done):
-        return {"index": 0, "delta": {}, **self._end_fields(ctx, done)}
+    def last(self, ctx, done, logprobs):
+        return {"index": 0, "delta": {}, **self._end_fields(done, logprobs)}
 
-    def logprobs(self, ctx, done):
-        if "logprobs" not in done:
-            return None
-        tokens = _token_texts(ctx, done["token_ids"])
+    def logprobs(self, ctx, token_ids, logprobs):
+        tokens = _token_texts(ctx, token_ids)
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, done["logprobs"])]}
+                            for t, lp in zip(tokens, logprobs)]}
 
 
 class _CompletionShape(_Shape):
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
+    def __init__(self) -> None:
+        self.offset = 0  # text_offset of the next token: its tokens' texts so far (streamed in parts)
+
     def choice(self, ctx, done):
-        return {"index": 0, "text": done["text"], **self._end_fields(ctx, done)}
+        return {"index": 0, "text": done["text"], **self._end_fields(done, self.all_logprobs(ctx, done))}
 
     def opening(self):
         return None
 
-    def delta(self, text):
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    def delta(self, text, logprobs=None):
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
 
-    def last(self, ctx, done):
-        return {"index": 0, "text": "", **self._end_fields(ctx, done)}
+    def last(self, ctx, done, logprobs):
+        return {"index": 0, "text": "", **self._end_fields(done, logprobs)}
 
-    def logprobs(self, ctx, done):
-        if "logprobs" not in done:
-            return None
-        tokens = _token_texts(ctx, done["token_ids"])
-        offsets, pos = [], 0
+    def logprobs(self, ctx, token_ids, logprobs):
+        tokens = _token_texts(ctx, token_ids)
+        offsets = []
         for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": list(done["logprobs"]), "top_logprobs": None,
-                "text_offset": offsets}
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
 
 
 CREATED = int(time.time())  # when this server process started: the model's "created"
