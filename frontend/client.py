@@ -199,6 +199,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = None
+    top_logprobs: list | None = None  # per token id: [token id, logprob] pairs, best first
 
 
 @dataclass
@@ -214,6 +215,7 @@ class Result:
     logprobs: Any = None  # only with logprobs=True
     reasoning: Any = None  # a Moondream reasoning query: {text, token_ids, grounding}
     id: str = ""
+    top_logprobs: Any = None  # only with top_logprobs=N: per token, N [token id, logprob] pairs, best first
 
     @classmethod
     def _from_msg(cls, msg: dict) -> Result:
@@ -227,12 +229,13 @@ class Result:
             output=msg.get("output"),
             logprobs=msg.get("logprobs"),
             reasoning=msg.get("reasoning"),
+            top_logprobs=msg.get("top_logprobs"),
         )
 
 
 def _chunk(msg: dict) -> Chunk:
     return Chunk(msg.get("id"), msg.get("seq", 0), msg.get("text", ""), list(msg.get("token_ids") or []),
-                 msg.get("logprobs"))
+                 msg.get("logprobs"), msg.get("top_logprobs"))
 
 
 # --------------------------------------------------------------------------- core (no I/O)

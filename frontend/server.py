@@ -100,8 +100,8 @@ class Gate:
         if ids is not None and len(ids) >= self.max_model_len:
             raise P.ProtocolError("context_length_exceeded", f"the prompt has {len(ids)} tokens; the context holds "
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
-        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=on_event,
-                  user_data=user_data, adapter=msg.adapter)
+        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
+                  on_event=on_event, user_data=user_data, adapter=msg.adapter)
         try:
             if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
                 return service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling,
@@ -330,7 +330,8 @@ class Server:
             state.t_last = now
             if state.stream:
                 sent = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
-                                                                 payload["token_ids"], payload.get("logprobs")))
+                                                                 payload["token_ids"], payload.get("logprobs"),
+                                                                 payload.get("top_logprobs")))
                 state.seq += 1
                 if sent is Sent.GONE:
                     self._clients_gone([state.identity])
@@ -343,7 +344,7 @@ class Server:
             try:
                 frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                        payload["usage"], payload["metrics"], payload.get("output"),
-                                       payload.get("logprobs"), payload.get("reasoning"))
+                                       payload.get("logprobs"), payload.get("reasoning"), payload.get("top_logprobs"))
             except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
                 log.exception("cannot encode the answer of request %r", state.id)
                 frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")

@@ -14,7 +14,9 @@ penalties (``repetition_penalty`` over the prompt's and the generated tokens,
 ``frequency_penalty`` and ``presence_penalty`` over the generated ones), then
 greedy argmax or temperature, ``min_p``, top-k, top-p and the Gumbel draw.
 Logprobs are the model's own (its log-softmax before any adjustment: vLLM's
-default "raw" logprobs).
+default "raw" logprobs): the sampled token's, and on request the
+``MAX_TOP_LOGPROBS`` most likely tokens with theirs (the frontend keeps as many
+as each request asked for).
 
 Penalties read a per-row count of each generated token (``RowParams.counts``,
 [rows, vocab] on the device). The sampling call that emits a row's token adds
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+from shared.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_EOS_IDS = 8
 MAX_STOP_IDS = MAX_EOS_IDS + MAX_STOP_TOKEN_IDS  # stop ids per row kept on device (EOS ids + stop_token_ids)
@@ -133,8 +135,10 @@ def sample(
     want_logprobs: bool,
     any_bias: bool = False,
     any_penalty: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Sample one token per logits row. Returns (token ids, flags, logprobs or None).
+    want_top: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Sample one token per logits row. Returns (token ids, flags, logprobs or None, top or None):
+    ``top`` is (ids, logprobs) [R, MAX_TOP_LOGPROBS] of the most likely tokens, most likely first.
 
     ``any_random`` / ``any_filter`` / ``any_bias`` / ``any_penalty`` are host-known
     batch properties (some row has temperature > 0 / min-p, top-k or top-p /
@@ -161,10 +165,14 @@ def sample(
         tokens = torch.where(temp > 0, sampled, greedy)
     stop = (tokens[:, None] == params.stop_ids[rows]).any(dim=-1)
     flags = stop.to(torch.int32) * FLAG_STOP
-    logprobs = None
-    if want_logprobs:
-        logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, flags, logprobs
+    logprobs = top = None
+    if want_logprobs or want_top:
+        model_logprobs = torch.log_softmax(raw, dim=-1)
+        logprobs = model_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        if want_top:
+            values, ids = model_logprobs.topk(MAX_TOP_LOGPROBS, dim=-1)
+            top = (ids.to(torch.int32), values)
+    return tokens, flags, logprobs, top
 
 
 def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

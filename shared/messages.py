@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 import msgspec.structs
 
-from shared.sampling import SAMPLING_FIELDS, SamplingField, SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingField, SamplingParams
 
 __all__ = [
     "MessageError", "Sampling", "Submit", "Cancel", "Shutdown", "StatsRequest", "Stats",
@@ -91,6 +91,7 @@ class Submit(_Msg, tag="submit"):
     sampling: Sampling = Sampling()
     constrained: bool = False  # the frontend will write mask rows for it
     logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # the most likely tokens' too
     mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
     images: list[SubmitImage] = []  # in prompt order
     adapter: Optional[str] = None  # a LoRA adapter's name (the worker's --lora), None = the base model

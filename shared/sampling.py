@@ -17,9 +17,10 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-__all__ = ["MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "LOGIT_BIAS_LIMIT", "SamplingParams", "SamplingField", "SAMPLING_FIELDS", "SAMPLING_FIELD_NAMES"]
+__all__ = ["MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "LOGIT_BIAS_LIMIT", "SamplingParams", "SamplingField", "SAMPLING_FIELDS", "SAMPLING_FIELD_NAMES"]
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs; the worker always computes this many
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (a fixed-size table per batch row on the device)
 LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-100, 100], as OpenAI documents and vLLM does
 

@@ -325,7 +325,7 @@ def test_every_sampling_field_reaches_the_server(client, server):
     options = {n: getattr(params, n) for n in SAMPLING_FIELD_NAMES}
     client.generate("x", request_id="all-sampling", **options)
     assert server.requests["all-sampling"].sampling == params
-    assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "grammar", "adapter", "images",
+    assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "top_logprobs", "grammar", "adapter", "images",
                                                               "skill", *P.SKILL_FIELDS}
 
 

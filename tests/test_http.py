@@ -133,6 +133,37 @@ def test_logprobs_stream_with_each_chunk(live, oai):
         assert got == s.result.logprobs and len(got) == 10
 
 
+def test_top_logprobs_best_first_streamed_and_whole(live, oai):
+    """Greedy: each token is its own best alternative; the alternatives are sorted, as many as asked,
+    the same streamed or not, over HTTP (chat and completions) and over ZeroMQ."""
+    kw = dict(model=MODEL, messages=MSG, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5)
+    whole = oai.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(whole) == 8
+    for t in whole:
+        alts = [a.logprob for a in t.top_logprobs]
+        assert len(alts) == 5 and alts == sorted(alts, reverse=True) and alts[0] > alts[-1]
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)
+    streamed = [t for c in oai.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in whole]
+    one = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=3)
+    lp = one.choices[0].logprobs
+    assert len(lp.top_logprobs) == 6 and all(1 <= len(d) <= 3 for d in lp.top_logprobs)
+    assert all(max(d.values()) == x for d, x in zip(lp.top_logprobs, lp.token_logprobs))
+    with Client(live.endpoint) as zc:
+        s = zc.stream("Once upon a time", max_tokens=6, temperature=0, top_logprobs=4)
+        chunks = list(s)
+        assert [p for c in chunks for p in c.top_logprobs] == s.result.top_logprobs
+        assert [len(t) for t in s.result.top_logprobs] == [4] * 6 and s.result.logprobs is not None
+    for bad in (dict(logprobs=True, top_logprobs=21), dict(top_logprobs=2)):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, **bad)
+        assert "top_logprobs" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=21)
+    assert "logprobs" in e.value.body["message"]
+
+
 def test_response_format_json_schema_and_grammar_extra(oai):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}

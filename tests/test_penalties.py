@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.engine import Engine, EngineConfig
 from gpu_worker.sampler import RowParams, _filter, apply_logit_bias, apply_penalties, sample
-from shared.sampling import MAX_LOGIT_BIAS, SamplingParams
+from shared.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from workload import BannedByLastToken
 
 VOCAB = 64
@@ -102,7 +102,7 @@ def test_sample_applies_bias_then_penalties_and_counts_what_it_emits():
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(5)) * 3
     idx = torch.arange(len(rows))
     before = params.counts.clone()
-    tokens, _, logprobs = sample(logits, idx, torch.zeros(len(rows), dtype=torch.long), params, any_random=False,
+    tokens, _, logprobs, _ = sample(logits, idx, torch.zeros(len(rows), dtype=torch.long), params, any_random=False,
                                  any_filter=False, want_logprobs=True, any_bias=True, any_penalty=True)
     for r, (prompt, output, p) in enumerate(rows):
         biased = logits[r].clone()
@@ -116,6 +116,23 @@ def test_sample_applies_bias_then_penalties_and_counts_what_it_emits():
     params.count(idx, tokens)
     delta = params.counts - before
     assert delta.sum() == len(rows) and torch.equal(delta[idx, tokens], torch.ones(len(rows), dtype=torch.int32))
+
+
+def test_top_logprobs_are_the_models_own_most_likely_tokens():
+    """The top MAX_TOP_LOGPROBS of the log-softmax of the model's logits, whatever the bias and
+    penalties did to the sampling distribution (vLLM's raw logprobs)."""
+    rows = random_rows(random.Random(6), 4)
+    params = RowParams(len(rows), VOCAB, torch.device("cpu"))
+    fill(params, rows)
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(7)) * 3
+    idx = torch.arange(len(rows))
+    tokens, _, chosen, top = sample(logits, idx, torch.zeros(len(rows), dtype=torch.long), params, any_random=False,
+                                    any_filter=False, want_logprobs=False, any_bias=True, any_penalty=True,
+                                    want_top=True)
+    want_values, want_ids = logits.log_softmax(-1).topk(MAX_TOP_LOGPROBS, dim=-1)
+    assert torch.equal(top[0], want_ids.to(torch.int32)) and torch.equal(top[1], want_values)
+    assert torch.equal(chosen, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+    assert (tokens != want_ids[:, 0]).any()  # non-vacuity: the adjusted choice is not always the model's best
 
 
 def test_a_penalized_row_starts_from_zero_counts_and_its_own_prompt():

@@ -186,7 +186,7 @@ def test_sampled_tokens_follow_the_truncated_distribution():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0]])
     params = make_params(1, temperature=0.7, top_k=6, top_p=0.9)
     n = 20_000
-    tokens, _, _ = sample(logits.expand(n, -1), torch.zeros(n, dtype=torch.long), torch.arange(n), params,
+    tokens, *_ = sample(logits.expand(n, -1), torch.zeros(n, dtype=torch.long), torch.arange(n), params,
                           any_random=True, any_filter=True, want_logprobs=False)
     counts = np.bincount(tokens.numpy(), minlength=8) / n
     truncated = reference_top_k_top_p(logits[0].double().numpy() / 0.7, 6, 0.9)
@@ -205,8 +205,8 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_batch_row_and_mates()
     params.set_row(1, SamplingParams(temperature=1.0), seed=5, eos_ids=())
     pos = torch.tensor([7, 7, 7])
     run = dict(any_random=True, any_filter=True, want_logprobs=False)
-    a, _, _ = sample(logits[[0, 1, 2]], torch.tensor([0, 1, 2]), pos, params, **run)
-    b, _, _ = sample(logits[[2, 1, 0]], torch.tensor([1, 2, 3]), pos, params, **run)  # row 3 has row 0's seed
+    a, *_ = sample(logits[[0, 1, 2]], torch.tensor([0, 1, 2]), pos, params, **run)
+    b, *_ = sample(logits[[2, 1, 0]], torch.tensor([1, 2, 3]), pos, params, **run)  # row 3 has row 0's seed
     assert a[0] == b[2]
     draws = [sample(logits[[0]], torch.tensor([0]), torch.tensor([p]), params, **run)[0].item() for p in range(40)]
     assert len(set(draws)) > 1  # non-vacuity: the noise does change with the position
@@ -215,11 +215,11 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_batch_row_and_mates()
 def test_greedy_rows_take_the_argmax_and_stop_tokens_are_flagged():
     logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 1.0]])
     params = make_params(2, temperature=0.0)
-    tokens, flags, logprobs = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params,
+    tokens, flags, logprobs, _ = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params,
                                      any_random=False, any_filter=False, want_logprobs=True)
     assert tokens.tolist() == [1, 0]
     params.set_row(1, SamplingParams(stop_token_ids=(0,)), seed=0, eos_ids=(2,))
-    _, flags, _ = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params, False, False, False)
+    _, flags, *_ = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params, False, False, False)
     assert flags.tolist() == [0, FLAG_STOP]
     np.testing.assert_allclose(logprobs.numpy(), torch.log_softmax(logits, -1).max(-1).values.numpy(), rtol=1e-6)
 

@@ -26,6 +26,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from shared.sampling import MAX_TOP_LOGPROBS
+
 from .bridge import Call
 from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
                      session_of, sse, sse_response, terminal_or_raise)
@@ -86,13 +88,18 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
         raise bad_request("n must be 1 (one choice per request)")
     if chat:
         _refuse_tools(body)
-    lp = body.get("logprobs")
-    if chat:
+    if chat:  # logprobs: true, and top_logprobs: the most likely alternatives of each token
         out["logprobs"] = bool(field(body, "logprobs", bool, "a boolean"))
-    else:  # completions: the number of top alternatives; only the chosen token's logprob is given
-        out["logprobs"] = field(body, "logprobs", int, "an integer") is not None
-    if lp is not None and field(body, "top_logprobs", int, "an integer"):
-        raise bad_request("top_logprobs is not supported (only the chosen token's logprob)")
+        top = field(body, "top_logprobs", int, "an integer")
+        if top is not None and not out["logprobs"]:
+            raise bad_request("top_logprobs needs logprobs: true")
+    else:  # completions: logprobs is the number of alternatives
+        top = field(body, "logprobs", int, "an integer")
+        out["logprobs"] = top is not None
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    if top:
+        out["top_logprobs"] = top  # the server checks its range
     grammar = _response_format(body.get("response_format"))
     if body.get("grammar") is not None:
         if grammar is not None:
@@ -214,17 +221,16 @@ async def _stream(ctx: Context, call: Call, batches: AsyncIterator[list], first:
     head = {**meta, "object": shape.chunk_object}
     extra = {"usage": None} if include_usage else {}
     before, after = sse({**head, "choices": [shape.delta(_MARK)], **extra}).split(json.dumps(_MARK).encode())
-    held_ids: list[int] = []  # tokens (and logprobs) not sent yet: their text is still held
-    held_lps: list[float] = []
+    held: dict[str, list] = {"token_ids": [], "logprobs": [], "top_logprobs": []}  # not sent yet: text held
 
     def with_logprobs(m: dict) -> bytes | None:
-        held_ids.extend(m["token_ids"])
-        held_lps.extend(m.get("logprobs") or ())
+        for key, values in held.items():
+            values.extend(m.get(key) or ())
         if not m["text"]:
             return None
-        lp = shape.logprobs(ctx, held_ids, held_lps)
-        held_ids.clear()
-        held_lps.clear()
+        lp = shape.logprobs(ctx, **held)
+        for values in held.values():
+            values.clear()
         return sse({**head, "choices": [shape.delta(m["text"], lp)], **extra})
 
     try:
@@ -241,7 +247,7 @@ async def _stream(ctx: Context, call: Call, batches: AsyncIterator[list], first:
             last = batch[-1]
             if last["type"] != "chunk":
                 done = terminal_or_raise(last)
-                rest = shape.logprobs(ctx, held_ids, held_lps) if want_logprobs and held_ids else None
+                rest = shape.logprobs(ctx, **held) if want_logprobs and held["token_ids"] else None
                 out.append(sse({**head, "choices": [shape.last(ctx, done, rest)], **extra}))
                 if include_usage:
                     out.append(sse({**head, "choices": [], "usage": _usage(done)}))
@@ -268,6 +274,18 @@ def _token_texts(ctx: Context, token_ids: list[int]) -> list[str]:
         [str(t) for t in token_ids]
 
 
+def _texts(ctx: Context, token_ids: list[int], top_logprobs: list | None) -> tuple[list[str], list[list]]:
+    """The tokens' texts, and per token its alternatives as (text, logprob), best first (one decode call)."""
+    tops = top_logprobs or [[] for _ in token_ids]
+    texts = _token_texts(ctx, [*token_ids, *(t for top in tops for t, _ in top)])
+    at = len(token_ids)
+    alternatives = []
+    for top in tops:
+        alternatives.append([(texts[at + j], lp) for j, (_, lp) in enumerate(top)])
+        at += len(top)
+    return texts[:len(token_ids)], alternatives
+
+
 class _Shape:
     prefix = object = chunk_object = ""
 
@@ -284,9 +302,12 @@ class _Shape:
 
     def all_logprobs(self, ctx: Context, done: dict) -> dict | None:
         """The whole completion's logprobs (a non-streamed answer), None if not asked."""
-        return self.logprobs(ctx, done["token_ids"], done["logprobs"]) if "logprobs" in done else None
+        if "logprobs" not in done:
+            return None
+        return self.logprobs(ctx, done["token_ids"], done["logprobs"], done.get("top_logprobs"))
 
-    def logprobs(self, ctx: Context, token_ids: list[int], logprobs: list[float]) -> dict: ...
+    def logprobs(self, ctx: Context, token_ids: list[int], logprobs: list[float], top_logprobs: list | None) -> dict:
+        """``top_logprobs``: per token, its alternatives' [token id, logprob] pairs (empty or None: none asked)."""
 
 
 class _ChatShape(_Shape):
@@ -305,10 +326,11 @@ class _ChatShape(_Shape):
     def last(self, ctx, done, logprobs):
         return {"index": 0, "delta": {}, **self._end_fields(done, logprobs)}
 
-    def logprobs(self, ctx, token_ids, logprobs):
-        tokens = _token_texts(ctx, token_ids)
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, logprobs)]}
+    def logprobs(self, ctx, token_ids, logprobs, top_logprobs=None):
+        tokens, tops = _texts(ctx, token_ids, top_logprobs)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top]}
+                            for t, lp, top in zip(tokens, logprobs, tops)]}
 
 
 class _CompletionShape(_Shape):
@@ -329,13 +351,14 @@ class _CompletionShape(_Shape):
     def last(self, ctx, done, logprobs):
         return {"index": 0, "text": "", **self._end_fields(done, logprobs)}
 
-    def logprobs(self, ctx, token_ids, logprobs):
-        tokens = _token_texts(ctx, token_ids)
+    def logprobs(self, ctx, token_ids, logprobs, top_logprobs=None):
+        tokens, tops = _texts(ctx, token_ids, top_logprobs)
         offsets = []
         for t in tokens:
             offsets.append(self.offset)
             self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "text_offset": offsets,
+                "top_logprobs": [dict(top) for top in tops] if top_logprobs else None}
 
 
 CREATED = int(time.time())  # when this server process started: the model's "created"
