@@ -164,6 +164,48 @@ def test_top_logprobs_best_first_streamed_and_whole(live, oai):
     assert "logprobs" in e.value.body["message"]
 
 
+def test_n_choices_share_the_prompt_and_each_has_its_own_seeded_stream(live, oai):
+    """n choices: choice i is the request with seed + i (non-vacuity: they differ); the others map the
+    first one's prompt pages from the prefix cache; streamed, each chunk says its choice's index."""
+    prompt = list(range(5000, 5070))  # token ids no other test sends: nothing of it is cached before
+    live.wait_idle()
+    with Client(live.endpoint) as zc:
+        hits = zc.info()["prefix_cache"]["hit_tokens"]
+        shared = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, n=3)
+        hits = zc.info()["prefix_cache"]["hit_tokens"] - hits
+    assert len(shared.choices) == 3 and hits == 2 * ((len(prompt) - 1) // 8 * 8)  # page size 8: all full pages
+    messages = [{"role": "user", "content": "Choices, choices: " + "one two three " * 20}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    r = oai.chat.completions.create(**kw, n=3)
+    prompt = r.usage.prompt_tokens
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert (r.usage.completion_tokens, r.usage.total_tokens) == (24, prompt + 24)
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3
+    for i, text in enumerate(texts):
+        alone = oai.chat.completions.create(**{**kw, "seed": 11 + i})
+        assert alone.choices[0].message.content == text, i
+    streamed = {i: "" for i in range(3)}
+    finished = set()
+    usage = None
+    for c in oai.chat.completions.create(**kw, n=3, stream=True, stream_options={"include_usage": True}):
+        if not c.choices:
+            usage = c.usage
+            continue
+        streamed[c.choices[0].index] += c.choices[0].delta.content or ""
+        if c.choices[0].finish_reason:
+            finished.add(c.choices[0].index)
+    assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    assert usage.completion_tokens == 24
+    one = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in one.choices] == [0, 1] and one.choices[0].text != one.choices[1].text
+    for bad in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, n=bad)
+        assert e.value.body["message"].startswith("n must be")
+    live.wait_idle()
+
+
 def test_response_format_json_schema_and_grammar_extra(oai):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}
@@ -308,7 +350,7 @@ def test_error_statuses(live, raw):
         (raw.post(chat, json=[1, 2]), 400, "bad_request"),
         (raw.post(chat, json={"model": MODEL, "messages": MSG, "max_tokens": "ten"}), 400, "bad_request"),
         (raw.post(chat, json={"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}), 400, "bad_request"),
-        (raw.post(chat, json={"model": MODEL, "messages": MSG, "n": 2}), 400, "bad_request"),
+        (raw.post(chat, json={"model": MODEL, "messages": MSG, "n": 17}), 400, "bad_request"),
         (raw.post("/v1/query", json={"settings": {"max_tokens": 4}}), 400, "bad_request"),
         (raw.post(chat, json={"model": "nope", "messages": MSG}), 404, "model_not_found"),
         (raw.get("/v1/nothing"), 404, "not_found"),
