@@ -24,7 +24,7 @@ child processes, HTTP on loopback, every process with the same
    workload (from each replica's ``info``, read over its ``ipc://`` endpoint).
 
 ``LocalCluster`` (a ``tandem cluster`` child process, its replicas found by
-``ps``) is also what ``tests/test_cluster.py`` drives.
+``ps``) is also what ``tests/cluster/test_cluster.py`` drives.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from .serve import make_work, run_level
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-CLI = [sys.executable, "-m", "frontend.cli"]
+CLI = [sys.executable, "-m", "frontend.cli.main"]
 CPU_ROLES = {"proxy": "ProxyActor", "ingress": "TandemIngress", "replica actor": "TandemReplica",
              "tandem serve": "--http none", "worker": "gpu_worker.worker"}  # role: what its command line has
 

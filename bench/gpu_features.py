@@ -8,13 +8,13 @@ Every check runs one workload on DEVICE and compares the greedy tokens with a re
 - ``lora``: three random adapters through two slots, base rows in the same
   launches, on DEVICE (float32, CUDA graphs, pipelined) for each LoRA kernel,
   against the CPU (float32, eager, blocking; the CPU path is checked against
-  peft in tests/test_lora.py). Then bfloat16 pipelined against bfloat16 blocking.
+  peft in tests/engine/test_lora.py). Then bfloat16 pipelined against bfloat16 blocking.
 - ``prefix``: two turns of conversations sharing a system prompt, the prefix
   cache on, on DEVICE (float32, graphs, pipelined), against the CPU with the
   cache off. The second turn must map cached pages.
 - ``vision``: two requests with the same 13-tile image (the second one's
   features come from the encoder cache) and a text request, on DEVICE against
-  the CPU (whose encoder is checked against transformers in tests/test_vision.py);
+  the CPU (whose encoder is checked against transformers in tests/models/test_vision.py);
   then bfloat16 pipelined against blocking; and the encoder's time per image.
 - ``moondream``: the Moondream reference's own answers for its dev checkpoint
   (``bench/moondream_fixture.py``: captions, queries, reasoning, spatial refs, point and
@@ -194,7 +194,7 @@ IMAGE_TEXTS = [f"<|im_start|>User:{before}<image>Describe this image.<end_of_utt
 
 def _image_requests(vlm: str, image: bytes, n_text: int = 1) -> tuple[list[dict], object]:
     """Two requests with ``image`` (IMAGE_TEXTS), then ``n_text`` text requests; and the prepared image."""
-    from frontend.images import image_prompt_ids, prepare_images
+    from frontend.images.idefics3 import image_prompt_ids, prepare_images
     from gpu_worker.image_prefill import ImageInput
     from shared.models import load_tokenizer, resolve_model
     from shared.vision_config import ImageProcessorParams
@@ -308,8 +308,8 @@ def check_moondream(device: str) -> str:
 
 def check_service(device: str, vlm: str) -> str:
     from bench.image_ttft import noise_png
-    from frontend.images import image_prompt_ids
-    from frontend.service import Service, ServiceConfig
+    from frontend.images.idefics3 import image_prompt_ids
+    from frontend.server.service import Service, ServiceConfig
     from shared.sampling import SamplingParams
 
     image = noise_png(384, 256, 11)

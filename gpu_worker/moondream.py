@@ -8,7 +8,7 @@ implementation (``vikhyat/moondream``, ``moondream/torch/``) in float32; MOONDRE
   paged KV cache and packed batches (:func:`gpu_worker.model.paged_attention`). Prefix-LM: the
   image block (BOS + 729 image embeddings = positions 0..729, always prefilled in one chunk)
   attends both ways, everything after it causally.
-- **Vision**: crops (global + up to 12 local, ``frontend/moondream_images.py``) are normalised in
+- **Vision**: crops (global + up to 12 local, ``frontend/moondream/images.py``) are normalised in
   bfloat16 as the reference does, encoded, the local crops stitched and pooled to 27 × 27,
   concatenated with the global crop and projected: 729 embeddings whatever the tiling.
 - **Region**: Fourier features + Linear encode a coordinate (or a width/height pair) as an input
@@ -37,7 +37,8 @@ from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
-from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention
+from .cpu_backend import PackedLinear
+from .model import attention_mask, checkpoint_index, paged_attention
 
 ROPE_THETA = 10000.0
 
@@ -160,7 +161,7 @@ class VisionBlock(nn.Module):
         B, T, C = x.shape
         qkv = self.attn.qkv(self.ln1(x))
         kernels = getattr(self.attn.qkv, "kernels", None)
-        if kernels is not None:  # bf16 with AMX: 2.5x SDPA at head_dim 72 (BENCHMARKS.md "Session 9")
+        if kernels is not None:  # bf16, AMX: 2.5x SDPA, head_dim 72 (BENCHMARKS.md "Moondream's attention on AMX")
             out = kernels.full_attention(qkv, self.n_heads)
         else:
             q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))

@@ -3,7 +3,7 @@
 Pure Python, so the frontend can carry it to the worker (as JSON on the
 command line) without importing torch. Each field's default is *the* default:
 the command line's options take theirs, and their help, from here
-(``frontend.options.engine_option``).
+(``frontend.cli.options.engine_option``).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class EngineConfig:
                                        "dequantizes a GGUF file.")
     quantization_group: int = _about(32, "int4's group along K (32, 64 or 128).")
     cuda_graphs: bool = True
-    prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.model.PackedLinear)
+    prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.cpu_backend.PackedLinear)
     cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused, AMX matmul (gpu_worker/kernels/)
     encoder_cache_mb: float = _about(256.0, "Vision models: device memory for image features kept for reuse "
                                             "(unreferenced ones, LRU).")

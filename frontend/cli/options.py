@@ -1,0 +1,171 @@
+"""The command line's option definitions, each written once, and help grouped in sections.
+
+- Defaults and help of the engine options are :class:`shared.config.EngineConfig`'s,
+  of the sampling options :class:`shared.sampling.SamplingParams`'s; the list of
+  built-in models under ``--model`` is the registry's (``shared.models``).
+- :func:`option` is ``click.option`` with a help section (``group``);
+  :class:`GroupedCommand` prints the options section by section, in
+  :data:`GROUPS` order.
+- Commands combine the decorators: ``tandem generate`` takes the engine
+  options, ``tandem serve`` the engine and server options, and a new command
+  that starts workers takes the same ones.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+from frontend.client import DEFAULT_ENDPOINT
+from frontend.server.metrics import COMPAT
+from shared.config import INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
+from shared.lora_config import KERNELS
+from shared.models import REGISTRY
+from shared.sampling import SAMPLING_FIELDS
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+MAX_QUEUE = 1024  # requests in flight before 'overloaded' (the Server's default too)
+GROUPS = ("Request", "Sampling", "Output", "Engine", "Server", "Connection", "Other")
+
+
+class GroupedOption(click.Option):
+    """A ``click.Option`` listed under a section of the help (``group``)."""
+
+    def __init__(self, *args, group: str = "Other", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+
+class GroupedCommand(click.Command):
+    """A command whose --help lists its options in sections (:data:`GROUPS`)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:
+                sections.setdefault(getattr(param, "group", "Other"), []).append(record)
+        for name in sorted(sections, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS)):
+            with formatter.section(f"{name} options"):
+                formatter.write_dl(sections[name])
+
+
+def option(group: str, *decls: str, **kw) -> Callable:
+    return click.option(*decls, cls=GroupedOption, group=group, **kw)
+
+
+def apply(fn: Callable, opts: list[Callable]) -> Callable:
+    """Decorate ``fn`` with ``opts``, the first listed first in the help."""
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def engine_option(flag: str, name: str, group: str = "Engine", config: type = EngineConfig, **kw) -> Callable:
+    """An option whose default and help are the config field ``name``'s (EngineConfig by default)."""
+    f = config_field(name, config)
+    kw.setdefault("default", f.default)
+    kw.setdefault("show_default", kw["default"] is not None)
+    return option(group, flag, help=f.metadata["help"], **kw)
+
+
+MODEL_HELP = (f"{config_field('model').metadata['help']} Built in: {', '.join(REGISTRY)} "
+              "(`tandem models` says what each is).")
+
+
+def engine_options(fn: Callable) -> Callable:
+    """Options shared by every command that starts a GPU worker."""
+    no = {"no_pipeline": "pipeline", "no_prefix_cache": "prefix_cache"}  # flags that turn a field off
+    return apply(fn, [
+        option("Engine", "--model", default=config_field("model").default, show_default=True, help=MODEL_HELP),
+        engine_option("--device", "device"),
+        engine_option("--dtype", "dtype", type=click.Choice(DTYPES), default="auto"),
+        engine_option("--quantization", "quantization", type=click.Choice(QUANTIZATIONS)),
+        engine_option("--quantization-group", "quantization_group", type=click.Choice([str(g) for g in INT4_GROUPS]),
+                      default=str(config_field("quantization_group").default)),
+        *(option("Engine", "--" + flag.replace("_", "-"), is_flag=True, help=config_field(field).metadata["help"])
+          for flag, field in no.items()),
+        engine_option("--max-batch", "max_batch"),
+        engine_option("--max-model-len", "max_model_len"),
+        engine_option("--prefill-budget", "prefill_budget", type=click.IntRange(min=1)),
+        engine_option("--kv-pages", "kv_pages", type=int),
+        engine_option("--kv-memory-fraction", "kv_memory_fraction"),
+        option("Engine", "--lora", multiple=True, metavar="NAME=DIR", help=config_field("loras").metadata["help"]),
+        engine_option("--max-loras", "max_loras", type=click.IntRange(min=1)),
+        engine_option("--lora-kernel", "lora_kernel", type=click.Choice(KERNELS)),
+    ])
+
+
+# The options that configure the in-process engine (the worker that `generate` and `serve` start), by
+# their parameter names: read from ``engine_options`` itself, so a new engine option is never left out.
+# (click.option appends each decorator's parameter to ``__click_params__``, the last applied first.)
+ENGINE_OPTIONS = [p.name for p in reversed(engine_options(lambda: None).__click_params__)]
+
+
+def normalize_endpoint(ctx, param, value: str | None) -> str | None:
+    """ZeroMQ endpoints; a bare HOST:PORT means tcp://HOST:PORT."""
+    if value is None:
+        return None
+    scheme, sep, rest = value.rpartition("://")
+    if not sep:
+        scheme, rest = "tcp", value
+    host, colon, port = rest.rpartition(":")
+    if scheme == "tcp" and not (colon and host and (port == "*" or port.isdigit() and int(port) < 1 << 16)):
+        raise click.BadParameter(f"{value!r}: expected HOST:PORT, tcp://HOST:PORT or ipc://PATH")
+    return f"{scheme}://{rest}"
+
+
+def server_options(fn: Callable) -> Callable:
+    """What a serving command adds to the engine options: its endpoint, queue, drain, supervision and
+    the frontend's image processing."""
+    return apply(fn, [
+        option("Server", "--bind", default=DEFAULT_ENDPOINT, show_default=True, callback=normalize_endpoint,
+               help="ZeroMQ endpoint to listen on (tcp://HOST:PORT, HOST:PORT or ipc://PATH)."),
+        option("Server", "--max-queue", default=MAX_QUEUE, show_default=True,
+               help="Requests in flight before 'overloaded'."),
+        option("Server", "--drain-timeout", default=20.0, show_default=True,
+               help="On SIGTERM/SIGINT: seconds in-flight requests may still finish (new ones get 'overloaded'); "
+                    "a second signal stops at once."),
+        option("Server", "--exit-on-worker-failure", is_flag=True,
+               help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd)."),
+        option("Engine", "--image-slots", type=int, default=None,
+               help="Vision models: shared-memory slots (one tile each) for images on their way to the worker "
+                    "(default: room for one request of 8 of the largest images)."),
+        engine_option("--encoder-cache-mb", "encoder_cache_mb"),
+        option("Engine", "--image-workers", type=click.IntRange(min=1), default=None,
+               help="Vision models: processes (at nice 19) that decode and tile images (default: the cores "
+                    "less two, 1 to 4)."),
+        option("Server", "--metrics-compat", type=click.Choice(COMPAT), default=None,
+               help="Also export /metrics' running, waiting and KV-usage figures under these names (vllm: "
+                    "for routers and dashboards made for vLLM)."),
+    ])
+
+
+def _token_map(ctx, param, values: tuple[str, ...]) -> dict[int, float]:
+    """``("50256=-100", ...)`` -> ``{50256: -100.0}``."""
+    out = {}
+    for v in values:
+        token, _, bias = v.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise click.BadParameter(f"{v!r} is not TOKEN=BIAS (an integer = a number)", param=param) from None
+    return out
+
+
+def sampling_options(fn: Callable) -> Callable:
+    """One option per sampling field (SamplingParams' names, defaults and help)."""
+    opts = []
+    for f in SAMPLING_FIELDS:
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            opts.append(option("Sampling", flag, is_flag=True, help=f.help))
+        elif f.type is tuple:  # stop_token_ids: one --stop-token-id per id
+            opts.append(option("Sampling", "--stop-token-id", f.name, multiple=True, type=int, help=f.help))
+        elif f.type is dict:  # logit_bias: one --logit-bias TOKEN=BIAS per token
+            opts.append(option("Sampling", flag, multiple=True, metavar="TOKEN=BIAS", callback=_token_map,
+                               help=f.help))
+        else:
+            opts.append(option("Sampling", flag, type=f.type, default=f.default, show_default=f.default is not None,
+                               help=f.help))
+    return apply(fn, opts)

@@ -1,0 +1,133 @@
+"""Spawning, talking to and supervising one GPU worker process.
+
+The frontend creates the worker's arena (memfd + eventfds) and control
+socketpair, then spawns ``python -m gpu_worker.worker`` (a fresh interpreter:
+never a fork of a process that may have touched CUDA) with those fds inherited.
+Nothing is created on the filesystem, so a kill -9 of either side leaks nothing.
+Each (re)start gets a new generation number and a new arena.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING
+
+from shared.control import ChannelClosed, ControlChannel
+from shared.messages import Progress, Ready, Shutdown
+from shared.models import ModelInfo
+from shared.shm import Arena, Layout, Side
+
+if TYPE_CHECKING:
+    from frontend.server.service import ServiceConfig
+
+
+class WorkerDown(RuntimeError):
+    """The worker died or could not start (the server's own signal; clients see ``worker_failed``)."""
+
+
+class WorkerHandle:
+    def __init__(self, config: "ServiceConfig", model: ModelInfo, generation: int, on_progress=None,
+                 image_region: tuple[int, int, int] = (0, 1, 0)) -> None:
+        """Spawn generation ``generation`` of the worker for ``config`` (its engine fields
+        travel to the worker as JSON, with the resolved model directory). ``image_region``:
+        (slots, tiles per slot, tile side) of the arena's image slots."""
+        engine_config = dict(config.engine_fields(), model=str(model.path))
+        self.generation = generation
+        self.stale_s = config.worker_stale_s
+        self.ready_timeout_s = config.ready_timeout_s
+        self.started = time.monotonic()
+        self.on_progress = on_progress  # called with each Progress the worker sends while starting
+        max_batch = config.max_batch
+        self.arena = Arena.create(Layout(vocab_size=model.vocab_size, ring_entries=config.ring_entries,
+                                         max_rows=max_batch, max_batch_rows=max_batch, image_slots=image_region[0],
+                                         slot_tiles=image_region[1], tile_size=image_region[2]),
+                                  generation=generation)
+        self._beating = self.arena.start_heartbeat(Side.FRONTEND)
+        self.channel, child_end = ControlChannel.pair()
+        self.stderr = tempfile.TemporaryFile()  # unlinked at once: kept only for failure reports
+        cmd = [sys.executable, "-m", "gpu_worker.worker", "--arena", self.arena.fd_spec(),
+               "--control", str(child_end.fileno()), "--config", json.dumps(engine_config),
+               "--generation", str(generation), "--parent-pid", str(os.getpid()),
+               "--mask-timeout", str(config.mask_timeout_s), "--log-level", config.log_level]
+        self.proc = subprocess.Popen(cmd, pass_fds=(*self.arena.pass_fds, child_end.fileno()),
+                                     stdin=subprocess.DEVNULL, stderr=self.stderr)
+        child_end.close()
+        self.tokens = self.arena.token_reader()
+        self.acks = self.arena.ack_writer()
+        self.masks = self.arena.mask_writer()
+        self.images = self.arena.image_writer()  # a new arena per generation: every slot starts free
+        self.info: dict = {}
+        self.ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll_ready(self) -> bool:
+        """Non-blocking: has the worker loaded and warmed up (``Ready`` received)?
+        Whether it died or timed out while starting is ``failure()``'s to say."""
+        if self.ready or self.proc.poll() is not None:
+            return self.ready
+        try:
+            messages = self.channel.receive()
+        except ChannelClosed:
+            return False  # the exit is reported by failure()
+        for msg in messages:
+            if isinstance(msg, Ready):
+                self.info, self.ready = dict(msg.info), True
+            elif isinstance(msg, Progress) and self.on_progress is not None:
+                self.on_progress(msg)
+        return self.ready
+
+    def wait_ready(self) -> dict:
+        """Block until the worker is ready; returns its info (raises WorkerDown)."""
+        while not self.poll_ready():
+            why = self.failure()
+            if why is not None:
+                self.kill()
+                raise WorkerDown(why)
+            select.select([self.channel], [], [], 0.1)
+        return self.info
+
+    def failure(self) -> str | None:
+        """Why the worker is unusable, or None while it is healthy (or still starting in time)."""
+        code = self.proc.poll()
+        if code is not None:
+            if not self.ready:
+                return f"worker exited with code {code} while starting: {self.stderr_tail()}"
+            return f"worker exited with code {code}"
+        if self.ready and not self.arena.is_alive(Side.WORKER, self.stale_s):
+            return f"worker heartbeat stale for more than {self.stale_s:.0f} s"
+        if not self.ready and time.monotonic() - self.started > self.ready_timeout_s:
+            return f"worker not ready after {self.ready_timeout_s:.0f} s"
+        return None
+
+    def stderr_tail(self, limit: int = 2000) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-limit:].strip()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            self.channel.send(Shutdown())
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                self.channel.flush()  # what the worker has not read yet, Shutdown last
+                time.sleep(0.01)
+        except ChannelClosed:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()  # reaped: no zombie process
+        self._beating.set()
+        self.channel.close()
+        self.arena.close()
+        self.stderr.close()
