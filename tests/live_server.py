@@ -26,8 +26,8 @@ from frontend.server.zmq_server import Server
 V = b"TANDEM1"
 TERMINAL = ("done", "error")
 FINISH_REASONS = {"stop", "length", "cancelled"}
-ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "overloaded", "worker_failed",
-               "internal"}
+ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "context_length_exceeded", "overloaded",
+               "worker_failed", "internal"}
 MAX_BATCH = 32
 MAX_MODEL_LEN = 2048  # ServiceConfig default
 VOCAB = 49152  # tiny-random (SmolLM2 tokenizer)

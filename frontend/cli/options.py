@@ -141,6 +141,18 @@ def server_options(fn: Callable) -> Callable:
     ])
 
 
+def _token_map(ctx, param, values: tuple[str, ...]) -> dict[int, float]:
+    """``("50256=-100", ...)`` -> ``{50256: -100.0}``."""
+    out = {}
+    for v in values:
+        token, _, bias = v.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise click.BadParameter(f"{v!r} is not TOKEN=BIAS (an integer = a number)", param=param) from None
+    return out
+
+
 def sampling_options(fn: Callable) -> Callable:
     """One option per sampling field (SamplingParams' names, defaults and help)."""
     opts = []
@@ -150,6 +162,9 @@ def sampling_options(fn: Callable) -> Callable:
             opts.append(option("Sampling", flag, is_flag=True, help=f.help))
         elif f.type is tuple:  # stop_token_ids: one --stop-token-id per id
             opts.append(option("Sampling", "--stop-token-id", f.name, multiple=True, type=int, help=f.help))
+        elif f.type is dict:  # logit_bias: one --logit-bias TOKEN=BIAS per token
+            opts.append(option("Sampling", flag, multiple=True, metavar="TOKEN=BIAS", callback=_token_map,
+                               help=f.help))
         else:
             opts.append(option("Sampling", flag, type=f.type, default=f.default, show_default=f.default is not None,
                                help=f.help))

@@ -48,7 +48,7 @@ from shared.lora_config import read_adapters
 from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
                              SubmitSkill)
 from shared.models import ModelInfo, load_tokenizer
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
@@ -64,7 +64,7 @@ log = logging.getLogger("tandem.frontend")
 # Plain ints for the per-token loop (IntFlag operators cost a Python call each).
 _ZOMBIE, _FINISH_MASK = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISH_MASK)
 
-PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "internal"}
+PROTOCOL_CODES = {"bad_request", "too_long", "context_length_exceeded", "overloaded", "worker_failed", "internal"}
 
 
 @dataclass
@@ -146,13 +146,16 @@ class Service:
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, stop=(), constraint=None,
-               logprobs: bool = False, on_event=None, user_data=None, adapter: str | None = None) -> Request:
-        req = self._new_request(prompt_ids, params, stop, constraint, logprobs, on_event, user_data, adapter)
+               logprobs: bool = False, on_event=None, user_data=None, adapter: str | None = None,
+               top_logprobs: int = 0) -> Request:
+        """``top_logprobs``: also that many most likely tokens with their logprobs, for each token."""
+        req = self._new_request(prompt_ids, params, stop, constraint, logprobs, on_event, user_data, adapter,
+                                top_logprobs)
         self._ready_to_send(req)
         return req
 
     def _new_request(self, prompt_ids, params, stop, constraint, logprobs, on_event, user_data,
-                     adapter: str | None) -> Request:
+                     adapter: str | None, top_logprobs: int = 0) -> Request:
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         if adapter is not None and adapter not in self.adapters:
@@ -160,14 +163,16 @@ class Service:
                              f"{', '.join(self.adapters) or 'none'}")
         seq_id = self._next_seq
         self._next_seq = self._next_seq % 0xFFFFFFFF + 1
-        req = Request(seq_id, list(prompt_ids or ()), params, tuple(s for s in stop if s), constraint, logprobs,
-                      on_event, user_data, adapter)
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        req = Request(seq_id, list(prompt_ids or ()), params, tuple(s for s in stop if s), constraint,
+                      logprobs or top_logprobs > 0, on_event, user_data, adapter, top_logprobs=top_logprobs)
         self.requests[seq_id] = req
         return req
 
     def submit_images(self, images: list[bytes], render: Render, params: SamplingParams | None = None, *,
                       stop=(), constraint=None, logprobs: bool = False, on_event=None, user_data=None,
-                      adapter: str | None = None) -> Request:
+                      adapter: str | None = None, top_logprobs: int = 0) -> Request:
         """A request with images, decoded and tiled in the image pool; then
         ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
         rendered text) runs on the loop thread (``tokenizer`` is used on that thread only; the HTTP
@@ -177,7 +182,7 @@ class Service:
         if self.images is None:
             raise ValueError("images: this model takes no images (it has no vision encoder)")
         self.images.check(images)
-        req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter)
+        req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter, top_logprobs)
         req.images = self.images.start(req, images, render)
         return req
 
@@ -262,6 +267,7 @@ class Service:
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
+                                        top_logprobs=req.top_logprobs,
                                         mask_row=req.mask_row, adapter=req.adapter, images=images,
                                         skill=SubmitSkill(**req.skill.task()) if req.skill else None))
 
@@ -388,6 +394,9 @@ class Service:
                 req.values.append(tuple(entry.values[i].tolist()))
             if req.logprobs and lps is not None:
                 req.token_logprobs.append(float(lps[i]))
+            if req.top_logprobs and entry.top_ids is not None:
+                k = req.top_logprobs
+                req.token_top.append(list(zip(entry.top_ids[i, :k].tolist(), entry.top_logprobs[i, :k].tolist())))
             if req.constraint is not None and not req.constraint.accept(token):
                 self._end(req, error=("internal", f"token {token} violated the request's constraint"))
                 self._stop_worker_side(req, FinishReason.ERROR)
@@ -413,7 +422,12 @@ class Service:
     # ------------------------------------------------------------------ events
     def _emit_chunk(self, req: Request, text: str, token: int) -> None:
         if req.on_event is not None:
-            req.on_event(req, "chunk", {"text": text, "token_ids": [token]})
+            payload = {"text": text, "token_ids": [token]}
+            if req.logprobs:  # streamed with its token, not only in the terminal message
+                payload["logprobs"] = req.token_logprobs[-1:]
+            if req.top_logprobs:
+                payload["top_logprobs"] = req.token_top[-1:]
+            req.on_event(req, "chunk", payload)
 
     def _end(self, req: Request, reason: FinishReason = FinishReason.NONE,
              error: tuple[str, str] | None = None) -> None:

@@ -29,10 +29,14 @@ def _apply_chat_template(tokenizer, messages: list[dict], tokenize: bool):
         raise ValueError(f"messages: the model's chat template refuses them: {e}") from None
 
 
+TEXT_PARTS_SEPARATOR = "\n"  # vLLM's rule for text parts; every door (ZeroMQ, HTTP) renders through here
+
+
 def text_only(messages: list[dict]) -> list[dict]:
-    """Content given as a list of text parts joined into one string (any chat template takes that)."""
+    """Content given as a list of text parts joined into one string (any chat template takes that),
+    with newlines between the parts."""
     return [m if isinstance(m["content"], str) else
-            {**m, "content": "".join(p.get("text", "") for p in m["content"])} for m in messages]
+            {**m, "content": TEXT_PARTS_SEPARATOR.join(p.get("text", "") for p in m["content"])} for m in messages]
 
 
 def place_images(messages: list[dict], count: int) -> list[dict]:

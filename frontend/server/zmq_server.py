@@ -63,7 +63,7 @@ class Gate:
     renders the prompt (text, chat messages or token ids; with images, once the image pool knows
     their tiling), compiles the grammar, checks what needs the model (an empty prompt, the
     context length, images on a text model) and submits. Bad input raises ``ProtocolError``
-    (``bad_request``, ``too_long``) naming the field; nothing has been submitted then."""
+    (``bad_request``, ``too_long``, ``context_length_exceeded``) naming the field; nothing has been submitted then."""
 
     def __init__(self, service: Service, limits: P.Limits | None = None) -> None:
         self.service = service
@@ -98,10 +98,10 @@ class Gate:
         if ids is not None and not ids:
             raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
         if ids is not None and len(ids) >= self.max_model_len:
-            raise P.ProtocolError("too_long", f"the prompt has {len(ids)} tokens; the context holds "
+            raise P.ProtocolError("context_length_exceeded", f"the prompt has {len(ids)} tokens; the context holds "
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
-        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=on_event,
-                  user_data=user_data, adapter=msg.adapter)
+        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
+                  on_event=on_event, user_data=user_data, adapter=msg.adapter)
         try:
             if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
                 return service.submit_images(list(msg.images), self._image_renderer(msg), msg.sampling,
@@ -330,7 +330,8 @@ class Server:
             state.t_last = now
             if state.stream:
                 sent = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
-                                                                 payload["token_ids"]))
+                                                                 payload["token_ids"], payload.get("logprobs"),
+                                                                 payload.get("top_logprobs")))
                 state.seq += 1
                 if sent is Sent.GONE:
                     self._clients_gone([state.identity])
@@ -343,7 +344,7 @@ class Server:
             try:
                 frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                        payload["usage"], payload["metrics"], payload.get("output"),
-                                       payload.get("logprobs"), payload.get("reasoning"))
+                                       payload.get("logprobs"), payload.get("reasoning"), payload.get("top_logprobs"))
             except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
                 log.exception("cannot encode the answer of request %r", state.id)
                 frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")

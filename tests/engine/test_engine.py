@@ -258,6 +258,18 @@ def test_a_request_must_fit_the_whole_kv_cache_and_the_vocabulary():
         eng.submit([1, 2], SamplingParams(stop_token_ids=[3, eng.vocab_size]))
     full = eng.generate([[1] * 10], SamplingParams(max_tokens=room - 10, ignore_eos=True))[0]
     assert len(full.output_ids) == room - 10 and eng.idle
+    rest = eng.generate([[1] * 10], SamplingParams(ignore_eos=True))[0]  # max_tokens omitted: what the cache holds
+    assert len(rest.output_ids) == room - 10 and eng.idle
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit([1] * (room + 1), SamplingParams())
+    eng.close()
+
+
+def test_max_tokens_omitted_is_the_rest_of_the_context():
+    eng = make_engine(max_model_len=64)
+    seqs = eng.generate([[3] * n for n in (1, 40, 63)], SamplingParams(ignore_eos=True))
+    assert [len(s.output_ids) for s in seqs] == [63, 24, 1]
+    assert all(s.finish_reason == FinishReason.LENGTH for s in seqs) and eng.idle
     eng.close()
 
 

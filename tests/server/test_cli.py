@@ -231,7 +231,7 @@ def test_local_generate_answers_bad_input_as_the_server(server):
         assert remote.exit_code == local.exit_code == 1, (args[1:], remote.output, local.output)
         assert local.stderr == remote.stderr and local.stderr.count("\n") == 1, (local.stderr, remote.stderr)
         codes.append(local.stderr.removeprefix("Error: ").split(":")[0])
-    assert codes == ["bad_request", "too_long", "bad_request"], codes  # the server's checks answered
+    assert codes == ["bad_request", "context_length_exceeded", "bad_request"], codes  # the server's checks answered
 
 
 def test_default_model_answers_paris():
