@@ -44,7 +44,7 @@ from .metrics import Metrics
 from .options import MAX_QUEUE
 from .outbox import Outbox, Sent
 from .request import Request
-from .service import Service
+from .service import Service, served_name
 from .systemd import Notifier
 from .tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
@@ -67,7 +67,7 @@ class Gate:
 
     def __init__(self, service: Service, limits: P.Limits | None = None) -> None:
         self.service = service
-        self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
+        self.max_model_len = int(service.info["max_model_len"])  # the worker's (context_length: why that long)
         # a prompt needs one token less than the context: at least one is generated
         self.limits = limits or P.Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
         self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
@@ -285,7 +285,8 @@ class Server:
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
                      "grammar_cache_hits": self.gate.grammars.cache_hits,
                      "adapters": list(self.service.adapters),
-                     "vision": self.service.model.vision, "family": self.service.model.family}
+                     "vision": self.service.model.vision, "family": self.service.model.family,
+                     "served_model_name": served_name(self.service.config)}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}

@@ -176,7 +176,9 @@ class TandemIngress:
         info = await replicas.info.remote()
         tokenizer = load_tokenizer(info["model"])
         self._bridge = ClusterBridge(replicas, tokenizer)
-        self._ctx = Context(bridge=self._bridge, model=info["model"], tokenizer=tokenizer,
+        name = info.get("served_model_name") or info["model"]
+        self._ctx = Context(bridge=self._bridge, model=name, tokenizer=tokenizer,
+                            aliases=tuple({info["model"]} - {name}), max_model_len=int(info["max_model_len"]),
                             adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")),
                             family=info.get("family", "llama"))
         self._api_key = api_key

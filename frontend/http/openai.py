@@ -35,17 +35,16 @@ ROLE_ALIASES = {"developer": "system"}
 
 
 def models(ctx: Context) -> JSONResponse:
-    adapters = [{"id": a, "object": "model", "created": CREATED, "owned_by": "tandem", "parent": ctx.model}
-                for a in ctx.adapters]  # LoRA adapters, as vLLM lists them
-    return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model, "object": "model", "created": CREATED, "owned_by": "tandem"}, *adapters]})
+    base = {"object": "model", "created": CREATED, "owned_by": "tandem", "max_model_len": ctx.max_model_len}
+    adapters = [{"id": a, **base, "parent": ctx.model} for a in ctx.adapters]  # LoRA adapters, as vLLM lists them
+    return JSONResponse({"object": "list", "data": [{"id": ctx.model, **base}, *adapters]})
 
 
 async def chat_completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     model = check_model(ctx, body, adapters=True)
     images: list[bytes] = []
-    fields = {"messages": _messages(ctx, body.get("messages"), images), **_sampling(body, chat=True),
+    fields = {"messages": chat_messages(ctx, body.get("messages"), images), **_sampling(body, chat=True),
               **adapter_field(ctx, model)}
     if images:
         fields["images"] = images
@@ -121,7 +120,7 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def _messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
+def chat_messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
     """The protocol's messages; the files of ``image_url`` parts are appended to ``images``."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array")
