@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from . import logs
 from . import protocol as P
 from .client import DEFAULT_ENDPOINT
 from .connections import Connections
@@ -339,6 +340,7 @@ class Server:
                     self._cancel_requests_of([state.identity])
             return
         self.live.pop((state.identity, state.id), None)
+        self._log_end(req, state.id, kind, payload)
         if kind == "done":
             self.metrics.done(payload)
             try:
@@ -352,6 +354,15 @@ class Server:
             self.metrics.error(payload["code"])
             frames = P.encode_error(state.id, payload["code"], payload["message"])
         self._send(state.identity, frames)
+
+    def _log_end(self, req: Request, rid: str, kind: str, payload: dict[str, Any]) -> None:
+        model = req.adapter or served_name(self.service.config)
+        if kind == "done":
+            logs.request_line(rid, model, payload["usage"], payload["metrics"], payload["finish_reason"])
+        else:
+            usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids)}
+            took = None if req.t_end is None else {"total_ms": (req.t_end - req.t_submit) * 1000}
+            logs.request_line(rid, model, usage, took, None, error=payload["code"])
 
     def _send(self, identity: bytes, frames: list[bytes], keep: bool = True) -> Sent:
         """Never blocks; ``keep``: a request's message, held for a client that cannot take it now."""

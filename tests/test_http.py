@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
+import logging
 import os
 import random
 import re
@@ -27,6 +28,7 @@ from PIL import Image
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.http.errors import STATUS, HttpError
+from frontend.logs import JsonFormatter
 from live_server import LiveServer
 
 MODEL = "tiny-random"
@@ -74,6 +76,31 @@ def test_models_and_probes(live, oai, raw):
     r = raw.get("/ready")
     assert r.status_code == 200 and r.json() == {"status": "ready"}
     assert raw.get("/version").json() == {"version": importlib.metadata.version("tandem")}
+
+
+# --------------------------------------------------------------------------- the request log
+
+
+def test_each_finished_request_leaves_one_log_line_with_its_figures(oai, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.requests")
+    answers = [oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=n, temperature=0, seed=n)
+               for n in (3, 5)]
+    records = {r.fields["request_id"]: r for r in caplog.records if r.name == "tandem.requests"}
+    assert set(records) >= {a.id for a in answers}  # the id the HTTP answer carries
+    for a in answers:
+        record = records[a.id]
+        line = json.loads(JsonFormatter().format(record))  # --log-format json
+        assert {k: line[k] for k in ("level", "logger", "request_id", "model", "prompt_tokens", "output_tokens",
+                                     "finish_reason")} == {
+            "level": "INFO", "logger": "tandem.requests", "request_id": a.id, "model": MODEL,
+            "prompt_tokens": a.usage.prompt_tokens, "output_tokens": a.usage.completion_tokens,
+            "finish_reason": a.choices[0].finish_reason}
+        assert 0 < line["ttft_ms"] <= line["duration_ms"]
+        text = record.getMessage()  # --log-format text: the same figures as key=value
+        assert text.startswith(f"request {a.id} finished: ")
+        assert dict(re.findall(r"(\w+)=(\S+)", text)) == {
+            k: str(v) for k, v in line.items() if k in record.fields and k != "request_id" and v is not None}
+    assert answers[0].usage.completion_tokens != answers[1].usage.completion_tokens  # non-vacuity: each its own
 
 
 # --------------------------------------------------------------------------- /tokenize, /detokenize

@@ -55,8 +55,8 @@ class ClusterBridge:
         self._queues: dict[str, asyncio.Queue] = {}  # Call.forget drops its own
         self._pumps: dict[str, asyncio.Task] = {}
 
-    def generate(self, fields: dict[str, Any], session: str | None = None) -> Call:
-        rid = f"c{next(self._ids)}"
+    def generate(self, fields: dict[str, Any], session: str | None = None, rid: str | None = None) -> Call:
+        rid = rid or f"c{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         route = {"session": session} if session else {"prefix_pages": self._prefix_pages(fields)}

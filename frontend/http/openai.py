@@ -174,8 +174,8 @@ def _prompt(prompt: Any) -> dict[str, Any]:
 
 async def _respond(ctx: Context, request: Request, body: dict, model: str, fields: dict, shape: "_Shape"):
     stream = field(body, "stream", bool, "a boolean")
-    call = ctx.bridge.generate({**fields, "stream": bool(stream)}, session=session_of(request, body))
     meta = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+    call = ctx.bridge.generate({**fields, "stream": bool(stream)}, session=session_of(request, body), rid=meta["id"])
     if not stream:
         done = await run_to_end(request, call)
         return JSONResponse({**meta, "object": shape.object, "choices": [shape.choice(ctx, done)],
