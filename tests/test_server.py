@@ -31,7 +31,7 @@ from shared.finish import FinishReason
 from shared.models import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_MODEL_LEN = 2048  # ServiceConfig default
+MAX_MODEL_LEN = 2048  # tiny-random's max_position_embeddings: the default context
 VOCAB = 49152  # tiny-random (SmolLM2 tokenizer)
 LONG = 1900  # max_tokens that keeps a request live for the whole test (ignore_eos)
 
