@@ -38,9 +38,9 @@ def pack(msg) -> bytes:
 class LiveServer:
     """One ``Server`` on a thread, plus a way to run code on that thread."""
 
-    def __init__(self, model: str = "tiny-random", **server_kw) -> None:
+    def __init__(self, model: str = "tiny-random", max_model_len: int | None = None, **server_kw) -> None:
         self.svc = Service(ServiceConfig(model=model, device="cpu", max_batch=MAX_BATCH, kv_pages=1200,
-                                         page_size=8))
+                                         page_size=8, max_model_len=max_model_len))
         try:
             self.server = Server(self.svc, "tcp://127.0.0.1:0", **server_kw)
         except zmq.ZMQError:  # a libzmq that wants the wildcard form

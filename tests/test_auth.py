@@ -121,7 +121,7 @@ def test_curve_unknown_client_gets_no_answer(live, keys, who):
 
 def test_exposure_rule():
     resolve = serve_options.resolve
-    loop = dict(api_key=None, curve_secret_key=None, curve_clients=None, insecure=False)
+    loop = dict(host=None, port=None, api_key=None, curve_secret_key=None, curve_clients=None, insecure=False)
     assert resolve("tcp://127.0.0.1:5557", "127.0.0.1:8000", **loop).http == ("127.0.0.1", 8000)
     assert resolve("ipc:///tmp/t.sock", "localhost:8000", **loop).curve is None
     assert resolve("tcp://127.0.0.1:5557", "none", **loop).http is None

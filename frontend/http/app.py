@@ -4,7 +4,8 @@ Routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
 (``openai.py``); ``/v1/caption``, ``/v1/query``, ``/v1/point``, ``/v1/detect``
 (``moondream.py``); ``/tokenize``, ``/detokenize`` (``tokens.py``); ``GET /``, the
 playground page, and ``GET /v1/stats``, its live figures (``playground.py``);
-``GET /version``, ``GET /metrics`` (Prometheus) and the probes:
+``GET /version``, ``GET /metrics`` (Prometheus), ``GET /openapi.json`` (``openapi.py``: the
+document, built from the routes below and the definitions the validation uses) and the probes:
 
 - ``GET /health``: live. 200 whenever the process answers, also while the worker
   restarts or the server drains (a liveness probe must not kill a pod that heals itself).
@@ -31,7 +32,7 @@ from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE, Metrics
 from ..protocol import Unencodable
-from . import moondream, openai, playground, tokens
+from . import moondream, openai, openapi, playground, tokens
 from .common import ClientGone, Context, server_info
 from .errors import HttpError, bad_request
 
@@ -94,6 +95,14 @@ def build_app(ctx: Context, metrics: Metrics, state: Callable[[], str], api_key:
         Route("/metrics", metrics_route, methods=["GET"]),
         *playground.routes(ctx, metrics),
     ]
+    served = [(r.path, tuple(sorted(r.methods - {"HEAD"}))) for r in routes if isinstance(r, Route)]
+    served.append(("/openapi.json", ("GET",)))
+    spec = openapi.document(served, _is_open, VERSION)  # (the document lists itself)
+
+    async def openapi_route(request: Request):
+        return JSONResponse(spec)
+
+    routes.append(Route("/openapi.json", openapi_route, methods=["GET"]))
     handlers = {HttpError: _http_error, Unencodable: _unencodable, HTTPException: _starlette_error}
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(InternalErrors)])
     return ApiKeyAuth(app, api_key) if api_key else app

@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from ..protocol import DEFAULT_LIMITS, Limits
 from .bridge import Bridge, Call
 from .errors import HttpError, bad_request
+from .openapi import check_body
 
 MAX_BODY_BYTES = 32 << 20  # images travel as data: URLs; the server's own limits apply after this
 
@@ -61,6 +62,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    check_body(request.url.path, body)  # each field's JSON type, as /openapi.json states it
     return body
 
 
