@@ -48,7 +48,7 @@ from .serve import make_work, run_level
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-CLI = [sys.executable, "-m", "frontend.cli"]
+CLI = [sys.executable, "-m", "frontend.cli.main"]
 CPU_ROLES = {"proxy": "ProxyActor", "ingress": "TandemIngress", "replica actor": "TandemReplica",
              "tandem serve": "--http none", "worker": "gpu_worker.worker"}  # role: what its command line has
 

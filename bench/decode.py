@@ -3,7 +3,7 @@
     python -m bench.decode --model tiny-random-llama-vocab4k --device sim:2.6 --streams 1,32 --tokens 128 --repeats 5
     python -m bench.decode --model smollm2-135m --device cpu --streams 1,32 --baseline transformers
     python -m bench.decode --model random-llama-3.2-1b --device cuda --json
-    tandem bench decode ...        (the same options, once registered in frontend/cli.py)
+    tandem bench decode ...        (the same options, once registered in frontend/cli/main.py)
 
 What is timed (BENCHMARKS.md has the full methodology):
 - Per (streams, mode) one engine per mode, built once on shared weights; every

@@ -194,7 +194,7 @@ IMAGE_TEXTS = [f"<|im_start|>User:{before}<image>Describe this image.<end_of_utt
 
 def _image_requests(vlm: str, image: bytes, n_text: int = 1) -> tuple[list[dict], object]:
     """Two requests with ``image`` (IMAGE_TEXTS), then ``n_text`` text requests; and the prepared image."""
-    from frontend.images import image_prompt_ids, prepare_images
+    from frontend.images.idefics3 import image_prompt_ids, prepare_images
     from gpu_worker.image_prefill import ImageInput
     from shared.models import load_tokenizer, resolve_model
     from shared.vision_config import ImageProcessorParams
@@ -308,8 +308,8 @@ def check_moondream(device: str) -> str:
 
 def check_service(device: str, vlm: str) -> str:
     from bench.image_ttft import noise_png
-    from frontend.images import image_prompt_ids
-    from frontend.service import Service, ServiceConfig
+    from frontend.images.idefics3 import image_prompt_ids
+    from frontend.server.service import Service, ServiceConfig
     from shared.sampling import SamplingParams
 
     image = noise_png(384, 256, 11)

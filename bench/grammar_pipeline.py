@@ -17,7 +17,7 @@ import sys
 import time
 
 from frontend.grammars import GrammarCompiler
-from frontend.service import Service, ServiceConfig
+from frontend.server.service import Service, ServiceConfig
 from shared.sampling import SamplingParams
 
 

@@ -24,7 +24,7 @@ from bench.image_ttft import noise_png
 
 
 def run(svc, images: list[bytes], streams: int, window_s: float | None, preprocess_only: bool = False) -> dict:
-    from frontend.images import image_prompt_ids
+    from frontend.images.idefics3 import image_prompt_ids
     from shared.sampling import SamplingParams
 
     arrivals: dict[int, list[float]] = {}
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--image-size", default="2048x1536")
     ap.add_argument("--image-workers", type=int, default=None, help="image pool processes (default: the server's)")
     args = ap.parse_args(argv)
-    from frontend.service import Service, ServiceConfig
+    from frontend.server.service import Service, ServiceConfig
 
     width, height = (int(x) for x in args.image_size.split("x"))
     images = [noise_png(width, height, i) for i in range(args.images)]

@@ -38,8 +38,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, default=3, help="timed requests per case")
     args = ap.parse_args(argv)
 
-    from frontend.images import image_prompt_ids
-    from frontend.service import Service, ServiceConfig
+    from frontend.images.idefics3 import image_prompt_ids
+    from frontend.server.service import Service, ServiceConfig
     from shared.sampling import SamplingParams
 
     width, height = (int(x) for x in args.image_size.split("x"))

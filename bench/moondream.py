@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from frontend import moondream_prompts as prompts
-from frontend.moondream_images import overlap_crops
+from frontend.moondream import prompts
+from frontend.moondream.images import overlap_crops
 from gpu_worker.device import Device
 from gpu_worker.engine import Engine
 from gpu_worker.image_prefill import ImageInput

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from frontend.moondream_images import overlap_crops
+from frontend.moondream.images import overlap_crops
 from gpu_worker import cpu_kernels, moondream
 from gpu_worker.batch import Batch
 from gpu_worker.kv_cache import PagedKVCache

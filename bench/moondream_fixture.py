@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from frontend import moondream_prompts as prompts
-from frontend.moondream_images import overlap_crops
+from frontend.moondream import prompts
+from frontend.moondream.images import overlap_crops
 from shared.moondream_random import make_image, write_checkpoint
 
 EXPECTED = json.loads((Path(__file__).resolve().parents[1] / "tests" / "data" / "moondream_dev_expected.json")

@@ -117,7 +117,7 @@ def engines(args) -> list[tuple[str, list[str], dict]]:
     """(name, argv with {port}, extra environment) of each engine to run."""
     variants = [v.partition("=") for v in args.tandem] or [("tandem", "=", "")]
     out = [(name if name.startswith("tandem") else f"tandem {name}",
-            [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model, "--device", "cpu",
+            [sys.executable, "-m", "frontend.cli.main", "serve", "--model", args.model, "--device", "cpu",
              "--bind", "tcp://127.0.0.1:{zmq}", "--http", "127.0.0.1:{port}", *extra.split(), *args.tandem_arg], {})
            for name, _, extra in variants]
     if args.vllm_python:

@@ -44,7 +44,7 @@ What is measured, per concurrency level C (levels run one after another):
   messages are kept in ``error_samples``.
 
 ``--spawn`` starts a server in this process for the run (a thread running
-``frontend.server.Server`` in front of a two-process ``Service``; tiny-random
+``frontend.server.zmq_server.Server`` in front of a two-process ``Service``; tiny-random
 on the CPU unless ``--model``/``--device`` say otherwise). The client and the
 server loop then share one interpreter, so prefer a separate ``tandem serve``
 and ``--connect`` for numbers you publish.
@@ -348,8 +348,8 @@ class SpawnedServer:
 
     def __init__(self, model: str, device: str, max_batch: int, kv_pages: int | None) -> None:
         from frontend.http import HttpListener
-        from frontend.server import Server
-        from frontend.service import Service, ServiceConfig
+        from frontend.server.zmq_server import Server
+        from frontend.server.service import Service, ServiceConfig
 
         self.service = Service(ServiceConfig(model=model, device=device, max_batch=max_batch, kv_pages=kv_pages))
         try:

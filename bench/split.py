@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from frontend.service import Service, ServiceConfig
+from frontend.server.service import Service, ServiceConfig
 from gpu_worker.engine import Engine, EngineConfig
 from shared.models import DEFAULT_MODEL
 from shared.sampling import SamplingParams

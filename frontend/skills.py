@@ -15,8 +15,8 @@ what it leaves out takes the skill's default. The result is a dict of the
 ZeroMQ protocol's ``generate`` fields (``messages``, sampling, ``grammar``);
 the server validates it like any other request. The image, when the model
 takes one, travels beside these fields as the protocol's ``images``, added by
-the caller (``_image`` in ``frontend/http/moondream.py``, ``_skill_msg`` in
-``frontend/client.py``).
+the caller (``_image`` in ``frontend/http/moondream.py``, ``skill_message`` in
+``frontend/client/core.py``).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _text(name: str, value: Any) -> None:
 
 def native(skill: str, fields: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The generate fields of a skill for a model with its own skills (Moondream 2): ``skill``
-    and its fields, rendered and validated by the server (``frontend/moondream_skills.py``);
+    and its fields, rendered and validated by the server (``frontend/moondream/skills.py``);
     Moondream's ``settings`` give the sampling fields and ``max_objects``."""
     s = _settings(settings)
     if skill in ("point", "detect") and "max_objects" in s:

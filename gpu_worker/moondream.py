@@ -8,7 +8,7 @@ implementation (``vikhyat/moondream``, ``moondream/torch/``) in float32; MOONDRE
   paged KV cache and packed batches (:func:`gpu_worker.model.paged_attention`). Prefix-LM: the
   image block (BOS + 729 image embeddings = positions 0..729, always prefilled in one chunk)
   attends both ways, everything after it causally.
-- **Vision**: crops (global + up to 12 local, ``frontend/moondream_images.py``) are normalised in
+- **Vision**: crops (global + up to 12 local, ``frontend/moondream/images.py``) are normalised in
   bfloat16 as the reference does, encoded, the local crops stitched and pooled to 27 × 27,
   concatenated with the global crop and projected: 729 embeddings whatever the tiling.
 - **Region**: Fourier features + Linear encode a coordinate (or a width/height pair) as an input

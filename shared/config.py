@@ -3,7 +3,7 @@
 Pure Python, so the frontend can carry it to the worker (as JSON on the
 command line) without importing torch. Each field's default is *the* default:
 the command line's options take theirs, and their help, from here
-(``frontend.options.engine_option``).
+(``frontend.cli.options.engine_option``).
 """
 from __future__ import annotations
 

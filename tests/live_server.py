@@ -20,8 +20,8 @@ from concurrent.futures import Future
 import msgpack
 import zmq
 
-from frontend.server import Server
-from frontend.service import Service, ServiceConfig
+from frontend.server.zmq_server import Server
+from frontend.server.service import Service, ServiceConfig
 
 V = b"TANDEM1"
 TERMINAL = ("done", "error")

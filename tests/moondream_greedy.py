@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from frontend import moondream_prompts as prompts
+from frontend.moondream import prompts
 from gpu_worker.batch import Batch
 from gpu_worker.kv_cache import PagedKVCache
 from shared.moondream_config import ANSWER_ID, COORD_ID, EOS_ID, SIZE_ID

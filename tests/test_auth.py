@@ -18,7 +18,7 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from frontend import serve_options
+from frontend.cli import serve_options
 from frontend.client import Client
 from frontend.curve import CurveClient, CurveServer, keygen
 from frontend.http import HttpListener
@@ -95,7 +95,7 @@ def test_curve_known_client_is_served(live, keys):
 
 
 def test_cli_connects_with_curve_keys(live, keys):
-    from frontend.cli import main
+    from frontend.cli.main import main
 
     args = ["info", "--connect", live.endpoint, "--server-key", str(keys["server_pub"])]
     res = CliRunner().invoke(main, [*args, "--client-key", str(keys["alice"])])
@@ -149,7 +149,7 @@ def test_keygen_command(tmp_path):
 def test_serve_refuses_non_loopback_without_auth(args):
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env.pop("TANDEM_API_KEY", None)
-    p = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", "--model", "tiny-random", "--device", "cpu",
+    p = subprocess.run([sys.executable, "-m", "frontend.cli.main", "serve", "--model", "tiny-random", "--device", "cpu",
                         *args], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert p.returncode != 0
     assert "refusing" in p.stderr and "worker" not in p.stderr, p.stderr  # refused before any work

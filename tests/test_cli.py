@@ -25,11 +25,11 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from frontend import cli
-from frontend.cli import main
+from frontend.cli import main as cli
+from frontend.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "frontend.cli"]
+CLI = [sys.executable, "-m", "frontend.cli.main"]
 TINY = ["--model", "tiny-random", "--device", "cpu", "--dtype", "float32"]
 
 
@@ -466,7 +466,7 @@ def test_engine_option_defaults_are_the_engine_configs():
     for name in ("model", "device", "max_batch", "max_model_len", "kv_pages", "kv_memory_fraction", "max_loras",
                  "lora_kernel", "encoder_cache_mb"):
         assert params[name] == getattr(config, name), name
-    from frontend.service import ServiceConfig
+    from frontend.server.service import ServiceConfig
 
     built = cli.service_config(_engine_kw(main.commands["serve"].make_context("serve", [])))
     assert built.engine_fields() == ServiceConfig().engine_fields()  # what `serve` without options starts
@@ -533,7 +533,7 @@ def test_systemd_unit_command_line_parses_with_this_cli():
 
 
 def test_the_http_address_is_said_one_way():
-    from frontend.serve_options import resolve_http
+    from frontend.cli.serve_options import resolve_http
 
     assert resolve_http(None, None, None, None, False) == ("127.0.0.1", 8000)  # DEFAULT_HTTP
     assert resolve_http(None, None, 9000, None, False) == ("127.0.0.1", 9000)

@@ -115,7 +115,7 @@ def test_a_request_no_replica_began_goes_to_another_and_a_begun_one_never_twice(
 
 
 def test_metrics_compat_vllm_exports_the_same_values_under_vllms_names():
-    from frontend.metrics import Metrics
+    from frontend.server.metrics import Metrics
 
     info = {"model": "m", "worker_ready": True, "running": 3, "waiting": 2, "unsent": 1, "kv_pages_free": 25,
             "kv_pages_total": 100}
@@ -144,7 +144,7 @@ def test_serve_argv_maps_serve_options_and_refuses_unknown_ones():
 
 
 def test_cluster_refuses_http_beyond_loopback_without_a_key():
-    out = subprocess.run([sys.executable, "-m", "frontend.cli", "cluster", "--http", "0.0.0.0:8000"],
+    out = subprocess.run([sys.executable, "-m", "frontend.cli.main", "cluster", "--http", "0.0.0.0:8000"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "TANDEM_API_KEY": ""})
     assert out.returncode == 2 and "refusing to serve HTTP on 0.0.0.0:8000" in out.stderr, out.stderr
     assert "ray" not in out.stderr.lower()  # refused before Ray was started

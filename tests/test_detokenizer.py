@@ -1,4 +1,4 @@
-"""Tests of frontend/detokenizer.py against the real SmolLM2 tokenizer."""
+"""Tests of frontend/server/detokenizer.py against the real SmolLM2 tokenizer."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.server.detokenizer import IncrementalDetokenizer
 from prerequisites import require, unavailable
 
 

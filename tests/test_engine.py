@@ -301,7 +301,7 @@ def test_device_error_fails_requests_and_engine_keeps_serving():
 
 def test_default_model_answers_paris():
     """The embedded default model, converted from GGUF, greedy, with the chat template."""
-    from frontend.tokenization import chat_prompt_ids
+    from frontend.server.tokenization import chat_prompt_ids
     from shared.models import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")

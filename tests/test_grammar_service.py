@@ -6,7 +6,7 @@ import random
 import pytest
 
 from frontend.grammars import GrammarCompiler
-from frontend.service import Service, ServiceConfig
+from frontend.server.service import Service, ServiceConfig
 from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 

@@ -41,10 +41,10 @@ from prerequisites import require
 PIL = require("PIL")
 from PIL import Image  # noqa: E402
 
-from frontend.image_pool import ImagePool  # noqa: E402
-from frontend.images import image_prompt_ids  # noqa: E402
-from frontend.server import Server  # noqa: E402
-from frontend.service import Service, ServiceConfig  # noqa: E402
+from frontend.images.pool import ImagePool  # noqa: E402
+from frontend.images.idefics3 import image_prompt_ids  # noqa: E402
+from frontend.server.zmq_server import Server  # noqa: E402
+from frontend.server.service import Service, ServiceConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 TERMINAL = ("done", "error")
@@ -369,7 +369,7 @@ def test_cli_generate_with_images_through_connect(server, tmp_path):
     for i, data in enumerate((WIDE[4], WIDE[5])):
         paths += ["--image", str(tmp_path / f"{i}.png")]
         (tmp_path / f"{i}.png").write_bytes(data)
-    cmd = [sys.executable, "-m", "frontend.cli", "generate", "What is this?", "--connect", server.server.endpoint,
+    cmd = [sys.executable, "-m", "frontend.cli.main", "generate", "What is this?", "--connect", server.server.endpoint,
            *paths, "--max-tokens", "3", "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -580,7 +580,7 @@ def test_close_while_images_are_prepared_ends_each_request_once_and_leaves_no_pr
 
 POOL_THEN_SLEEP = """
 import multiprocessing, sys, time
-from frontend.image_pool import ImagePool
+from frontend.images.pool import ImagePool
 from shared.models import ModelInfo
 from shared.vision_config import ImageProcessorParams
 if __name__ == "__main__":

@@ -375,8 +375,8 @@ def test_server_serves_adapters_and_rejects_unknown_ones(model_path, adapters):
 
     from frontend.client import BadRequest, Client
     from frontend.http import HttpListener
-    from frontend.server import Server
-    from frontend.service import Service, ServiceConfig
+    from frontend.server.zmq_server import Server
+    from frontend.server.service import Service, ServiceConfig
 
     two = {k: adapters[k] for k in ("qv", "mlp")}
     prompt = [1, 42, 7, 300, 5, 9]
@@ -431,7 +431,7 @@ def test_cli_reports_a_bad_adapter_in_one_line_before_starting_a_worker(model_pa
 
     bad = _copy_adapter(Path(adapters["qv"]), tmp_path / "big", dict(r=65))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    r = subprocess.run([sys.executable, "-m", "frontend.cli", "generate", "hi", "--model", "tiny-random",
+    r = subprocess.run([sys.executable, "-m", "frontend.cli.main", "generate", "hi", "--model", "tiny-random",
                         "--device", "cpu", "--lora", f"big={bad}", "--adapter", "big"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 1

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from frontend import moondream_prompts as prompts
-from frontend.moondream_images import image_tiling, overlap_crops, select_tiling
+from frontend.moondream import prompts
+from frontend.moondream.images import image_tiling, overlap_crops, select_tiling
 from gpu_worker.moondream import Moondream
 from shared.moondream_config import MoondreamConfig, is_moondream
 import moondream_greedy as greedy
@@ -214,7 +214,7 @@ def test_engine_refuses_bad_moondream_input(checkpoints, encode):
 def test_service_serves_a_moondream_directory(checkpoints, encode):
     """The whole path (service, worker process, token ring) on the fixture checkpoint: the text-only
     query, a raw prompt under Moondream's default rules, answers as the reference."""
-    from frontend.service import Service, ServiceConfig
+    from frontend.server.service import Service, ServiceConfig
     case = next(c for c in EXPECTED["cases"] if c["skill"] == "query" and "image" not in c)
     svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=4,
                                 max_model_len=512))
@@ -284,7 +284,7 @@ def expected_done(case):
 def test_service_skills_match_the_reference(checkpoints):
     """Every fixture case as a skill request through the service, the worker process and the ring
     (values included), all at once; then bad requests are refused naming the field, and it serves on."""
-    from frontend.service import Service, ServiceConfig
+    from frontend.server.service import Service, ServiceConfig
     svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=32,
                                 max_model_len=1024))
     done = {}
@@ -330,8 +330,8 @@ def test_zeromq_generate_takes_skills(checkpoints):
     import threading
     import zmq
 
-    from frontend.server import Server
-    from frontend.service import Service, ServiceConfig
+    from frontend.server.zmq_server import Server
+    from frontend.server.service import Service, ServiceConfig
     svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=8,
                                 max_model_len=1024))
     server = Server(svc, "tcp://127.0.0.1:*")
@@ -393,8 +393,8 @@ def test_http_moondream_client_gets_the_reference_answers(checkpoints):
     from PIL import Image
 
     from frontend.http import HttpListener
-    from frontend.server import Server
-    from frontend.service import Service, ServiceConfig
+    from frontend.server.zmq_server import Server
+    from frontend.server.service import Service, ServiceConfig
     svc = Service(ServiceConfig(model=str(checkpoints["plain"]), device="cpu", dtype="float32", max_batch=8,
                                 max_model_len=1024))
     server = Server(svc, "tcp://127.0.0.1:*")
@@ -432,7 +432,7 @@ def test_cli_generate_skill(checkpoints, tmp_path):
     """``tandem generate OBJECT --skill detect --image FILE --json`` on a Moondream directory."""
     from click.testing import CliRunner
 
-    from frontend.cli import main as cli
+    from frontend.cli.main import main as cli
     detect = next(c for c in EXPECTED["cases"] if c["skill"] == "detect")
     image = tmp_path / "image.png"
     image.write_bytes(png(detect["image"]))

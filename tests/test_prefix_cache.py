@@ -202,7 +202,7 @@ def test_page_pool_unit():
 def test_cached_tokens_reach_the_client_through_both_processes():
     """done.usage.cached_tokens travels on the first token's ring row: 0 on a miss, the
     mapped pages on a hit, 0 with the cache off."""
-    from frontend.service import Service, ServiceConfig
+    from frontend.server.service import Service, ServiceConfig
 
     prompt = list(range(2000, 2000 + 5 * PAGE + 3))
     for on in (True, False):

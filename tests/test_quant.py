@@ -152,7 +152,7 @@ def smollm2():
     """The embedded SmolLM2-135M (its Q4_1 GGUF file and that file dequantized to float32), 8 chat
     prompts each continued by 64 of transformers' greedy tokens on the dequantized weights, and
     transformers' top-1 token after every position of those continuations (teacher forcing)."""
-    from frontend.tokenization import chat_prompt_ids
+    from frontend.server.tokenization import chat_prompt_ids
     from prerequisites import unavailable
     from shared.models import load_tokenizer, resolve_model
 

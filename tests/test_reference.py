@@ -17,8 +17,8 @@ from prerequisites import require
 torch = require("torch")
 transformers = pytest.importorskip("transformers")
 
-from frontend.service import Service, ServiceConfig  # noqa: E402
-from frontend.tokenization import chat_prompt_ids  # noqa: E402
+from frontend.server.service import Service, ServiceConfig  # noqa: E402
+from frontend.server.tokenization import chat_prompt_ids  # noqa: E402
 from shared.models import resolve_model  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 

@@ -29,7 +29,7 @@ import msgpack
 from frontend import protocol as P
 from frontend.client import Client
 from frontend.http import HttpListener
-from frontend.outbox import Outbox, Sent
+from frontend.server.outbox import Outbox, Sent
 from live_server import LiveServer, Raw, check_request
 
 MSG = [{"role": "user", "content": "Tell me a story."}]

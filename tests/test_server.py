@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, BadRequest, Client, ConnectionClosed, Overloaded, TooLong
-from frontend.tokenization import chat_prompt_ids, text_prompt_ids
+from frontend.server.tokenization import chat_prompt_ids, text_prompt_ids
 from live_server import MAX_BATCH, TERMINAL, V, LiveServer, Raw, check_request, pack
 from shared.finish import FinishReason
 from shared.models import load_tokenizer
@@ -960,7 +960,7 @@ class ServeProcess:
         env = dict(os.environ, NOTIFY_SOCKET=addr, WATCHDOG_USEC="200000", PYTHONUNBUFFERED="1",
                    HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "serve", "--model", "tiny-random", "--device", device,
+            [sys.executable, "-m", "frontend.cli.main", "serve", "--model", "tiny-random", "--device", device,
              "--bind", bind, "--http", f"127.0.0.1:{_free_port()}", "--exit-on-worker-failure", *extra],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._done = threading.Event()
@@ -1165,7 +1165,7 @@ def test_serve_ready_after_warmup_watchdog_and_worker_kill(tmp_path, ctx):
         c.assert_quiet(0.2)  # one terminal message only
         stderr = "".join(srv.stderr)  # the failure, then one line for the operator (no class name, no traceback)
         assert "worker generation 1 failed" in stderr and re.search(r"^Error: \S", stderr, re.M), stderr
-        assert "Traceback" not in stderr and "WorkerFailed" not in stderr, stderr
+        assert "Traceback" not in stderr and "WorkerDown" not in stderr, stderr
         assert not _alive(srv.worker_pid)
         c.close()
     finally:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from frontend.service import Service, ServiceConfig
-from frontend.worker_handle import WorkerFailed
+from frontend.server.service import Service, ServiceConfig
+from frontend.server.worker_handle import WorkerDown
 from gpu_worker.engine import Engine, EngineConfig
 from shared.control import ControlChannel
 from shared.finish import FinishReason
@@ -388,7 +388,7 @@ def test_hung_worker_is_detected_by_its_heartbeat():
 
 
 def test_worker_that_cannot_start_is_not_restarted_in_a_loop():
-    """A restarted worker that dies while loading raises WorkerFailed (systemd restarts the server)."""
+    """A restarted worker that dies while loading raises WorkerDown (systemd restarts the server)."""
     svc = make_service()
     try:
         svc.config.ready_timeout_s = 0.0  # the next generation is "not ready in time" at once
@@ -396,7 +396,7 @@ def test_worker_that_cannot_start_is_not_restarted_in_a_loop():
         os.kill(svc.worker_pid, signal.SIGKILL)
         svc.run_until(lambda: not svc.worker_ready, 10)
         waiting.append(svc.submit([1, 2], SamplingParams(max_tokens=3)))
-        with pytest.raises(WorkerFailed, match="not ready"):
+        with pytest.raises(WorkerDown, match="not ready"):
             svc.run_until(lambda: False, 10)
         assert waiting[0].error[0] == "worker_failed"  # queued requests get their terminal error
     finally:
@@ -407,7 +407,7 @@ def test_kill_frontend_makes_the_worker_exit():
     shm_before = set(os.listdir("/dev/shm"))
     code = textwrap.dedent("""
         import sys, time
-        from frontend.service import Service, ServiceConfig
+        from frontend.server.service import Service, ServiceConfig
         from shared.sampling import SamplingParams
         svc = Service(ServiceConfig(model="tiny-random", device="cpu", max_batch=4, kv_pages=300, page_size=8))
         svc.submit([5, 6], SamplingParams(max_tokens=100000 // 100, ignore_eos=True))

@@ -6,7 +6,7 @@ token ids identical), our SigLIP + connector against
 ``Idefics3ForConditionalGeneration.get_image_features``, and our paged Llama fed
 with image features (whole or chunked prefill, chunks splitting image spans,
 then greedy decode step by step) against one no-cache transformers forward over
-the finished sequence. Plus every bad-input case of ``frontend/images.py``.
+the finished sequence. Plus every bad-input case of ``frontend/images/idefics3.py``.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ SHUTDOWN_MARGIN_S = 10.0  # beyond the child's --drain-timeout: its worker stops
 
 def serve_params() -> dict[str, Any]:
     """``tandem serve``'s options that a replica's ``tandem serve`` takes, by Python name."""
-    from ..cli import serve as serve_command
+    from frontend.cli.main import serve as serve_command
 
     return {p.name: p for p in serve_command.params if p.expose_value and p.name not in NOT_FORWARDED}
 

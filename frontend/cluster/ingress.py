@@ -30,8 +30,8 @@ from shared.models import load_tokenizer
 from ..http.app import build_app as build_http_app
 from ..http.bridge import TERMINAL, Call
 from ..http.common import Context
-from ..metrics import Metrics
-from ..tokenization import chat_prompt_ids, text_prompt_ids
+from frontend.server.metrics import Metrics
+from frontend.server.tokenization import chat_prompt_ids, text_prompt_ids
 from .routing import NOT_STARTED
 
 log = logging.getLogger("tandem.cluster")

@@ -71,7 +71,7 @@ def _sweep_dead_replicas_dirs() -> None:
 def serve_command(endpoint: str, serve_argv: list[str]) -> list[str]:
     """``tandem serve`` (the console script beside this Python if installed, else the module)."""
     script = shutil.which("tandem", path=os.path.dirname(sys.executable))
-    head = [sys.executable, script] if script else [sys.executable, "-m", "frontend.cli"]
+    head = [sys.executable, script] if script else [sys.executable, "-m", "frontend.cli.main"]
     return [*head, "serve", "--http", "none", "--bind", endpoint, *serve_argv]
 
 

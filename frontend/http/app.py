@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..metrics import CONTENT_TYPE, Metrics
+from frontend.server.metrics import CONTENT_TYPE, Metrics
 from ..protocol import Unencodable
 from . import moondream, openai, openapi, playground, tokens
 from .common import ClientGone, Context, server_info

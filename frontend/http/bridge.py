@@ -8,7 +8,7 @@ carries every HTTP request; a reader task routes each reply by request id to
 that request's queue, and a writer task sends (so a cancel can be queued from
 anywhere, even from a ``finally`` of a cancelled task, without awaiting). The
 routing and the messages are the Python client's I/O-free core
-(``frontend/client.py``: ``_Demux``, ``_decode``, the info query): only the
+(``frontend/client/core.py``: ``Demux``, ``decode_reply``, the info query): only the
 transport and the raw-message API the HTTP routes need are this module's.
 
 Fields are passed through as the HTTP layer mapped them: the server checks
@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 import zmq
 import zmq.asyncio
 
-from ..client import _CLOSED, _Demux, _cancel_msg, _decode, _info
+from frontend.client.core import CLOSED, Demux, cancel_message, decode_reply, info_query
 from ..protocol import encode_message
 
 TERMINAL = ("done", "error")
@@ -38,7 +38,7 @@ class Bridge:
         self._ctx = zmq.asyncio.Context(shadow=context or zmq.Context.instance())
         self._endpoint = endpoint
         self._ids = itertools.count(1)
-        self._demux = _Demux()
+        self._demux = Demux()
         self._closed_with = ("internal", "the server connection is closed")
         self._to_send: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
@@ -87,7 +87,7 @@ class Bridge:
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
         """The server's info (``TimeoutError`` if it does not answer in time)."""
-        query, q = _info(), asyncio.Queue()
+        query, q = info_query(), asyncio.Queue()
         self._demux.add_query(query, q)
         try:
             self._send(query.msg)
@@ -100,7 +100,7 @@ class Bridge:
 
     def cancel(self, rid: str) -> None:
         """Ask the server to end a request (its terminal ``done`` still arrives)."""
-        self._send(_cancel_msg(rid))
+        self._send(cancel_message(rid))
 
     def _send(self, msg: dict) -> None:
         self._to_send.put_nowait(encode_message(msg))
@@ -126,7 +126,7 @@ class Bridge:
                 self._route(frames)
 
     def _route(self, frames: list[bytes]) -> None:
-        msg = _decode(frames)
+        msg = decode_reply(frames)
         if msg is not None:
             self._demux.dispatch(msg)  # (a late reply to a request already finished here is dropped)
 
@@ -151,7 +151,7 @@ class Call:
                 batch = [await q.get()]
                 while batch[-1]["type"] not in TERMINAL and not q.empty():
                     batch.append(q.get_nowait())
-                if batch[-1] is _CLOSED:
+                if batch[-1] is CLOSED:
                     batch[-1] = self._bridge.gone()
                 if batch[-1]["type"] in TERMINAL:
                     self._finish()

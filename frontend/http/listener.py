@@ -17,7 +17,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..service import served_name
+from frontend.server.service import served_name
+
 from .app import build_app
 from .bridge import Bridge
 from .common import Context

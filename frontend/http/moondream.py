@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .. import skills
+from frontend import skills
 from .bridge import Call
 from .common import (Context, check_model, field, first_event, image_input, read_json, run_to_end, session_of,
                      sse, sse_response, terminal_or_raise)

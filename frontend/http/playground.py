@@ -22,7 +22,7 @@ from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from ..metrics import Metrics
+from frontend.server.metrics import Metrics
 from .common import Context, server_info
 
 STATIC_DIR = Path(__file__).parent / "static"

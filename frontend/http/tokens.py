@@ -14,8 +14,9 @@ from contextlib import contextmanager
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from frontend.server.tokenization import chat_prompt_ids, decode_ids, text_prompt_ids
+
 from ..protocol import ProtocolError, parse_prompt, parse_token_ids
-from ..tokenization import chat_prompt_ids, decode_ids, text_prompt_ids
 from .common import Context, check_model, field, read_json
 from .errors import HttpError, bad_request
 from .openai import chat_messages

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 
-from . import moondream_skills
-from .detokenizer import IncrementalDetokenizer
+from frontend.moondream import skills as moondream_skills
+from frontend.server.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from .image_intake import RequestImages
+    from frontend.images.intake import RequestImages
 
 
 @dataclass(eq=False)

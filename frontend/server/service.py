@@ -18,10 +18,10 @@ Invariants:
   with an older one;
 - if the worker dies, every in-flight request fails with ``worker_failed``
   within the heartbeat timeout, and a new generation is started (or
-  ``WorkerFailed`` is raised, with ``restart=False``, for systemd to act on).
+  ``WorkerDown`` is raised, with ``restart=False``, for systemd to act on).
   The restart does not block: while the new worker loads, ``poll`` keeps
   running and new requests wait in ``unsent`` (a failed restart raises
-  ``WorkerFailed``: a worker that cannot start is not retried in a loop).
+  ``WorkerDown``: a worker that cannot start is not retried in a loop).
 
 Images (``submit_images``) are one room of their own (``image_intake.py``:
 the image pool, the prompt rendering once the tiling is known, the wait for
@@ -52,12 +52,12 @@ from shared.sampling import SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
-from . import moondream_skills
-from .detokenizer import IncrementalDetokenizer
-from .image_intake import ImageIntake, Render, intake_family
-from .request import Request
-from .tokenization import decode_ids
-from .worker_handle import WorkerFailed, WorkerHandle
+from frontend.moondream import skills as moondream_skills
+from frontend.server.detokenizer import IncrementalDetokenizer
+from frontend.images.intake import ImageIntake, Render, intake_family
+from frontend.server.request import Request
+from frontend.server.tokenization import decode_ids
+from frontend.server.worker_handle import WorkerDown, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
 
@@ -71,7 +71,7 @@ PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "int
 class ServiceConfig(EngineConfig):
     """The engine's configuration (carried to the worker) plus the frontend's own settings."""
 
-    restart: bool = True  # restart a dead worker (False: raise WorkerFailed, e.g. under systemd)
+    restart: bool = True  # restart a dead worker (False: raise WorkerDown, e.g. under systemd)
     mask_timeout_s: float = 5.0
     worker_stale_s: float = 5.0
     ready_timeout_s: float = 900.0
@@ -146,7 +146,7 @@ class Service:
         self.unsent.clear()
         self.free_mask_rows = list(range(self.config.max_batch - 1, -1, -1))
         if not (self.config.restart and was_ready):
-            raise WorkerFailed(why)
+            raise WorkerDown(why)
         self._start_worker()
 
     @property

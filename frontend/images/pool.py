@@ -37,7 +37,7 @@ from typing import Callable
 
 from shared.vision_config import ImageProcessorParams
 
-from .images import prepare_images
+from frontend.images.idefics3 import prepare_images
 
 PREPARE_NICENESS = 19  # the lowest priority a normal user may set (and set back) without privileges
 

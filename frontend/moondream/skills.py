@@ -15,8 +15,7 @@ from typing import Any, Callable
 
 from shared.moondream_config import ANSWER_FIRST, COORD_ID, DECIDE, EOS_ID, GROUND_END_ID, GROUND_START_ID, REASON
 
-from . import moondream_prompts as prompts
-
+from frontend.moondream import prompts
 SKILLS = ("caption", "query", "point", "detect")
 PREFIX_LEN = 730  # the image block: BOS + 729 image positions, filled by the worker
 TEMPERATURE, TOP_P = 0.5, 0.3  # Moondream's sampling defaults for caption and query

@@ -17,8 +17,8 @@ from typing import Any
 
 import click
 
-from .curve import CurveClient, CurveServer, keygen
-from .options import apply, option
+from frontend.curve import CurveClient, CurveServer, keygen
+from frontend.cli.options import apply, option
 
 DEFAULT_HTTP = "127.0.0.1:8000"
 
@@ -75,7 +75,7 @@ class Network:
     def listen(self) -> None:
         """Bind the HTTP port now, before the model loads: a taken port fails at once."""
         if self.http is not None:
-            from .http.listener import listen_socket
+            from frontend.http.listener import listen_socket
 
             self._sock = listen_socket(*self.http)
 
@@ -83,7 +83,7 @@ class Network:
         """The HTTP listener for ``server`` (None with ``--http none``)."""
         if self.http is None:
             return None
-        from .http import HttpListener
+        from frontend.http import HttpListener
 
         return HttpListener(server, *self.http, api_key=self.api_key, sock=self._sock).start()
 

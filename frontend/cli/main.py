@@ -23,9 +23,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from frontend import logs, serve_options
-from frontend.options import (ENGINE_OPTIONS, GroupedCommand, config_file_option, engine_options, normalize_endpoint,
-                              option, sampling_options, server_options)
+from frontend import logs
+from frontend.cli import serve_options
+from frontend.cli.options import (ENGINE_OPTIONS, GroupedCommand, config_file_option, engine_options,
+                                  normalize_endpoint, option, sampling_options, server_options)
 from frontend.client import DEFAULT_ENDPOINT
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 from shared.sampling import SAMPLING_FIELD_NAMES
@@ -89,7 +90,7 @@ def timeout_option(default: float):
 
 def service_config(engine_kw: dict, **extra):
     """The ServiceConfig (engine fields + the frontend's) for the engine options of a command."""
-    from frontend.service import ServiceConfig
+    from frontend.server.service import ServiceConfig
 
     from shared.lora_config import parse_lora_option
 
@@ -285,8 +286,8 @@ def _generate_local(kw, echo, config) -> dict:
     the server's path (``server.Gate``): the same message, checks, rendering and errors as --connect."""
     from frontend.client import generate_message
     from frontend.protocol import ProtocolError, encode_message
-    from frontend.server import Gate
-    from frontend.service import Service
+    from frontend.server.zmq_server import Gate
+    from frontend.server.service import Service
 
     service = Service(config, on_progress=_show_worker_progress if sys.stderr.isatty() else None)
     try:
@@ -410,8 +411,8 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, e
       tandem serve --model ./my-llama --served-model-name llama --chat-template chat.jinja --log-format json
     """
     net = serve_options.resolve(bind, http, host, port, api_key, curve_secret_key, curve_clients, insecure)
-    from frontend.server import Server, install_signal_handlers
-    from frontend.service import Service
+    from frontend.server.zmq_server import Server, install_signal_handlers
+    from frontend.server.service import Service
 
     check_endpoint_free(bind)  # before the model load, which can take minutes
     net.listen()

@@ -18,7 +18,7 @@ from typing import Callable
 import click
 
 from frontend.client import DEFAULT_ENDPOINT
-from frontend.metrics import COMPAT
+from frontend.server.metrics import COMPAT
 from shared.config import INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
 from shared.lora_config import KERNELS
 from shared.models import REGISTRY

@@ -18,7 +18,7 @@ service deliver tokens, and sends chunks, done and errors back.
   clients in this process (the HTTP frontend): the same request table,
   validation and limits for every client. ``Gate`` is the one way a
   generate enters the service, also for ``tandem generate`` without ``--connect``.
-- ``metrics`` (``frontend/metrics.py``) counts every request's end.
+- ``metrics`` (``frontend/server/metrics.py``) counts every request's end.
 - Stopping drains first (``drain_timeout_s``): new requests are refused with
   ``overloaded``, those in flight may finish until the deadline; what is left
   then ends with an error. A second stop request stops at once.
@@ -34,20 +34,20 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from . import logs
-from . import protocol as P
-from .client import DEFAULT_ENDPOINT
-from .connections import Connections
-from .curve import CurveServer
-from .grammars import GrammarCompiler, GrammarError
-from .images import image_prompt_ids
-from .metrics import Metrics
-from .options import MAX_QUEUE
-from .outbox import Outbox, Sent
-from .request import Request
-from .service import Service, served_name
-from .systemd import Notifier
-from .tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
+from frontend import logs
+from frontend import protocol as P
+from frontend.client import DEFAULT_ENDPOINT
+from frontend.server.connections import Connections
+from frontend.curve import CurveServer
+from frontend.grammars import GrammarCompiler, GrammarError
+from frontend.images.idefics3 import image_prompt_ids
+from frontend.server.metrics import Metrics
+from frontend.cli.options import MAX_QUEUE
+from frontend.server.outbox import Outbox, Sent
+from frontend.server.request import Request
+from frontend.server.service import Service, served_name
+from frontend.server.systemd import Notifier
+from frontend.server.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
 log = logging.getLogger("tandem.server")
 

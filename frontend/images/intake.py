@@ -44,10 +44,10 @@ from shared.models import ModelInfo
 from shared.shm.images import ImageSlotWriter
 from shared.vision_config import ImageProcessorParams
 
-from . import moondream_images
-from .image_pool import ImagePool
-from .images import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image, prepare_images
-from .moondream_skills import PREFIX_LEN
+from frontend.moondream import images as moondream_images
+from frontend.images.pool import ImagePool
+from frontend.images.idefics3 import MAX_IMAGES, PreparedImage, check_image_count, max_tiles_per_image, prepare_images
+from frontend.moondream.skills import PREFIX_LEN
 
 log = logging.getLogger("tandem.frontend")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from jinja2 import TemplateError
 
-from .images import PreparedImage, image_prompt_ids
+from frontend.images.idefics3 import PreparedImage, image_prompt_ids
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

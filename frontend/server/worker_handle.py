@@ -24,11 +24,11 @@ from shared.models import ModelInfo
 from shared.shm import Arena, Layout, Side
 
 if TYPE_CHECKING:
-    from .service import ServiceConfig
+    from frontend.server.service import ServiceConfig
 
 
-class WorkerFailed(RuntimeError):
-    pass
+class WorkerDown(RuntimeError):
+    """The worker died or could not start (the server's own signal; clients see ``worker_failed``)."""
 
 
 class WorkerHandle:
@@ -86,12 +86,12 @@ class WorkerHandle:
         return self.ready
 
     def wait_ready(self) -> dict:
-        """Block until the worker is ready; returns its info (raises WorkerFailed)."""
+        """Block until the worker is ready; returns its info (raises WorkerDown)."""
         while not self.poll_ready():
             why = self.failure()
             if why is not None:
                 self.kill()
-                raise WorkerFailed(why)
+                raise WorkerDown(why)
             select.select([self.channel], [], [], 0.1)
         return self.info
 

@@ -23,7 +23,7 @@ from PIL import Image
 
 from shared.arith import ceil_div
 
-from .images import PreparedImage, check_image_count, decode_image
+from frontend.images.idefics3 import PreparedImage, check_image_count, decode_image
 
 CROP_SIZE = 378
 PATCH_SIZE = 14
