@@ -106,6 +106,15 @@ def _body(required: list[str], **properties) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": properties}
 
 
+EXAMPLES = {  # one request per text route, as a client sends it (the document's examples)
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16},
+    "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+    "/v1/query": {"question": "What is the capital of France?"},
+    "/tokenize": {"messages": [{"role": "user", "content": "Hello"}]},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+
+
 def check_body(path: str, body: dict[str, Any]) -> None:
     """A 400 naming the first field whose JSON type is not the documented one (null: absent)."""
     schema = bodies().get(path)
@@ -181,7 +190,8 @@ def _operation(path: str, method: str, open_: bool) -> dict[str, Any]:
         "schema": {"$ref": "#/components/schemas/Error"}}}}
     op: dict[str, Any] = {"operationId": f"{method.lower()}{path.replace('/', '_')}"}
     if method == "POST":
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": bodies()[path]}}}
+        example = {"example": EXAMPLES[path]} if path in EXAMPLES else {}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": bodies()[path], **example}}}
         ok = {"application/json": {"schema": ANY_JSON}}
         if "stream" in bodies()[path]["properties"]:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
