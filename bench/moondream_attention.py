@@ -27,7 +27,7 @@ from frontend.moondream.images import overlap_crops
 from gpu_worker import cpu_kernels, moondream
 from gpu_worker.batch import Batch
 from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.model import pack_linears
+from gpu_worker.cpu_backend import pack_linears
 from gpu_worker.moondream import Moondream
 from shared.moondream_config import MoondreamConfig
 from shared.moondream_random import TINY_CONFIG, make_image

@@ -132,7 +132,7 @@ def profile(args) -> None:
     from bench.decode import load_model
     from gpu_worker.batch import Batch
     from gpu_worker.kv_cache import PagedKVCache
-    from gpu_worker.model import PackedLinear, pack_linears
+    from gpu_worker.cpu_backend import PackedLinear, pack_linears
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     loaded = load_model(args.model, args.device, args.dtype, 0, 2048)

@@ -17,7 +17,7 @@ function the level lacks is absent from its library: calling it raises (``has_ma
 whether the AMX ones are there).
 
 At level amx, :meth:`CpuKernels.linear` is also the bf16 matmul of every linear layer
-(``gpu_worker.model.PackedLinear``): a weight packed once by :meth:`CpuKernels.pack_linear`, each
+(``gpu_worker.cpu_backend.PackedLinear``): a weight packed once by :meth:`CpuKernels.pack_linear`, each
 row's result independent of the batch.
 """
 from __future__ import annotations
@@ -255,7 +255,7 @@ class CpuKernels:
                seq_of_token: torch.Tensor, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                eps: float) -> torch.Tensor:
         """Every decoder layer in one call (``layers_bf16``): x [T, hidden] bf16 updated in place as the
-        residual stream; ``weights`` the int64 [layers, 10] addresses of ``Llama._layer_weights``; the
+        residual stream; ``weights`` the int64 [layers, 10] addresses of ``cpu_backend.layer_table``; the
         caches k, v [layers, pages, page_size, kv_heads, head_dim]. -> norm(x) after the last layer."""
         T, hidden = x.shape
         page_size = k.shape[2]

@@ -14,7 +14,6 @@ decode step can be captured in a CUDA graph and replayed with new Batch contents
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -27,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpu_worker.batch import Batch
+from gpu_worker.cpu_backend import fused_layers
 from gpu_worker.cpu_kernels import CpuKernels
 from gpu_worker.kv_cache import PagedKVCache
 
@@ -209,89 +209,6 @@ def attend_pages(q: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache
     return out[batch.token_to_padded]
 
 
-class PackedLinear(nn.Linear):
-    """``nn.Linear`` whose bf16 CPU matmul reads a copy of the weight packed once for it: the fused
-    kernels' AMX matmul where they can (``CpuKernels.linear``), else oneDNN's (where this CPU has
-    it: :func:`onednn_packs_bf16`).
-
-    oneDNN reorders a plain weight into its blocked (AVX512-BF16 / AMX) layout on
-    every call; packed once, a call only multiplies (BENCHMARKS.md "The CPU
-    forward"). The kernels' AMX matmul reads the weight at about twice oneDNN's rate
-    at 1 and 32 rows, and computes each row the same whatever the batch around it
-    (BENCHMARKS.md "Session 7"). ``weight`` stays the plain parameter (tied embeddings,
-    LoRA and checkpoint code read it); the packed copy costs the weights' size once more.
-    """
-
-    packed: torch.Tensor
-    kernels: CpuKernels | None  # set: ``packed`` is the kernels' tile layout
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, kernels: CpuKernels | None = None) -> "PackedLinear":
-        packed = cls.__new__(cls)
-        nn.Module.__init__(packed)
-        packed.in_features, packed.out_features = linear.in_features, linear.out_features
-        packed.weight, packed.bias = linear.weight, linear.bias
-        packed.kernels = kernels if kernels is not None and kernels.can_matmul(linear.weight) else None
-        if packed.kernels is not None:
-            packed.packed = packed.kernels.pack_linear(linear.weight)
-        elif not onednn_packs_bf16():
-            raise RuntimeError("no bf16 prepack for this linear: the CPU kernels' matmul does not take it and "
-                               "oneDNN refuses bf16 on this CPU (see onednn_packs_bf16)")
-        else:
-            # The batch-size hint picks oneDNN's blocking: 64 was as fast as 1 or faster at 1, 32
-            # and 512 rows (BENCHMARKS.md "The CPU forward").
-            packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
-        return packed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.linear(x, self.packed, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-    def forward_gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
-        """``gelu(self(x), approximate="tanh")`` in one pass: the gelu runs on the float32 sum, so
-        the result is rounded to bf16 once (closer to float32's than the eager pair, which rounds
-        twice) and skips a round trip through memory (half the pair's time on Moondream's vision
-        fc1, BENCHMARKS.md "Moondream 2")."""
-        if self.kernels is not None:
-            return self.kernels.linear(x, self.packed, self.bias, self.out_features, gelu=True)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], "tanh")
-
-
-def _address(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-@functools.cache
-def onednn_packs_bf16() -> bool:
-    """Whether oneDNN's bf16 prepack (``_reorder_linear_weight``) runs on this CPU: it needs
-    avx512bw, avx512vl and avx512dq, or avx_ne_convert, and raises without them (an AVX2-only CPU,
-    e.g. AMD Zen 2/3). Logged once where it does not."""
-    ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if not ok:
-        log.info("bf16 linears stay nn.Linear unless the CPU kernels' matmul takes them: oneDNN has no bf16 "
-                 "prepack on this CPU (it needs avx512bw/vl/dq or avx_ne_convert)")
-    return ok
-
-
-def pack_linears(model: nn.Module, kernels: CpuKernels | None = None) -> int:
-    """Replace, in place, every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`
-    (for ``kernels``' matmul where it applies, else oneDNN's where this CPU has it); returns how
-    many. fp32 keeps aten's matmul (the float32 reference tests match it exactly), CUDA has no use
-    for it, and a linear neither packs stays a plain ``nn.Linear``."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            w = child.weight if type(child) is nn.Linear else None
-            if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16:
-                continue
-            if (kernels is not None and kernels.can_matmul(w)) or onednn_packs_bf16():
-                setattr(parent, name, PackedLinear.from_linear(child, kernels))
-                count += 1
-    return count
-
-
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int, dtype=None, device=None):
         super().__init__()
@@ -359,7 +276,7 @@ class Llama(nn.Module):
         self.max_model_len = max_model_len or min(config.max_position_embeddings, MAX_ROPE_LEN)
         # The fused CPU kernels (cpu_kernels.py), attached by the runner for bf16 on a CPU; None: eager.
         self.cpu_kernels: CpuKernels | None = None
-        self._layer_table: tuple | None = None  # _layer_weights' (kernels, parts, table)
+        self._layer_table: tuple | None = None  # cpu_backend.layer_table's (kernels, parts, table)
         if torch.device(device).type != "meta":
             self._init_rope(device)
 
@@ -386,7 +303,7 @@ class Llama(nn.Module):
             x = x.index_copy(0, index, features.to(x.dtype))
         kernels = self.cpu_kernels
         if kernels is not None and x.dtype == kv.k.dtype:
-            return self.lm_head(self._fused_layers(x, batch, kv, kernels)[logits_indices]).float()
+            return self.lm_head(fused_layers(self, x, batch, kv, kernels)[logits_indices]).float()
         cos = self.rope_cos[batch.positions].to(x.dtype)
         sin = self.rope_sin[batch.positions].to(x.dtype)
         mask = attention_mask(batch, kv, self.config.num_attention_heads // self.config.num_key_value_heads)
@@ -397,67 +314,6 @@ class Llama(nn.Module):
         # during prefill that is one row per sequence, not every prompt token.
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
-
-    def _fused_layers(self, x: torch.Tensor, batch: Batch, kv: PagedKVCache, kernels: "CpuKernels") -> torch.Tensor:
-        """The decoder layers and the final norm through the fused CPU kernels (``kernels/fused.c``): the
-        eager layers' math, with the four matmuls between five kernel calls per layer. ``x`` is updated
-        in place (the residual stream); returns norm(x) for every row."""
-        cfg = self.config
-        H, Hkv, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-        # Every token's attention is the kernel's, prompt chunks' too: a token's numerics then depend
-        # neither on its batch nor on how its prompt was chunked (SDPA for long chunks and the kernel
-        # for decode rows gave different tokens for the same request under different schedules).
-        seq_of_token = batch.token_to_padded // batch.max_query_len
-        weights = self._layer_weights(kernels)
-        if weights is not None:  # every layer in one C call: the same kernels, no Python between them
-            return kernels.layers(x, weights, kv.k, kv.v, self.rope_cos, self.rope_sin, batch.positions,
-                                  batch.slot_mapping, batch.block_tables, seq_of_token, H, Hkv, D,
-                                  cfg.intermediate_size, eps)
-        h = kernels.add_rmsnorm(x, None, self.layers[0].input_layernorm.weight, eps)
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = kv.k[i], kv.v[i]
-            q = kernels.rope_kv(attn.qkv_proj(h), self.rope_cos, self.rope_sin, batch.positions, batch.slot_mapping,
-                                k_cache, v_cache, H, Hkv, D)
-            o = kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv)
-            h = kernels.add_rmsnorm(x, attn.o_proj(o), layer.post_attention_layernorm.weight, eps)
-            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h = kernels.add_rmsnorm(x, mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h))), after.weight, eps)
-        return h
-
-    def _layer_weights(self, kernels: "CpuKernels") -> torch.Tensor | None:
-        """The addresses ``CpuKernels.layers`` reads, per layer (see ``layers_bf16``); None unless every
-        layer's linears are packed for ``kernels``' matmul (not with LoRA's wrapped linears, or below
-        level amx). Built once and kept while the layers' linears and norm weights stay the same objects
-        (checking that takes ~40 µs a forward; building it, ~1 ms)."""
-        if getattr(kernels, "layers", None) is None:
-            return None
-        # Per layer: its two norm weights and four linears, then the final norm's weight. Read through
-        # _modules and _parameters: nn.Module.__getattr__ would cost ~1 µs a lookup.
-        parts = []
-        for layer in self.layers:
-            sub = layer._modules
-            attn, mlp = sub["self_attn"]._modules, sub["mlp"]._modules
-            norms = sub["input_layernorm"]._parameters, sub["post_attention_layernorm"]._parameters
-            parts += (norms[0]["weight"], norms[1]["weight"], attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"],
-                      mlp["down_proj"])
-        parts = (*parts, self.norm._parameters["weight"])
-        cached = self._layer_table
-        if cached is not None and cached[0] is kernels and len(cached[1]) == len(parts) \
-                and all(a is b for a, b in zip(cached[1], parts)):
-            return cached[2]
-        table = None
-        linears = [m for i, m in enumerate(parts) if i % 6 >= 2]
-        if all(type(m) is PackedLinear and m.kernels is kernels for m in linears):
-            rows = []
-            for i in range(len(self.layers)):
-                norm_in, norm_post, qkv, o, gate_up, down, after = parts[6 * i:6 * i + 7]
-                rows.append([norm_in.data_ptr(), norm_post.data_ptr(), qkv.packed.data_ptr(), _address(qkv.bias),
-                             o.packed.data_ptr(), gate_up.packed.data_ptr(), _address(gate_up.bias),
-                             down.packed.data_ptr(), _address(down.bias), after.data_ptr()])
-            table = torch.tensor(rows, dtype=torch.int64)
-        self._layer_table = (kernels, parts, table)
-        return table
 
     def num_params(self) -> int:
         """Parameter count, tied embeddings counted once."""

@@ -41,7 +41,8 @@ from .kv_cache import PagedKVCache
 from .lora import LoraPool
 from . import cpu_kernels, quant
 from .gguf_weights import load_gguf, quantize_linears
-from .model import Llama, LlamaConfig, pack_linears
+from .cpu_backend import pack_linears
+from .model import Llama, LlamaConfig
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_SLOTS

@@ -37,7 +37,8 @@ from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
-from .model import PackedLinear, attention_mask, checkpoint_index, paged_attention
+from .cpu_backend import PackedLinear
+from .model import attention_mask, checkpoint_index, paged_attention
 
 ROPE_THETA = 10000.0
 
@@ -160,7 +161,7 @@ class VisionBlock(nn.Module):
         B, T, C = x.shape
         qkv = self.attn.qkv(self.ln1(x))
         kernels = getattr(self.attn.qkv, "kernels", None)
-        if kernels is not None:  # bf16 with AMX: 2.5x SDPA at head_dim 72 (BENCHMARKS.md "Session 9")
+        if kernels is not None:  # bf16, AMX: 2.5x SDPA, head_dim 72 (BENCHMARKS.md "Moondream's attention on AMX")
             out = kernels.full_attention(qkv, self.n_heads)
         else:
             q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))

@@ -49,7 +49,7 @@ class EngineConfig:
                                        "dequantizes a GGUF file.")
     quantization_group: int = _about(32, "int4's group along K (32, 64 or 128).")
     cuda_graphs: bool = True
-    prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.model.PackedLinear)
+    prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.cpu_backend.PackedLinear)
     cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused, AMX matmul (gpu_worker/kernels/)
     encoder_cache_mb: float = _about(256.0, "Vision models: device memory for image features kept for reuse "
                                             "(unreferenced ones, LRU).")

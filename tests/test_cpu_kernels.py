@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from prerequisites import unavailable
 
-from gpu_worker import cpu_kernels, model as model_module
+from gpu_worker import cpu_backend, cpu_kernels
 from gpu_worker.batch import Batch
+from gpu_worker.cpu_backend import PackedLinear, layer_table, pack_linears
 from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.model import (Llama, LlamaConfig, PackedLinear, RMSNorm, apply_rope, attention_mask, pack_linears,
-                              paged_attention)
+from gpu_worker.model import Llama, LlamaConfig, RMSNorm, apply_rope, attention_mask, paged_attention
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -246,13 +246,13 @@ def test_a_prompt_chunked_or_whole_gives_the_same_bits(kernels, cfg, packed):
 
 
 def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
-    """``layers_bf16`` (every decoder layer in one C call) against ``_fused_layers``' Python loop over
+    """``layers_bf16`` (every decoder layer in one C call) against ``fused_layers``' Python loop over
     the same kernels: the same logits and caches, bit for bit, over a prefill and decode steps; a
     model whose linears are not all packed for the AMX matmul keeps the Python loop."""
     amx(kernels)
     model = Llama.random(TINY32, seed=7, dtype=torch.bfloat16)
     pack_linears(model, kernels)
-    assert model._layer_weights(kernels) is not None  # non-vacuity: the one-call path runs below
+    assert layer_table(model, kernels) is not None  # non-vacuity: the one-call path runs below
 
     class PythonLoop:  # the same kernels without the one-call loop
         layers = None
@@ -274,7 +274,7 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
             assert torch.equal(out[0], out[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     model.layers[1].mlp.down_proj = torch.nn.Linear(TINY32.intermediate_size, TINY32.hidden_size, dtype=torch.bfloat16)
-    assert model._layer_weights(kernels) is None  # e.g. LoRA's wrapped linears
+    assert layer_table(model, kernels) is None  # e.g. LoRA's wrapped linears
 
 
 @pytest.mark.parametrize("n,k,bias", [(96, 64, True), (128, 1536, False), (40, 72, True), (4304, 1000, False),
@@ -314,7 +314,7 @@ def test_gelu_fused_into_the_matmul_rounds_once(kernels, n, k, amx):
     linear = torch.nn.Linear(k, n, dtype=torch.bfloat16)
     linear.weight.data = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     linear.bias.data = torch.randn(n, generator=g).bfloat16()
-    if not amx and not model_module.onednn_packs_bf16():
+    if not amx and not cpu_backend.onednn_packs_bf16():
         pytest.skip("oneDNN has no bf16 prepack on this CPU")
     packed = PackedLinear.from_linear(linear, kernels if amx else None)
     assert (packed.kernels is not None) == (amx and kernels.has_matmul)
@@ -352,7 +352,7 @@ def test_engine_attaches_the_kernels_for_bf16_on_a_cpu_only():
             linears = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
             # The AMX matmul where the CPU has it, whatever the dims; else oneDNN's where it packs bf16.
             amx_on = want and kernels.has_matmul
-            assert bool(linears) == (dtype == "bfloat16" and (amx_on or model_module.onednn_packs_bf16()))
+            assert bool(linears) == (dtype == "bfloat16" and (amx_on or cpu_backend.onednn_packs_bf16()))
             assert all((m.kernels is not None) == amx_on for m in linears), (dtype, enabled)
         finally:
             eng.close()
@@ -625,7 +625,7 @@ def test_bf16_linears_stay_plain_where_onednn_refuses_bf16(kernels, monkeypatch)
     kernels' matmul does not take stays an nn.Linear, and the model still runs; a direct
     PackedLinear.from_linear says why it cannot."""
     called = []
-    monkeypatch.setattr(model_module, "onednn_packs_bf16", lambda: False)
+    monkeypatch.setattr(cpu_backend, "onednn_packs_bf16", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda *a: called.append(a))
     model = Llama.random(TINY, seed=5, dtype=torch.bfloat16)
     model.cpu_kernels = kernels

@@ -383,7 +383,7 @@ def test_bf16_cpu_weights_are_prepacked_unless_disabled():
     with neither keep the plain nn.Linear."""
     import torch
 
-    from gpu_worker.model import PackedLinear, onednn_packs_bf16
+    from gpu_worker.cpu_backend import PackedLinear, onednn_packs_bf16
 
     for dtype, prepack, want in (("bfloat16", True, True), ("bfloat16", False, False), ("float32", True, False)):
         eng = make_engine(dtype=dtype, prepack=prepack)

@@ -23,7 +23,8 @@ transformers = require("transformers")
 
 from gpu_worker.batch import Batch  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
-from gpu_worker.model import Llama, LlamaConfig, pack_linears  # noqa: E402
+from gpu_worker.cpu_backend import pack_linears  # noqa: E402
+from gpu_worker.model import Llama, LlamaConfig  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

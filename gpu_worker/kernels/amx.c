@@ -17,8 +17,9 @@
 /* ---- The bf16 matmul on AMX: y [M, N] = x [M, K] @ W^T (+ bias), W an nn.Linear weight [N, K].
  *
  * Why our own: oneDNN's per-call overhead and its blocking for few rows read the weights at about
- * half the memory bandwidth at 1 and 32 rows (BENCHMARKS.md "Session 7"), and a row's result
- * must not depend on the batch around it (a request's tokens would then depend on the schedule).
+ * half the memory bandwidth at 1 and 32 rows (BENCHMARKS.md "The AMX matmul and the layers in
+ * one C call"), and a row's result must not depend on the batch around it (a request's tokens
+ * would then depend on the schedule).
  * Here every output element is one fp32 accumulation over K in blocks of 32, in the same order
  * whatever M is and whichever thread computes it, then rounded to bf16 once: batch invariant by
  * construction. Threads split the output columns (contiguous ranges, so each streams its part of

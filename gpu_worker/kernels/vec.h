@@ -315,7 +315,7 @@ static inline vf v_gelu_tanh(vf x) {
 
 /* Work below this many elements runs on the calling thread alone: a parallel region costs more
  * than it saves there (4096: a 32-row norm or silu splits, a 1-row one does not; 1.04-1.10x per
- * 32-stream step over 65536, BENCHMARKS.md "Session 7"). */
+ * 32-stream step over 65536, BENCHMARKS.md "The AMX matmul and the layers in one C call"). */
 #define PAR_MIN 4096
 
 /* OpenMP outlines a parallel loop's body before an `is_bf16` constant reaches it, so each loop
