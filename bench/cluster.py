@@ -24,7 +24,7 @@ child processes, HTTP on loopback, every process with the same
    workload (from each replica's ``info``, read over its ``ipc://`` endpoint).
 
 ``LocalCluster`` (a ``tandem cluster`` child process, its replicas found by
-``ps``) is also what ``tests/test_cluster.py`` drives.
+``ps``) is also what ``tests/cluster/test_cluster.py`` drives.
 """
 from __future__ import annotations
 

@@ -8,13 +8,13 @@ Every check runs one workload on DEVICE and compares the greedy tokens with a re
 - ``lora``: three random adapters through two slots, base rows in the same
   launches, on DEVICE (float32, CUDA graphs, pipelined) for each LoRA kernel,
   against the CPU (float32, eager, blocking; the CPU path is checked against
-  peft in tests/test_lora.py). Then bfloat16 pipelined against bfloat16 blocking.
+  peft in tests/engine/test_lora.py). Then bfloat16 pipelined against bfloat16 blocking.
 - ``prefix``: two turns of conversations sharing a system prompt, the prefix
   cache on, on DEVICE (float32, graphs, pipelined), against the CPU with the
   cache off. The second turn must map cached pages.
 - ``vision``: two requests with the same 13-tile image (the second one's
   features come from the encoder cache) and a text request, on DEVICE against
-  the CPU (whose encoder is checked against transformers in tests/test_vision.py);
+  the CPU (whose encoder is checked against transformers in tests/models/test_vision.py);
   then bfloat16 pipelined against blocking; and the encoder's time per image.
 - ``moondream``: the Moondream reference's own answers for its dev checkpoint
   (``bench/moondream_fixture.py``: captions, queries, reasoning, spatial refs, point and

@@ -3,7 +3,7 @@
 ``tests/data/moondream_dev_expected.json`` holds what the reference implementation answered
 (caption ×3, query, point, detect on three images, a reasoning query, spatial refs, a text-only
 query; and the eos-biased checkpoint's early stops) for the checkpoint that
-``shared.moondream_random`` rebuilds. ``tests/test_moondream.py`` checks the CPU against it and
+``shared.moondream_random`` rebuilds. ``tests/models/test_moondream.py`` checks the CPU against it and
 ``bench.gpu_features`` (the ``moondream`` check) a GPU.
 """
 from __future__ import annotations

@@ -98,6 +98,12 @@ MAX_IMAGE_SIDE = 8192  # width * height must not exceed MAX_IMAGE_SIDE ** 2
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "skill")  # exactly one per generate
 # A skill's own fields (Moondream's skills; the server validates their values).
 SKILL_FIELDS = ("length", "question", "reasoning", "spatial_refs", "object", "max_objects")
+SKILLS = ("caption", "query", "point", "detect")
+# Moondream's API defaults (its reference's caption/query sampling and max_objects), whichever model
+# answers a skill: natively (frontend/moondream/) or as a prompted request (frontend/skills.py).
+SKILL_SAMPLING = {"temperature": 0.5, "top_p": 0.3}
+DEFAULT_MAX_OBJECTS = 50
+MAX_GRAMMAR_OBJECTS = 100  # the most items a point/box grammar (frontend/grammars) takes
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
 MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
 _GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS,
@@ -121,6 +127,10 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+class SkillError(ValueError):
+    """A skill's fields are wrong (a bad request, naming the field)."""
 
 
 class ProtocolError(Exception):

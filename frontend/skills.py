@@ -22,32 +22,27 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-SKILLS = ("caption", "query", "point", "detect")
+from frontend.protocol import DEFAULT_MAX_OBJECTS, MAX_GRAMMAR_OBJECTS, SKILL_SAMPLING, SKILLS, SkillError
+
 CAPTION_LENGTHS = {
     "short": ("Describe this image in one short sentence.", 64),
     "normal": ("Describe this image.", 256),
     "long": ("Describe this image in detail.", 512),
 }
-SAMPLED = {"temperature": 0.2, "top_p": 0.9}
 GREEDY = {"temperature": 0.0, "top_p": 1.0}
-MAX_OBJECTS = 50
 SETTINGS = ("temperature", "top_p", "max_tokens", "max_objects")
-
-
-class SkillError(ValueError):
-    """The skill's arguments are wrong (a bad request)."""
 
 
 def caption(length: str = "normal", settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if length not in CAPTION_LENGTHS:
         raise SkillError(f"length must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")
     prompt, max_tokens = CAPTION_LENGTHS[length]
-    return _request(prompt, SAMPLED, max_tokens, settings)
+    return _request(prompt, SKILL_SAMPLING, max_tokens, settings)
 
 
 def query(question: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     _text("question", question)
-    return _request(question, SAMPLED, 512, settings)
+    return _request(question, SKILL_SAMPLING, 512, settings)
 
 
 def point(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -62,9 +57,9 @@ def detect(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any
 
 def _located(prompt: str, kind: str, settings: Mapping[str, Any] | None) -> dict[str, Any]:
     s = _settings(settings)
-    max_objects = s.pop("max_objects", MAX_OBJECTS)
-    if not isinstance(max_objects, int) or isinstance(max_objects, bool) or not 1 <= max_objects <= MAX_OBJECTS:
-        raise SkillError(f"settings.max_objects must be an integer in [1, {MAX_OBJECTS}]")
+    max_objects = s.pop("max_objects", DEFAULT_MAX_OBJECTS)
+    if not isinstance(max_objects, int) or isinstance(max_objects, bool) or not 1 <= max_objects <= MAX_GRAMMAR_OBJECTS:
+        raise SkillError(f"settings.max_objects must be an integer in [1, {MAX_GRAMMAR_OBJECTS}]")
     per_item = 12 if kind == "point" else 24  # tokens per item (frontend/grammars), plus EOS
     req = _request(prompt, GREEDY, per_item * max_objects + 2, s)
     req["grammar"] = {"kind": kind, "max_objects": max_objects}
@@ -107,7 +102,7 @@ def native(skill: str, fields: Mapping[str, Any], settings: Mapping[str, Any] | 
 
 
 def skill_request(skill: str, *, length: str = "normal", question: str | None = None, obj: str | None = None,
-                  max_objects: int = 16, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  max_objects: int = DEFAULT_MAX_OBJECTS, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The generate fields that ask ``skill`` of one image (the Python client's entry point):
     the user message is the image part, then the skill's text."""
     s = dict(settings or {})

@@ -36,7 +36,7 @@ advanced by the sampling phases on the device (no phase waits for the host),
 and copied back with the tokens, so the commit returns them beside the tokens
 (``CommittedStep.values``).
 
-Invariants (tests/test_engine.py proves them):
+Invariants (tests/engine/test_engine.py proves them):
 - pipelined and blocking produce the same tokens for every request;
 - no token of a finalized sequence is delivered (zombie rows are skipped);
 - a sequence's row, KV pages and LoRA slot reference are released exactly

@@ -11,7 +11,7 @@ Every page is in exactly one state:
 - cached: hashed, unreferenced, in the LRU; it keeps its KV and is handed out
   again by a hit, or evicted (unhashed) when an allocation needs its memory.
 
-Invariants (checked here, proved by tests/test_prefix_cache.py):
+Invariants (checked here, proved by tests/engine/test_prefix_cache.py):
 - a referenced page is never evicted or handed out as a fresh page;
 - a page is hashed only after the launch that wrote its last token was
   committed, so a hit never reads KV still being written (the engine calls

@@ -20,8 +20,8 @@ from concurrent.futures import Future
 import msgpack
 import zmq
 
-from frontend.server.zmq_server import Server
 from frontend.server.service import Service, ServiceConfig
+from frontend.server.zmq_server import Server
 
 V = b"TANDEM1"
 TERMINAL = ("done", "error")
@@ -29,6 +29,9 @@ FINISH_REASONS = {"stop", "length", "cancelled"}
 ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "overloaded", "worker_failed",
                "internal"}
 MAX_BATCH = 32
+MAX_MODEL_LEN = 2048  # tiny-random's max_position_embeddings: the default context
+VOCAB = 49152  # tiny-random (SmolLM2 tokenizer)
+LONG = 1900  # max_tokens that keeps a request live for the whole test (ignore_eos)
 
 
 def pack(msg) -> bytes:

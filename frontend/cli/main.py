@@ -28,6 +28,7 @@ from frontend.cli import serve_options
 from frontend.cli.options import (ENGINE_OPTIONS, GroupedCommand, config_file_option, engine_options,
                                   normalize_endpoint, option, sampling_options, server_options)
 from frontend.client import DEFAULT_ENDPOINT
+from frontend.protocol import DEFAULT_MAX_OBJECTS
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 from shared.sampling import SAMPLING_FIELD_NAMES
 from frontend.cluster import MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
@@ -135,7 +136,7 @@ def main() -> None:
 @option("Sampling", "--stop", multiple=True, help="Stop string (repeatable); never part of the output.")
 @option("Output", "--grammar", type=click.Choice(["point", "box"]), default=None,
         help="Constrain the answer to points or boxes (normalised coordinates).")
-@option("Output", "--max-objects", default=8, show_default=True, help="With --grammar: the most points or boxes.")
+@option("Output", "--max-objects", default=DEFAULT_MAX_OBJECTS, show_default=True, help="With --grammar: the most points or boxes.")
 @option("Output", "--regex", default=None, help="Constrain the answer to a regular expression.")
 @option("Output", "--json-schema", "json_schema", type=click.File("r"), default=None,
         help="Constrain the answer to a JSON schema (file).")
@@ -512,7 +513,9 @@ cluster.params += [p for p in serve.params if p.name not in SERVE_ONLY]  # serve
 
 
 class _LazyGroup(click.Group):
-    """Subcommands imported on use, so `tandem --help` stays fast."""
+    """Subcommands imported on use, so `tandem --help` stays fast. The benchmarks are not part of the
+    installed package: they are imported from the source checkout this ``frontend`` runs from (an
+    editable install, as ./install.sh makes), first on the path so no other ``bench`` shadows them."""
 
     lazy = {"decode": ("bench.decode", "decode_command"), "serve": ("bench.serve", "serve_command"),
             "cluster": ("bench.cluster", "cluster_command")}
@@ -525,6 +528,12 @@ class _LazyGroup(click.Group):
             return None
         import importlib
 
+        checkout = str(Path(__file__).resolve().parents[2])
+        if not Path(checkout, "bench", "__init__.py").is_file():
+            raise click.ClickException("the benchmarks ship with Tandem's source repository, not with the package: "
+                                       "run `tandem bench` from an editable install of a checkout (./install.sh)")
+        if checkout not in sys.path:
+            sys.path.insert(0, checkout)
         module, attr = self.lazy[name]
         return getattr(importlib.import_module(module), attr)
 

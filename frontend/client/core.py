@@ -15,7 +15,8 @@ import msgpack
 import zmq
 
 from frontend.client.errors import ConnectionClosed, DuplicateId, RequestTimeout, TandemError
-from frontend.protocol import MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME, prompt_field
+from frontend.protocol import (DEFAULT_MAX_OBJECTS, MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME,
+                               prompt_field)
 from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
 from shared.sampling import SAMPLING_FIELD_NAMES
@@ -437,11 +438,11 @@ class ClientBase:
         """``{"answer": str}``."""
         return self._skill("query", image, kw, question=question)
 
-    def point(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+    def point(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS, **kw: Any) -> dict[str, list]:
         """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
         return self._skill("point", image, kw, obj=object, max_objects=max_objects)
 
-    def detect(self, image: Any, object: str, max_objects: int = 16, **kw: Any) -> dict[str, list]:
+    def detect(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS, **kw: Any) -> dict[str, list]:
         """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
         return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 

@@ -22,7 +22,7 @@ is the load of all of them (consistent hashing with bounded loads); without a
 preference, the least loaded (ties in turn). A replica whose queue is full is
 passed over while another is not.
 
-Invariants (tests/test_routing.py proves them):
+Invariants (tests/cluster/test_routing.py proves them):
 - the replica chosen holds at most the bound once it has the request (while no
   queue is full), so a burst puts no more than ``(1 + max_overload)`` times
   the average on any one;

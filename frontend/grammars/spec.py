@@ -10,9 +10,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from frontend.protocol import MAX_GRAMMAR_OBJECTS as MAX_OBJECTS_LIMIT
+
 KINDS = ("point", "box", "regex", "json_schema")
 SPATIAL_KINDS = ("point", "box")
-MAX_OBJECTS_LIMIT = 100
 MAX_PATTERN_CHARS = 8192
 MAX_SCHEMA_CHARS = 65536
 

@@ -16,16 +16,10 @@ from typing import Any, Callable
 from shared.moondream_config import ANSWER_FIRST, COORD_ID, DECIDE, EOS_ID, GROUND_END_ID, GROUND_START_ID, REASON
 
 from frontend.moondream import prompts
-SKILLS = ("caption", "query", "point", "detect")
+from frontend.protocol import DEFAULT_MAX_OBJECTS, SKILLS, SkillError
 PREFIX_LEN = 730  # the image block: BOS + 729 image positions, filled by the worker
-TEMPERATURE, TOP_P = 0.5, 0.3  # Moondream's sampling defaults for caption and query
-DEFAULT_MAX_OBJECTS = 50
 MAX_OBJECTS = 1000
 MAX_REFS = 64
-
-
-class SkillError(ValueError):
-    """A bad skill request (``bad_request``, naming the field)."""
 
 
 @dataclass(frozen=True)

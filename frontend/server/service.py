@@ -53,6 +53,7 @@ from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
 from frontend.moondream import skills as moondream_skills
+from frontend.protocol import SKILL_SAMPLING
 from frontend.server.detokenizer import IncrementalDetokenizer
 from frontend.images.intake import ImageIntake, Render, intake_family
 from frontend.server.request import Request
@@ -204,8 +205,8 @@ class Service:
         greedy = plan.phase == moondream_skills.DECIDE  # point / detect
         params = SamplingParams(
             max_tokens=plan.max_tokens, seed=seed,
-            temperature=0.0 if greedy else moondream_skills.TEMPERATURE if temperature is None else temperature,
-            top_p=1.0 if greedy else moondream_skills.TOP_P if top_p is None else top_p)
+            temperature=0.0 if greedy else SKILL_SAMPLING["temperature"] if temperature is None else temperature,
+            top_p=1.0 if greedy else SKILL_SAMPLING["top_p"] if top_p is None else top_p)
         if images:
             prefix = [0] * moondream_skills.PREFIX_LEN
             req = self.submit_images(list(images), lambda prepared: prefix + plan.prompt_ids, params,

@@ -1,0 +1,457 @@
+"""``tandem cluster`` on Ray Serve: the ingress's retries, the option mapping, the manifests, then one
+real cluster for the module (``tandem cluster --replicas 2``, tiny-random on CPU, loopback): streaming
+through the ingress, session affinity with prefix-cache hits in the owner's counters, a sessionless
+burst spread over both replicas, a replica's ``tandem serve`` killed mid-stream, a worker that never
+gets ready, a replica's actor killed mid-stream, and SIGTERM leaving nothing running. (The routing
+itself, pure: tests/cluster/test_routing.py.)
+
+No test here depends on the machine's speed: a test follows the replica that answered, not the one
+it expects the router to choose, and waits for what it needs to have happened, not for a time."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+from processes import ROOT
+
+from bench.cluster import LocalCluster
+from frontend.cluster.routing import NOT_STARTED
+from shared.config import EngineConfig
+from shared.models import TINY_RANDOM_CONFIG
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+K8S = ROOT / "deploy" / "kubernetes"
+
+
+# --------------------------------------------------------------------------- the ingress's bridge (no cluster)
+
+
+class _FakeStream:
+    """What ``handle.options(stream=True).generate.remote(...)`` returns: a script of items, where an
+    exception in the script is raised at that point."""
+
+    def __init__(self, script) -> None:
+        self._script, self.cancelled = list(script), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._script:
+            raise StopAsyncIteration
+        item = self._script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeReplicas:
+    """A stand-in for the replicas' DeploymentHandle: call i streams ``scripts[i]``; ``avoids`` records
+    each call's ``avoid`` argument (what the router would leave out)."""
+
+    def __init__(self, *scripts) -> None:
+        self._scripts, self.avoids = list(scripts), []
+        self.generate = self
+
+    def options(self, stream: bool):
+        return self
+
+    def remote(self, fields, avoid=(), session=None, prefix_pages=()):
+        self.avoids.append(avoid)
+        return _FakeStream(self._scripts[len(self.avoids) - 1])
+
+
+def _run_call(replicas: _FakeReplicas) -> list[dict]:
+    import asyncio
+
+    from frontend.cluster import ingress
+
+    async def go():
+        bridge = ingress.ClusterBridge(replicas, tokenizer=None)
+        return [m async for m in bridge.generate({"prompt_token_ids": [1, 2]}).events()]
+
+    return asyncio.run(go())
+
+
+DONE = [{"type": "chunk", "id": "x", "token_ids": [7]}, {"type": "done", "id": "x", "finish_reason": "length"}]
+
+
+def test_a_request_no_replica_began_goes_to_another_and_a_begun_one_never_twice(monkeypatch):
+    from ray.exceptions import ActorDiedError
+
+    from frontend.cluster.ingress import RETRIES
+
+    monkeypatch.setattr("frontend.cluster.ingress.RETRY_DELAY_S", 0)
+    # refused by a replica whose tandem serve had exited, then by a dead actor: the third replica answers
+    replicas = _FakeReplicas(["r-a", {NOT_STARTED: "replica r-a: tandem serve exited (code -9)"}],
+                             [ActorDiedError()], ["r-b", DONE])
+    assert _run_call(replicas) == DONE
+    assert replicas.avoids == [(), ("r-a",), ("r-a",)]
+    # refused every time: one worker_failed error naming why, after RETRIES more tries
+    replicas = _FakeReplicas(*[["r-a", {NOT_STARTED: "tandem serve exited"}]] * (RETRIES + 2))
+    (err,) = _run_call(replicas)
+    assert err["type"] == "error" and err["code"] == "worker_failed" and "tandem serve exited" in err["message"]
+    assert len(replicas.avoids) == RETRIES + 1
+    # the actor died after it began the request (tokens may have reached the client): not sent again
+    replicas = _FakeReplicas(["r-a", DONE[:1], ActorDiedError()], ["r-b", DONE])
+    out = _run_call(replicas)
+    assert out[0] == DONE[0] and out[1]["code"] == "worker_failed" and len(out) == 2
+    assert len(replicas.avoids) == 1
+
+
+# --------------------------------------------------------------------------- options, metrics, manifests
+
+
+def test_metrics_compat_vllm_exports_the_same_values_under_vllms_names():
+    from frontend.server.metrics import Metrics
+
+    info = {"model": "m", "worker_ready": True, "running": 3, "waiting": 2, "unsent": 1, "kv_pages_free": 25,
+            "kv_pages_total": 100}
+    page = Metrics("vllm").render(info).decode()
+    for tandem, vllm in [("num_requests_running", "num_requests_running"), ("num_requests_waiting",
+                         "num_requests_waiting"), ("kv_cache_usage_perc", "kv_cache_usage_perc"),
+                         ("kv_cache_usage_perc", "gpu_cache_usage_perc")]:
+        value = next(line.split()[-1] for line in page.splitlines() if line.startswith(f"tandem:{tandem} "))
+        assert f'vllm:{vllm}{{model_name="m"}} {value}' in page
+    assert "vllm:num_requests_waiting{model_name=\"m\"} 3.0" in page and "vllm:kv_cache_usage_perc" in page
+    assert "vllm:" not in Metrics().render(info).decode()
+    with pytest.raises(ValueError, match="sglang"):
+        Metrics("sglang")
+
+
+def test_serve_argv_maps_serve_options_and_refuses_unknown_ones():
+    from frontend.cluster.app import serve_argv
+
+    argv = serve_argv({"model": "tiny-random", "device": "cpu", "max_batch": 8, "no_pipeline": True,
+                       "no_prefix_cache": False, "lora": ["a=/x", "b=/y"], "metrics_compat": "vllm"})
+    assert argv == ["--model", "tiny-random", "--device", "cpu", "--max-batch", "8", "--no-pipeline",
+                    "--lora", "a=/x", "--lora", "b=/y", "--metrics-compat", "vllm"]
+    for bad in ("bind", "http", "curve_clients", "max_batchez"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            serve_argv({bad: 1})
+
+
+def test_cluster_refuses_http_beyond_loopback_without_a_key():
+    out = subprocess.run([sys.executable, "-m", "frontend.cli.main", "cluster", "--http", "0.0.0.0:8000"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "TANDEM_API_KEY": ""})
+    assert out.returncode == 2 and "refusing to serve HTTP on 0.0.0.0:8000" in out.stderr, out.stderr
+    assert "ray" not in out.stderr.lower()  # refused before Ray was started
+
+
+def _manifests() -> list[dict]:
+    return [d for f in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def _validate(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("kubernetes-validate")), "--strict", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_kubernetes_core_objects_validate_strictly(tmp_path):
+    core = [d for d in _manifests() if d["kind"] != "RayService"]
+    assert sorted(d["kind"] for d in core) == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert _validate(K8S / "tandem.yaml").returncode == 0
+    broken = tmp_path / "broken.yaml"  # non-vacuity: --strict refuses a field the schema lacks
+    broken.write_text((K8S / "tandem.yaml").read_text().replace("terminationGracePeriodSeconds:",
+                                                                "terminationGracePeriod:"))
+    assert _validate(broken).returncode != 0
+    deployment = next(d for d in core if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    drain = float(container["args"][container["args"].index("--drain-timeout") + 1])
+    assert pod["terminationGracePeriodSeconds"] > drain
+    probes = {p: container[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    # live (200 while a worker restarts) for startup and liveness; ready (503 then) takes the pod out of the Service
+    assert probes == {"startupProbe": "/health", "readinessProbe": "/ready", "livenessProbe": "/health"}
+    from frontend.http.app import OPEN_PATHS
+
+    assert set(probes.values()) <= OPEN_PATHS  # a probe carries no API key
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    key = next(e for e in container["env"] if e["name"] == "TANDEM_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"]["name"] == "tandem-api-key"
+
+
+def test_ray_service_serve_config_validates_and_its_args_are_serve_options():
+    from ray.serve.schema import ServeDeploySchema
+
+    from frontend.cluster.app import CLUSTER_ARGS, serve_argv
+
+    service = next(d for d in _manifests() if d["kind"] == "RayService")
+    config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    app = config.applications[0]
+    assert app.import_path == "frontend.cluster:build_app"
+    serve_argv({k: v for k, v in app.args.items() if k not in CLUSTER_ARGS})  # raises on an unknown option
+    replica = next(d for d in app.deployments if d.name == "TandemReplica")
+    assert replica.ray_actor_options.num_gpus == 1 and replica.num_replicas == app.args["replicas"]
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"].get("dashboard-host") == "0.0.0.0"  # KubeRay talks to the dashboard
+    with pytest.raises(ValueError):  # non-vacuity (pydantic.ValidationError): the schema does refuse a broken config
+        ServeDeploySchema.model_validate({"applications": [{"name": "x"}]})
+
+
+# --------------------------------------------------------------------------- one real cluster
+
+
+BURST_ROOM = 16  # requests a replica runs at once: above either replica's share of _burst's 24 under the bound
+# a request's KV when it may fill the context (by default tiny-random's own limit)
+CONTEXT_PAGES = TINY_RANDOM_CONFIG["max_position_embeddings"] // EngineConfig.page_size
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("cluster") / "cluster.log"
+    # --max-batch and --kv-pages: room for BURST_ROOM of _burst's whole-context streams at once per replica
+    c = LocalCluster(["--replicas", "2", "--model", "tiny-random", "--device", "cpu",
+                      "--max-batch", str(BURST_ROOM), "--kv-pages", str(BURST_ROOM * CONTEXT_PAGES),
+                      "--drain-timeout", "2", "--not-ready-grace", "3", "--metrics-compat", "vllm"], log)
+    try:
+        yield c.wait_ready(2, timeout=240)
+    finally:
+        c.kill()  # a no-op unless a test failed: the SIGTERM test stops it cleanly
+
+
+def _chat(c: LocalCluster, messages, session=None, max_tokens=4, **kw) -> httpx.Response:
+    headers = {"X-Session-Id": session} if session else {}
+    r = httpx.post(f"{c.url}/v1/chat/completions", headers=headers, timeout=60,
+                   json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_the_openai_client_streams_through_one_address(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{cluster.url}/v1", api_key="unused-on-loopback")
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-random", max_tokens=12, stream=True, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Name three rivers."}])
+    assert raw.headers["x-tandem-replica"] in cluster.replicas()
+    chunks = [ch for ch in raw.parse() if ch.choices and ch.choices[0].delta.content]
+    assert len(chunks) >= 3  # tokens arrive as they are produced, not as one block
+    assert [m.id for m in client.models.list()] == ["tiny-random"]
+    bad = httpx.post(f"{cluster.url}/v1/chat/completions", json={"messages": "nope"}, timeout=30)
+    assert bad.status_code == 400 and "messages must be a non-empty array" in bad.text  # serve's own validation
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=30)  # the replicas' serve took --metrics-compat too
+    assert metrics.headers["x-tandem-replica"] in cluster.replicas()
+    assert 'vllm:num_requests_running{model_name="tiny-random"}' in metrics.text
+
+
+def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):
+    names = sorted(cluster.replicas())
+    hits = {n: cluster.info(n)["prefix_cache"]["hit_tokens"] for n in names}
+    messages = [{"role": "system", "content": "You answer in one word. " * 6}]
+    served = set()
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question number {turn}: what is {turn} plus one?"})
+        r = _chat(cluster, messages, session="chat-affinity")
+        served.add(r.headers["x-tandem-replica"])
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    assert len(served) == 1
+    (home,) = served
+    after = {n: cluster.info(n)["prefix_cache"]["hit_tokens"] for n in names}
+    assert after[home] - hits[home] >= 3 * 32  # turns 2-4 each found the earlier turns' pages
+    assert all(after[n] == hits[n] for n in names if n != home)
+    # the OpenAI user field is a session too, and it is not the header's
+    users = {_chat(cluster, [{"role": "user", "content": "hi"}], user=f"user-{i}").headers["x-tandem-replica"]
+             for i in range(12)}
+    assert users == set(names)  # twelve sessions, rendezvous-hashed over both replicas
+    # without either, the prompt's pages: prompts that mostly repeat one sent before follow it (a system
+    # prompt filling both pages of these prompts), others spread
+    shared = {_chat(cluster, [{"role": "system", "content": "Be brief. " * 8},
+                              {"role": "user", "content": f"question {i}"}]).headers["x-tandem-replica"]
+              for i in range(6)}
+    assert len(shared) == 1
+    own = {_chat(cluster, [{"role": "system", "content": f"Persona {i}. " * 8}]).headers["x-tandem-replica"]
+           for i in range(12)}
+    assert own == set(names)
+
+
+def _burst(cluster: LocalCluster, tag: str, n: int = 24) -> dict[str, int]:
+    """``n`` concurrent sessionless chats sharing the chat template's first KV page (its default system
+    prompt), each its own after it (``tag``: never sent before, or each would follow its earlier copy's
+    replica): how many each replica answered.
+
+    The router balances what it has in flight, so the spread is its bound's only while the whole burst
+    is in flight: a short request could end during the burst (how soon depends on the machine), and the
+    replica that happens to be faster then gets more. So each request is a stream as long as the
+    context allows, every replica runs its whole share at once (the fixture's ``BURST_ROOM``), and each
+    stream is held open, unread, from its first event (which names its replica) until every one of the
+    burst has been answered; then all are closed (cancelled)."""
+    outcomes: list[tuple] = []  # (status, replica) of each request, or (the exception, None)
+    lock, all_answered = threading.Lock(), threading.Event()
+
+    def answered(outcome: tuple) -> None:
+        with lock:
+            outcomes.append(outcome)
+            if len(outcomes) == n:
+                all_answered.set()
+
+    def one(i):
+        outcome = None
+        try:
+            with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", timeout=120,
+                              json={"messages": [{"role": "user", "content": f"request {tag}{i} " + "x " * 40}],
+                                    "stream": True, "max_tokens": 100000, "ignore_eos": True}) as r:
+                outcome = (r.status_code, r.headers.get("x-tandem-replica"))
+                answered(outcome)
+                all_answered.wait()
+        except Exception as e:  # noqa: BLE001 - the assertion below names it (and nothing waits for it in vain)
+            if outcome is None:
+                answered((e, None))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s for s, _ in outcomes] == [200] * n, outcomes
+    return {name: sum(r == name for _, r in outcomes) for name in {r for _, r in outcomes}}
+
+
+def test_a_sessionless_burst_is_spread_over_both_replicas(cluster):
+    counts = _burst(cluster, "first")
+    assert sorted(counts) == sorted(cluster.replicas()) and min(counts.values()) >= 8, counts
+
+
+def _stream_through_a_kill(cluster: LocalCluster, session: str, kill) -> str:
+    """A long stream of ``session``; once it streams, ``kill(replica)`` of the replica serving it: the
+    stream gets one ``worker_failed`` error event, then its end (it never hangs). Returns that replica."""
+    events, served_by, started = [], [], threading.Event()
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", headers={"X-Session-Id": session},
+                              timeout=120, json={"messages": [{"role": "user", "content": "go"}], "stream": True,
+                                                 "max_tokens": 100000, "ignore_eos": True}) as r:
+                served_by.append(r.headers["x-tandem-replica"])
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+        finally:
+            started.set()  # (ended before its first event: the assertions below say how)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    started.wait()
+    assert served_by and events, "the stream ended before its first event"
+    (replica,) = served_by
+    kill(replica)
+    reader.join(60)
+    assert not reader.is_alive(), "the stream lost its replica and hangs"
+    assert events[-1] == "[DONE]"
+    errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "worker_failed", events[-3:]
+    assert all("error" not in json.loads(e) for e in events[:-2])
+    return replica
+
+
+def _sessionless_until_answered_by(cluster: LocalCluster, names: set, timeout: float = 150) -> None:
+    """Sessionless chats, one at a time, until each of ``names`` has answered one (the ingress's router
+    hears of a new replica from Serve a moment after the replica is ready; no preference: in turn)."""
+    answered: set = set()
+    deadline = time.monotonic() + timeout
+    for i in itertools.count():
+        answered.add(_chat(cluster, [{"role": "user", "content": f"anyone there {i}? " * 4}]).headers[
+            "x-tandem-replica"])
+        if names <= answered:
+            return
+        assert time.monotonic() < deadline, f"sessionless requests never reached {sorted(names - answered)}"
+
+
+def test_killed_and_never_ready_replicas_are_replaced(cluster):
+    old = cluster.replicas()
+    assert len(old) == 2
+
+    # a stream on A; A's tandem serve is killed mid-stream: one error event, then the end
+    a = _stream_through_a_kill(cluster, "s-killed", lambda name: old[name].kill())
+    (b,) = set(old) - {a}
+    assert not cluster.replica_dirs[a].exists()  # A's replica removed its directory when its child exited
+    # B keeps answering meanwhile, and A's sessions are served elsewhere without an error before Serve
+    # has replaced A (A refuses them unstarted until its routing stats say failed)
+    assert _chat(cluster, [{"role": "user", "content": "still there?"}], session="s-other").headers[
+        "x-tandem-replica"] == b
+    for turn in range(3):
+        assert _chat(cluster, [{"role": "user", "content": f"moved {turn}"}], session="s-killed").headers[
+            "x-tandem-replica"] == b
+
+    # B's worker is killed and its next generation stopped before it is ready: B's tandem serve lives on,
+    # answers info, but its worker_ready stays false, so check_health fails after --not-ready-grace
+    worker = next(p for p in old[b].children() if "gpu_worker.worker" in p.cmdline())
+    worker.kill()
+    deadline = time.monotonic() + 60
+    while True:
+        fresh = [p for p in old[b].children() if p.pid != worker.pid and "gpu_worker.worker" in p.cmdline()]
+        if fresh:
+            fresh[0].suspend()
+            break
+        assert time.monotonic() < deadline, "no new worker generation"
+        time.sleep(0.01)
+    assert cluster.info(b)["worker_ready"] is False
+
+    new = cluster.wait_replicas(2, exclude={a, b}, timeout=300)
+    old[a].wait(60)  # (psutil: raises if it is still running then)
+    old[b].wait(60)
+    assert not psutil.pid_exists(fresh[0].pid) or psutil.Process(fresh[0].pid).status() == psutil.STATUS_ZOMBIE
+    # sessionless traffic reaches the new replicas again, and a burst is spread over them
+    _sessionless_until_answered_by(cluster, set(new))
+    counts = _burst(cluster, "after the kills")
+    assert sorted(counts) == sorted(new) and min(counts.values()) >= 8, counts
+
+
+def test_a_killed_replica_actor_takes_its_tandem_serve_along_and_is_replaced(cluster):
+    """kill -9 of a Serve replica's actor process itself (not its child): its stream ends with one
+    error, its tandem serve exits with it (PR_SET_PDEATHSIG), its sessions are answered by the
+    other replica meanwhile (a request sent to the dead actor before Serve drops it is sent
+    again), the next replica removes its directory, and Serve starts a new replica."""
+    old = cluster.wait_replicas(2, timeout=300)
+
+    def kill_actor(name):
+        actor = old[name].parent()
+        assert "TandemReplica" in " ".join(actor.cmdline()), actor.cmdline()  # non-vacuity: the actor, not raylet
+        actor.kill()
+
+    a = _stream_through_a_kill(cluster, "t-killed", kill_actor)
+    (b,) = set(old) - {a}
+    old[a].wait(timeout=60)  # raises if A's tandem serve outlives its actor
+    for turn in range(3):
+        assert _chat(cluster, [{"role": "user", "content": f"after {turn}"}], session="t-killed").headers[
+            "x-tandem-replica"] == b
+    new = cluster.wait_replicas(2, exclude={a}, timeout=300)
+    assert b in new and old[b].is_running()
+    assert not cluster.replica_dirs[a].exists()  # the new replica removed the killed actor's directory
+
+
+def test_sigterm_leaves_nothing_running(cluster):
+    procs = cluster.processes()
+    assert any("raylet" in p.name() for p in procs) and len(cluster.replicas()) == 2  # non-vacuity
+    assert cluster.stop() == 0, cluster.log.read_text()[-3000:]
+    assert "tandem: stopped" in cluster.log.read_text()
+    deadline = time.monotonic() + 60  # (a process the stop ended may take a moment to be reaped)
+    while alive := [p for p in cluster.seen if psutil.pid_exists(p) and _status(p) != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, [psutil.Process(p).cmdline() for p in alive]
+        time.sleep(0.1)
+    # every replica's directory this module saw: the last two, and those of the replicas replaced above
+    dirs = list(cluster.replica_dirs.values())
+    assert len(dirs) >= 2 and not any(d.exists() for d in dirs), dirs
+
+
+def _status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return psutil.STATUS_ZOMBIE  # gone meanwhile: as good as reaped

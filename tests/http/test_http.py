@@ -1,0 +1,396 @@
+"""The HTTP frontend with real clients over real sockets: the unmodified ``openai`` and
+``moondream`` clients, raw HTTP for each error status, metrics that move by exactly what
+was asked, and 200 concurrent streams with random disconnects (nothing leaks).
+
+One in-process server (``live_server.LiveServer``: a thread running the ZeroMQ
+``Server`` in front of a real two-process ``Service`` with tiny-random on the CPU), with
+an ``HttpListener`` on an ephemeral port.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import logging
+import os
+import random
+import re
+import signal
+import time
+from collections import Counter
+
+import httpx
+import moondream
+import openai
+import pytest
+from live_server import LiveServer
+from PIL import Image
+
+from frontend.client import Client
+from frontend.http import HttpListener
+from frontend.http.errors import STATUS, HttpError
+from frontend.logs import JsonFormatter
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-random"
+MSG = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def live():
+    srv = LiveServer()
+    http = HttpListener(srv.server, "127.0.0.1", 0).start()
+    srv.http = http
+    yield srv
+    http.stop()
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def oai(live):
+    return openai.OpenAI(base_url=live.http.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def raw(live):
+    with httpx.Client(base_url=live.http.url, timeout=60) as c:
+        yield c
+
+
+def metric_values(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+# --------------------------------------------------------------------------- openai
+
+
+def test_models_and_probes(live, oai, raw):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == live.server.gate.max_model_len > 0  # what the server enforces
+    assert raw.get("/health").json() == {"status": "live", "state": "ready"}
+    r = raw.get("/ready")
+    assert r.status_code == 200 and r.json() == {"status": "ready"}
+    assert raw.get("/version").json() == {"version": importlib.metadata.version("tandem")}
+
+
+# --------------------------------------------------------------------------- the request log
+
+
+def test_each_finished_request_leaves_one_log_line_with_its_figures(oai, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.requests")
+    answers = [oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=n, temperature=0, seed=n)
+               for n in (3, 5)]
+    records = {r.fields["request_id"]: r for r in caplog.records if r.name == "tandem.requests"}
+    assert set(records) >= {a.id for a in answers}  # the id the HTTP answer carries
+    for a in answers:
+        record = records[a.id]
+        line = json.loads(JsonFormatter().format(record))  # --log-format json
+        assert {k: line[k] for k in ("level", "logger", "request_id", "model", "prompt_tokens", "output_tokens",
+                                     "finish_reason")} == {
+            "level": "INFO", "logger": "tandem.requests", "request_id": a.id, "model": MODEL,
+            "prompt_tokens": a.usage.prompt_tokens, "output_tokens": a.usage.completion_tokens,
+            "finish_reason": a.choices[0].finish_reason}
+        assert 0 < line["ttft_ms"] <= line["duration_ms"]
+        text = record.getMessage()  # --log-format text: the same figures as key=value
+        assert text.startswith(f"request {a.id} finished: ")
+        assert dict(re.findall(r"(\w+)=(\S+)", text)) == {
+            k: str(v) for k, v in line.items() if k in record.fields and k != "request_id" and v is not None}
+    assert answers[0].usage.completion_tokens != answers[1].usage.completion_tokens  # non-vacuity: each its own
+
+
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shared.models import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+def test_tokenize_is_the_tokenizers_ids_and_detokenize_gives_the_text_back(live, raw, tokenizer):
+    prompt = "Once upon a time, in Paris: 42 cats!"
+    r = raw.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    assert r["tokens"] == tokenizer.encode(prompt, add_special_tokens=False) and r["count"] == len(r["tokens"]) > 1
+    assert r["max_model_len"] == live.server.gate.max_model_len
+    assert raw.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": prompt}
+    assert raw.post("/detokenize", json={"tokens": r["tokens"][:-1]}).json()["prompt"] != prompt  # non-vacuity
+
+
+def test_tokenize_messages_counts_what_a_chat_completion_uses(raw, oai, tokenizer):
+    r = raw.post("/tokenize", json={"messages": MSG}).json()
+    assert r["tokens"] == tokenizer.apply_chat_template(MSG, add_generation_prompt=True, tokenize=True)["input_ids"]
+    done = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, temperature=0)
+    assert done.usage.prompt_tokens == r["count"]
+    bare = raw.post("/tokenize", json={"messages": MSG, "add_generation_prompt": False}).json()["tokens"]
+    assert bare == r["tokens"][:len(bare)] and len(bare) < r["count"]  # without the assistant's opening
+
+
+@pytest.mark.parametrize("path, body, status, says", [
+    ("/tokenize", {"prompt": "a", "messages": MSG}, 400, "exactly one of prompt and messages"),
+    ("/tokenize", {}, 400, "exactly one of prompt and messages"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt must be a string"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role must be one of"),
+    ("/tokenize", {"messages": MSG, "add_generation_prompt": "yes"}, 400, "add_generation_prompt must be a boolean"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+    ("/tokenize", {"prompt": "x" * ((1 << 18) + 1)}, 413, "the limit is"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens[1] must be >= 0"),
+    ("/detokenize", {"tokens": [1, 1 << 20]}, 400, "tokens[1] must be < vocab size"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens must be an array of integers"),
+])
+def test_tokenize_and_detokenize_errors_name_the_field(raw, path, body, status, says):
+    r = raw.post(path, json=body)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text
+
+
+def test_chat_stream_concatenates_to_the_same_seeded_text(oai):
+    kw = dict(model=MODEL, messages=MSG, max_tokens=24, temperature=1.0, seed=7)
+    full = oai.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens >= 1
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content and text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    other = oai.chat.completions.create(**{**kw, "seed": 8})  # non-vacuity: the seed matters
+    assert other.choices[0].message.content != text
+
+
+def test_completions_text_and_token_ids(oai):
+    a = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert a.object == "text_completion" and a.choices[0].finish_reason == "length"
+    assert a.usage.completion_tokens == 6
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == a.choices[0].text
+    b = oai.completions.create(model=MODEL, prompt=[101, 202, 303], max_tokens=3, temperature=0, logprobs=0)
+    lp = b.choices[0].logprobs
+    assert b.usage.prompt_tokens == 3 and len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_stop_and_logprobs(oai):
+    base = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=12, temperature=0, logprobs=True)
+    text = base.choices[0].message.content
+    assert len(base.choices[0].logprobs.content) == base.usage.completion_tokens
+    word = text.split()[2]
+    cut = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=12, temperature=0, stop=word)
+    assert cut.choices[0].finish_reason == "stop" and word not in cut.choices[0].message.content
+    assert text.startswith(cut.choices[0].message.content)
+
+
+def test_response_format_json_schema_and_grammar_extra(oai):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = oai.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "yn", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content)
+    assert value["answer"] in ("yes", "no") and r.choices[0].model_extra["output"] == value
+    p = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=64, temperature=0,
+                                    extra_body={"grammar": {"kind": "point", "max_objects": 2}})
+    points = p.choices[0].model_extra["output"]["points"]
+    assert len(points) <= 2 and all(0 <= q["x"] <= 1 and 0 <= q["y"] <= 1 for q in points)
+    assert re.fullmatch(r"none|\d\.\d{3},\d\.\d{3}(;\d\.\d{3},\d\.\d{3})?", p.choices[0].message.content)
+
+
+def test_unknown_fields_are_ignored_as_openai_does(raw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "ann"}], "max_tokens": 2,
+            "frequency_penalty": 0, "user": "u1", "metadata": {"a": "b"}, "no_such_field": [1]}
+    r = raw.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = raw.post("/v1/chat/completions", json={**body, "temperature": "hot"})  # a known field of a wrong type
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+def test_openai_client_errors(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=MSG, top_p=1.5)
+    assert e.value.status_code == 400 and "top_p" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4o", messages=MSG)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert "does not take images" in e.value.body["message"]
+
+
+# --------------------------------------------------------------------------- moondream
+
+
+def test_moondream_client(live):
+    md = moondream.vl(endpoint=live.http.url + "/v1")
+    answer = md.query(question="What is the capital of France?", settings={"max_tokens": 8})["answer"]
+    assert isinstance(answer, str) and answer
+    streamed = list(md.query(question="Hi", stream=True, settings={"max_tokens": 8, "temperature": 0})["answer"])
+    again = md.query(question="Hi", settings={"max_tokens": 8, "temperature": 0})["answer"]
+    assert len(streamed) >= 1 and "".join(streamed) == again
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    for call in (lambda: md.caption(image), lambda: md.point(image, "cat"), lambda: md.detect(image, "cat"),
+                 lambda: md.query(image, "what is it?")):
+        with pytest.raises(Exception) as e:  # urllib's HTTPError
+            call()
+        assert getattr(e.value, "code", None) == 400, e.value
+        assert "does not take images" in json.loads(e.value.read())["error"]["message"]
+
+
+# --------------------------------------------------------------------------- raw HTTP statuses
+
+
+def test_error_statuses(live, raw):
+    chat = "/v1/chat/completions"
+    cases = [
+        (raw.post(chat, content=b"{not json"), 400, "bad_request"),
+        (raw.post(chat, json=[1, 2]), 400, "bad_request"),
+        (raw.post(chat, json={"model": MODEL, "messages": MSG, "max_tokens": "ten"}), 400, "bad_request"),
+        (raw.post(chat, json={"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}), 400, "bad_request"),
+        (raw.post(chat, json={"model": MODEL, "messages": MSG, "n": 2}), 400, "bad_request"),
+        (raw.post("/v1/query", json={"settings": {"max_tokens": 4}}), 400, "bad_request"),
+        (raw.post(chat, json={"model": "nope", "messages": MSG}), 404, "model_not_found"),
+        (raw.get("/v1/nothing"), 404, "not_found"),
+        (raw.get(chat), 405, "method_not_allowed"),
+        (raw.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 300_000}), 413, "too_long"),
+    ]
+    for r, status, code in cases:
+        assert r.status_code == status, (r.request.url, r.text)
+        err = r.json()["error"]
+        assert err["code"] == code and err["message"] and err["type"], err
+    assert "max_tokens" in cases[2][0].json()["error"]["message"]  # the server's validation names the field
+    live.server.max_queue = 0  # read by the server loop at each admission
+    try:
+        r = raw.post(chat, json={"model": MODEL, "messages": MSG, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"]
+    finally:
+        live.server.max_queue = 1024
+    for code, (status, _) in STATUS.items():  # the statuses no client input can reach
+        assert HttpError.from_protocol({"code": code, "message": "m"}).status == status
+    assert STATUS["internal"][0] == 500 and STATUS["worker_failed"][0] == 503
+    live.wait_idle()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_move_by_exactly_the_requests(live, oai, raw):
+    before = metric_values(raw.get("/metrics").text)
+    for n in (3, 5):
+        oai.completions.create(model=MODEL, prompt=[11, 12, 13, 14], max_tokens=n, temperature=0,
+                               extra_body={"ignore_eos": True})
+    list(oai.completions.create(model=MODEL, prompt=[11, 12], max_tokens=4, temperature=0, stream=True,
+                                extra_body={"ignore_eos": True}))
+    with Client(live.endpoint, timeout=60) as zc:  # ZeroMQ requests are counted the same way
+        zc.generate(prompt_token_ids=[5, 6, 7], max_tokens=2, ignore_eos=True)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=MSG, top_p=2.0)
+    live.wait_idle()  # the worker frees KV pages just after the answers went out
+    after = metric_values(raw.get("/metrics").text)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("tandem:prompt_tokens_total") == 4 + 4 + 2 + 3
+    assert delta("tandem:generation_tokens_total") == 3 + 5 + 4 + 2
+    assert delta('tandem:request_success_total{finished_reason="length"}') == 4
+    assert delta('tandem:request_failure_total{code="bad_request"}') == 1
+    assert delta("tandem:time_to_first_token_seconds_count") == 4
+    assert delta("tandem:e2e_request_latency_seconds_count") == 4
+    assert delta("tandem:inter_token_latency_seconds_count") == 2 + 4 + 3 + 1
+    assert after["tandem:num_requests_live"] == 0 and after["tandem:kv_cache_usage_perc"] == 0
+    assert after["tandem:worker_ready"] == 1 and 0 <= after["tandem:device_idle_fraction"] <= 1
+    assert delta("tandem:engine_steps_total") > 0 and after["tandem:host_ms_per_step"] > 0
+    assert 0 <= after["tandem:prefix_cache_hits_total"] <= after["tandem:prefix_cache_queries_total"]
+
+
+# --------------------------------------------------------------------------- load with disconnects
+
+
+def test_200_streams_with_random_disconnects(live, raw):
+    rng = random.Random(3)
+    before = metric_values(raw.get("/metrics").text)
+    plans = [rng.choice(["read", "read", "drop_after", "drop_before"]) for _ in range(200)]
+
+    async def one(client: httpx.AsyncClient, plan: str, i: int) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"story {i}"}], "stream": True,
+                "max_tokens": rng.randint(4, 40), "ignore_eos": True, "temperature": 0}
+        if plan == "drop_before":
+            task = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(rng.random() * 0.05)
+            task.cancel()
+            return plan
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return "done"
+                n += line.startswith("data: ")
+                if plan == "drop_after" and n >= 3:
+                    return plan  # leaving the block closes the connection mid-stream
+        return "ended without [DONE]"
+
+    async def main():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=live.http.url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, p, i) for i, p in enumerate(plans)),
+                                        return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, str) for r in results), [r for r in results if not isinstance(r, str)][:3]
+    assert results.count("done") == plans.count("read"), (Counter(results), Counter(plans))
+    stats = live.wait_idle(timeout=60)  # nothing live, every KV page and batch row free again
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    after = metric_values(raw.get("/metrics").text)
+    ended = sum(after[k] - before.get(k, 0.0) for k in after if k.startswith("tandem:request_success_total"))
+    started = 200 - plans.count("drop_before")
+    # every request that reached the server ended exactly once (a dropped-before one may not have reached it)
+    assert started <= ended <= 200
+    assert after.get('tandem:request_success_total{finished_reason="cancelled"}', 0) - \
+        before.get('tandem:request_success_total{finished_reason="cancelled"}', 0) >= 1
+    assert after["tandem:num_requests_live"] == 0
+
+
+def test_a_non_streaming_client_that_goes_away_cancels_its_request(live, raw):
+    cancelled = 'tandem:request_success_total{finished_reason="cancelled"}'
+    before = metric_values(raw.get("/metrics").text)
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 1900, "ignore_eos": True}  # seconds of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.http.url + "/v1/chat/completions", json=body, timeout=1.0)
+    live.wait_idle(timeout=60)
+    after = metric_values(raw.get("/metrics").text)
+    assert after.get(cancelled, 0) - before.get(cancelled, 0) == 1  # not run to its length for nobody
+    length = 'tandem:request_success_total{finished_reason="length"}'
+    assert after.get(length, 0) == before.get(length, 0)
+
+
+# --------------------------------------------------------------------------- health across a worker restart
+
+
+def test_ready_is_503_while_the_worker_restarts_and_health_stays_200(live, raw):
+    assert raw.get("/ready").status_code == 200
+    os.kill(live.svc.worker_pid, signal.SIGKILL)  # the server replaces its worker in-process
+    seen, reasons = [], set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, health = raw.get("/ready"), raw.get("/health")
+        seen.append((ready.status_code, ready.json()["status"], health.status_code))
+        reasons.add(ready.json().get("reason"))
+        if seen[-1][:2] == (200, "ready") and (503, "restarting") in {s[:2] for s in seen}:
+            break
+        time.sleep(0.05)
+    assert (503, "restarting") in {s[:2] for s in seen} and seen[-1][:2] == (200, "ready"), seen[-5:]
+    assert {s[:2] for s in seen} <= {(200, "ready"), (503, "restarting")}, set(seen)
+    assert {s[2] for s in seen} == {200}, set(seen)  # live throughout: a liveness probe keeps the pod
+    assert {r for r in reasons if r} == {"the worker failed and a new one is warming up; requests wait for it"}
+    after = metric_values(raw.get("/metrics").text)
+    assert after["tandem:worker_generation"] == 2 and after["tandem:worker_ready"] == 1

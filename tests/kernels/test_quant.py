@@ -1,0 +1,214 @@
+"""Weight-only quantized linears (gpu_worker/quant.py, gpu_worker/kernels/quant.c).
+
+- GGUF blocks repacked into the kernel's formats expand to exactly ``gguf``'s own float32
+  dequantization, for each supported type (random blocks: every bit pattern of the payload);
+- the kernel against a float64 matmul over the same expanded weights, within float32
+  summation's bound, for each format, x in float32 and bf16, row counts around its blocking;
+  and each row's result independent of the rows beside it (the engine batches rows differently
+  in its pipelined and blocking schedules);
+- int8 / int4 quantization at load, and a model served from a GGUF file against the same
+  weights dequantized: teacher-forced top-1 agreement (the embedded SmolLM2-135M Q4_1 file, real
+  weights), and the engine's pipelined == blocking with quantized weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker import cpu_kernels, quant
+from gpu_worker.quant import QWeight
+
+pytestmark = pytest.mark.slow
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module", params=[lv.name for lv in cpu_kernels.choosable_levels()])
+def kernels(request):
+    """quant.c at every ISA level this CPU runs (TANDEM_CPU_LEVEL caps them)."""
+    k = cpu_kernels.load(level=request.param)
+    assert k is not None, "the CPU kernels did not build (is a C compiler installed?)"
+    return quant.QuantKernels(k)
+
+
+# Bytes per block and where its fp16 scales lie (the rest of a block is any bit pattern).
+BLOCKS = {"Q8_0": (34, 32, [0]), "Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q4_K": (144, 256, [0, 2]),
+          "Q6_K": (210, 256, [208])}
+
+
+class Tensor:
+    """What ``quant.from_gguf`` reads of a ``gguf.GGUFReader`` tensor."""
+
+    def __init__(self, kind: str, data: np.ndarray, N: int, K: int, name: str = "t"):
+        self.tensor_type, self.data, self.shape, self.name = T[kind], data, [K, N], name
+
+
+def random_blocks(kind: str, N: int, K: int, seed: int = 0) -> np.ndarray:
+    size, per, scales = BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (N, K // per, size), dtype=np.uint8)
+    for at in scales:  # finite scales of a weight's magnitude
+        data[:, :, at:at + 2] = (rng.standard_normal((N, K // per, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return data.reshape(N, -1)
+
+
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_gguf_blocks_expand_to_ggufs_own_dequantization(kernels, kind):
+    N, K = 8, 512
+    blocks = random_blocks(kind, N, K)
+    w = quant.from_gguf(Tensor(kind, blocks, N, K))
+    ref = gguf.quants.dequantize(blocks, T[kind]).astype(np.float32).reshape(N, K)
+    assert np.array_equal(w.dequantize().numpy(), ref)  # bit for bit
+    ids = torch.tensor([5, 0, 5])
+    assert torch.equal(kernels.gather(w, ids), torch.from_numpy(ref[[5, 0, 5]]))
+    other = random_blocks(kind, N, K, seed=1)  # non-vacuity: other blocks, other weights
+    assert not np.array_equal(quant.from_gguf(Tensor(kind, other, N, K)).dequantize().numpy(), ref)
+
+
+def test_a_bf16_gguf_matrix_stays_bf16_and_expands_exactly(kernels):
+    N, K = 8, 64
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q = quant.from_gguf(Tensor("BF16", w.view(torch.int16).numpy().view(np.uint8).reshape(N, -1), N, K))
+    assert q.fmt == "bf16" and torch.equal(q.dequantize(), w.float())
+    assert torch.equal(kernels.gather(q, torch.tensor([3, 1])), w[[3, 1]].float())
+
+
+def test_an_unsupported_gguf_type_is_refused_by_name():
+    with pytest.raises(ValueError, match="Q5_K.*supported: .*Q4_K"):
+        quant.from_gguf(Tensor("Q5_K", np.zeros((2, 176), np.uint8), 2, 256, name="blk.0.ffn_up.weight"))
+
+
+def weights(N: int, K: int) -> dict[str, QWeight]:
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g) * 0.05
+    return {"q8": quant.quantize(w, "int8", 128), "q4": quant.quantize(w, "int4", 32),
+            "q4/64": quant.quantize(w, "int4", 64),
+            "q8/Q6_K": quant.from_gguf(Tensor("Q6_K", random_blocks("Q6_K", N, K), N, K)),
+            "bf16": QWeight("bf16", w.bfloat16(), None, None, 0, (N, K))}
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "q4/64", "q8/Q6_K", "bf16"])
+def test_the_kernel_is_a_float32_matmul_and_each_row_is_alone(kernels, fmt, x_dtype):
+    N, K = 37, 256  # N: not a multiple of the kernel's 4-row blocks
+    w = weights(N, K)[fmt]
+    dense = w.dequantize().double()
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    for M in (1, 2, 3, 5, 9):  # around the kernel's blocks of rows (2 or 4)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(x_dtype)
+        layer = quant.QuantLinear([w], bias, kernels)
+        y = layer(x)
+        assert y.dtype == x_dtype and y.shape == (M, N)
+        exact = x.double() @ dense.T + bias.double()
+        # float32 sums over K terms: |error| <= K 2^-24 sum |x w| (plus bf16's rounding of the result)
+        bound = K * 2 ** -24 * (x.double().abs() @ dense.abs().T + bias.double().abs())
+        if x_dtype == torch.bfloat16:
+            bound = bound + exact.abs() * 2 ** -8
+        assert ((y.double() - exact).abs() <= bound).all()
+        for m in range(M):  # a row's result does not depend on the rows computed with it
+            assert torch.equal(layer(x[m:m + 1]), y[m:m + 1])
+    changed = QWeight(w.fmt, w.data.clone(), w.scale, w.offset, w.group, w.shape)
+    changed.data.view(torch.uint8 if w.fmt == "q4" else changed.data.dtype)[0, 0] += 1  # one weight moves
+    assert not torch.equal(quant.QuantLinear([changed], bias, kernels)(x)[:, 0], y[:, 0])
+
+
+def test_a_fused_projection_of_mixed_formats_writes_each_part_in_its_columns(kernels):
+    K = 256
+    parts = [weights(16, K)["q4"], weights(8, K)["q8/Q6_K"], weights(8, K)["q4"]]
+    layer = quant.QuantLinear(parts, None, kernels)
+    assert [p.fmt for p in layer.parts] == ["q4", "q8", "q4"]  # neighbours of one format would merge
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(0))
+    dense = torch.cat([p.dequantize() for p in parts]).double()
+    bound = K * 2 ** -24 * (x.double().abs() @ dense.abs().T)  # float32 sums, as above
+    assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
+
+
+def test_quantization_at_load_is_close_and_refuses_what_it_cannot():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    for method, group, step in (("int8", 32, 1 / 255), ("int8", 128, 1 / 255), ("int4", 32, 1 / 15),
+                                ("int4", 128, 1 / 15)):
+        q = quant.quantize(w, method, group)
+        g = w.view(64, -1, group)
+        span = (g.amax(2, keepdim=True) - g.amin(2, keepdim=True)).expand(-1, -1, group).reshape(64, 256)
+        # round to nearest: half a step of the row's (or group's) range, plus float32 rounding
+        assert ((q.dequantize() - w).abs() <= span * step / 2 * (1 + 1e-5) + 1e-6).all(), (method, group)
+        assert (q.dequantize() != w).any()  # non-vacuity: it did round
+    with pytest.raises(ValueError, match="group"):
+        quant.quantize(w, "int4", 48)
+    with pytest.raises(ValueError, match="int8 or int4"):
+        quant.quantize(w, "fp8")
+
+
+# ---- whole models ---------------------------------------------------------------------------------
+
+PROMPTS = ["Write a short poem about the sea.", "Explain why the sky is blue.", "What is the capital of France?",
+           "List three uses of a paperclip.", "Describe a cat to someone who has never seen one.",
+           "How do airplanes stay in the air?", "Give me a recipe for pancakes.", "Why do we dream?"]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The embedded SmolLM2-135M (its Q4_1 GGUF file and that file dequantized to float32), 8 chat
+    prompts each continued by 64 of transformers' greedy tokens on the dequantized weights, and
+    transformers' top-1 token after every position of those continuations (teacher forcing)."""
+    from prerequisites import unavailable
+
+    from frontend.server.tokenization import chat_prompt_ids
+    from shared.models import load_tokenizer, resolve_model
+
+    transformers = pytest.importorskip("transformers")
+    try:
+        path = resolve_model("smollm2-135m", quiet=True)
+    except (ImportError, FileNotFoundError) as e:
+        unavailable(f"smollm2-135m weights not available here: {e!r}")
+    tok = load_tokenizer(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    seqs, tops = [], []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            ids = chat_prompt_ids(tok, [{"role": "user", "content": p}])
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, pad_token_id=0)[0].tolist()
+            seqs.append((len(ids), out))
+            tops.append(hf(torch.tensor([out])).logits[0, len(ids) - 1:-1].argmax(-1))
+    return path, seqs, tops
+
+
+def top1_agreement(model, seqs, tops) -> float:
+    """The share of positions where ``model``'s top-1 token, over each whole sequence in one
+    forward, is transformers'."""
+    from model_harness import PAGE_SIZE, Harness
+
+    pages = sum(-(-(len(s) + 1) // PAGE_SIZE) for _, s in seqs) + 1
+    h = Harness(model, [s for _, s in seqs], max_new=1, num_pages=pages)
+    same = total = 0
+    for i, ((n_prompt, s), top) in enumerate(zip(seqs, tops)):
+        logits = h.step([(i, len(s))])
+        ours = logits[n_prompt - 1:len(s) - 1].argmax(-1)
+        same += int((ours == top).sum())
+        total += len(top)
+    return same / total
+
+
+@pytest.mark.parametrize("method, floor", [("gguf", 0.99), ("int8", 0.99), ("int4", 0.95)])
+def test_quantized_smollm2_agrees_with_its_float32_weights(smollm2, method, floor):
+    """The GGUF file served in its own format (Q4_1 blocks, Q8_0 embeddings), and the float32
+    weights quantized at load, against transformers on those float32 weights (at the CPU's own
+    level: the kernel's levels differ only in the order of float32 sums, tested above)."""
+    from gpu_worker.gguf_weights import load_gguf, quantize_linears
+    from gpu_worker.model import Llama
+
+    kernels = quant.QuantKernels(cpu_kernels.load())
+    path, seqs, tops = smollm2
+    if method == "gguf":
+        model = load_gguf(path, kernels, torch.float32, max_model_len=512)
+        assert {p.fmt for m in model.modules() if isinstance(m, quant.QuantLinear) for p in m.parts} == {"q4", "q8"}
+    else:
+        model = Llama.from_pretrained(path, dtype=torch.float32, max_model_len=512)
+        assert quantize_linears(model, method, 32, kernels) == 30 * 4 + 1
+    agreement = top1_agreement(model, seqs, tops)
+    print(f"{method}: top-1 agreement {agreement:.4f} over {len(tops) * NEW_TOKENS} positions")
+    assert agreement >= floor
