@@ -103,7 +103,15 @@ def bodies() -> dict[str, dict[str, Any]]:
 
 
 def _body(required: list[str], **properties) -> dict[str, Any]:
-    return {"type": "object", "required": required, "properties": properties}
+    """An object of these properties; an optional one may also be null (null is read as absent)."""
+    return {"type": "object", "required": required,
+            "properties": {name: prop if name in required else _nullable(prop) for name, prop in properties.items()}}
+
+
+def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
+    if "type" in prop:
+        return {**prop, "type": [prop["type"], "null"], **({"enum": [*prop["enum"], None]} if "enum" in prop else {})}
+    return {**prop, "anyOf": [*prop["anyOf"], {"type": "null"}]}
 
 
 EXAMPLES = {  # one request per text route, as a client sends it (the document's examples)
@@ -130,10 +138,9 @@ def check_body(path: str, body: dict[str, Any]) -> None:
 def _alternatives(prop: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The JSON types a property takes, each with the schema that says it (null left out: absent)."""
     if "type" in prop:
-        return [(prop["type"], prop)]
-    if "enum" in prop:
-        return [(kind, prop) for kind in sorted({JSON_TYPE[type(v)] for v in prop["enum"]})]
-    return [a for alt in prop["anyOf"] for a in _alternatives(alt) if a[0] != "null"]
+        kinds = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+        return [(kind, prop) for kind in kinds if kind != "null"]
+    return [a for alt in prop["anyOf"] for a in _alternatives(alt)]
 
 
 def _phrase(kind: str, prop: dict[str, Any]) -> str:
