@@ -60,6 +60,8 @@ __all__ = [
     "ClientMessage",
     "parse_client_message",
     "prompt_field",
+    "parse_prompt",
+    "parse_token_ids",
     "encode_chunk",
     "encode_done",
     "encode_error",
@@ -515,6 +517,18 @@ def _parse_prompt(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
     parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids,
              "skill": _parse_skill}[name]
     return {name: parse(ctx, msg[name], limits)}
+
+
+def parse_prompt(name: str, value: object, limits: Limits | None = None) -> Any:
+    """One prompt form (``prompt``, ``messages`` or ``prompt_token_ids``) checked as a generate's is
+    (``ProtocolError`` naming the field): for what renders prompts outside a generate (HTTP ``/tokenize``)."""
+    parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids}[name]
+    return parse(_Ctx(), value, limits or DEFAULT_LIMITS)
+
+
+def parse_token_ids(value: object, name: str, limits: Limits | None = None) -> list[int]:
+    """Token ids of the vocabulary (``ProtocolError`` naming ``name``); may be empty (HTTP ``/detokenize``)."""
+    return _int_list(_Ctx(), value, name, limits or DEFAULT_LIMITS)
 
 
 def _parse_skill(ctx: _Ctx, v: object, limits: Limits) -> str:

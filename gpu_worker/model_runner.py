@@ -142,6 +142,25 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return None
 
 
+def context_length(requested: int | None, model_limit: int, kv_tokens: int | None) -> tuple[int, str]:
+    """The context a sequence may fill (prompt + generated tokens) and why it is that long.
+
+    ``requested`` (``--max-model-len``) is capped at the model's limit (its max_position_embeddings);
+    None takes that limit, bounded by what the KV cache holds (``kv_tokens``: one sequence must fit).
+    A length asked for beyond the cache stands (several short sequences still share the cache); a
+    request that needs more pages than the cache has is refused then, and the reason says so."""
+    if requested is None:
+        if kv_tokens is not None and kv_tokens < model_limit:
+            return kv_tokens, (f"what the KV cache holds, below the model's limit of {model_limit} "
+                               "(--kv-pages, --kv-memory-fraction)")
+        return model_limit, f"the model's limit, max_position_embeddings {model_limit}"
+    if requested > model_limit:
+        return model_limit, f"the model's limit; --max-model-len {requested} asked for more"
+    if kv_tokens is not None and kv_tokens < requested:
+        return requested, f"--max-model-len; the KV cache holds only {kv_tokens} tokens"
+    return requested, "--max-model-len"
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: Device, llama: Llama | None = None,
                  vision: VisionEncoder | None = None, image_params: ImageProcessorParams | None = None) -> None:
@@ -149,7 +168,7 @@ class ModelRunner:
         ``config.model`` is loaded, with its vision encoder if it is a vision-language model."""
         self.device = device
         dev = device.torch_device
-        max_model_len, page_size, max_rows = config.max_model_len, config.page_size, config.max_batch
+        page_size, max_rows = config.page_size, config.max_batch
         path = resolve_model(config.model) if llama is None else None
         quantized = _quantization(config, dev, path)
         # Quantized weights are expanded to float32 in registers and summed in float32: float32
@@ -165,9 +184,11 @@ class ModelRunner:
         quant_kernels = quant.QuantKernels(kernels) if quantized else None
         if llama is None:
             if is_moondream(path):
-                llama = Moondream.from_pretrained(path, dtype=self.dtype, device=dev, max_model_len=max_model_len)
-            else:
-                max_model_len = min(max_model_len, LlamaConfig.from_pretrained(path).max_position_embeddings)
+                llama = Moondream.from_pretrained(path, dtype=self.dtype, device=dev,
+                                                  max_model_len=config.max_model_len)
+            else:  # rope tables for the positions that can be used: the model's, or fewer if asked
+                limit = LlamaConfig.from_pretrained(path).max_position_embeddings
+                max_model_len = min(config.max_model_len or limit, limit)
                 if quantized == "gguf" or not any(path.glob("*.safetensors")):  # a GGUF file alone: dequantized
                     llama = load_gguf(path, quant_kernels, self.dtype, dev, max_model_len)
                 else:
@@ -191,7 +212,9 @@ class ModelRunner:
         self.image_params = image_params
         # LoRA: wraps the targeted linear layers (before any graph is captured).
         self.lora = LoraPool(self.model, config.loras, config.max_loras, config.lora_kernel) if config.loras else None
-        self.max_model_len = min(max_model_len, llama.max_model_len)
+        # the model's limit, as far as its rope tables reach (a model built for tests may cover fewer positions)
+        model_limit = min(self.config.max_position_embeddings, llama.max_model_len)
+        self.max_model_len, self.context_reason = context_length(config.max_model_len, model_limit, None)
         self.page_size = page_size
         self.max_rows = max_rows
         self.debug = config.debug
@@ -212,6 +235,10 @@ class ModelRunner:
                 want = max_rows * ceil_div(self.max_model_len, page_size) + 1
                 kv_pages = min(want, (2 << 30) // per_page)
         self.num_pages = max(2, int(kv_pages))
+        # the tokens one sequence can hold (page 0 is the pool's scratch page)
+        self.max_model_len, self.context_reason = context_length(config.max_model_len, model_limit,
+                                                                 (self.num_pages - 1) * page_size)
+        log.info("context: %d tokens (%s)", self.max_model_len, self.context_reason)
         self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.dtype, dev)
         self.max_pages_per_seq = ceil_div(self.max_model_len, page_size)
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.

@@ -121,6 +121,7 @@ class Worker:
         self._beat()
         info = {"model": self.engine.config.model, "device": self.engine.device.spec,
                 "max_batch": self.engine.config.max_batch, "max_model_len": self.engine.max_model_len,
+                "max_model_len_reason": self.engine.runner.context_reason,
                 "pipeline": self.engine.pipelined, "vocab_size": self.engine.vocab_size,
                 "kv_pages": self.engine.alloc.pages.capacity, "pid": os.getpid(),
                 "vision": self.engine.runner.vision is not None}

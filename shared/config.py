@@ -30,7 +30,8 @@ class EngineConfig:
     device: str = _about("auto", "auto | cpu | cuda | sim:MS (a simulated device, MS per decode step).")
     pipeline: bool = _about(True, "Blocking decode (the baseline) instead of pipelined.")  # the flag says off
     max_batch: int = _about(64, "Batch rows (concurrent sequences).")
-    max_model_len: int = _about(2048, "Context length cap (prompt + generated tokens).")
+    max_model_len: int | None = _about(None, "Context length (prompt + generated tokens); default: the model's own "
+                                              "limit (max_position_embeddings), bounded by what the KV cache holds.")
     page_size: int = 16
     kv_pages: int | None = _about(None, "KV cache pages (default: sized to memory).")
     kv_memory_fraction: float = _about(0.5, "Fraction of free GPU memory for the KV cache (CUDA, without "

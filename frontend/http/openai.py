@@ -42,17 +42,16 @@ ROLE_ALIASES = {"developer": "system"}
 
 
 def models(ctx: Context) -> JSONResponse:
-    adapters = [{"id": a, "object": "model", "created": CREATED, "owned_by": "tandem", "parent": ctx.model}
-                for a in ctx.adapters]  # LoRA adapters, as vLLM lists them
-    return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model, "object": "model", "created": CREATED, "owned_by": "tandem"}, *adapters]})
+    base = {"object": "model", "created": CREATED, "owned_by": "tandem", "max_model_len": ctx.max_model_len}
+    adapters = [{"id": a, **base, "parent": ctx.model} for a in ctx.adapters]  # LoRA adapters, as vLLM lists them
+    return JSONResponse({"object": "list", "data": [{"id": ctx.model, **base}, *adapters]})
 
 
 async def chat_completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     model = check_model(ctx, body, adapters=True)
     images: list[bytes] = []
-    fields = {"messages": _messages(ctx, body.get("messages"), images), **_sampling(body, chat=True),
+    fields = {"messages": chat_messages(ctx, body.get("messages"), images), **_sampling(body, chat=True),
               **adapter_field(ctx, model)}
     if images:
         fields["images"] = images
@@ -146,7 +145,7 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def _messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
+def chat_messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
     """The protocol's messages; the files of ``image_url`` parts are appended to ``images``."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array")
@@ -208,7 +207,7 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
     # Each choice is one request of the protocol. The first streams (between the processes, whatever the
     # client asked) and the others start at its first token: its prompt's KV pages are in the prefix
     # cache by then, so they map them instead of computing them again.
-    calls = [ctx.bridge.generate({**fields, "stream": stream or n > 1}, session=session)]
+    calls = [ctx.bridge.generate({**fields, "stream": stream or n > 1}, session=session, rid=meta["id"])]
     try:
         if n == 1 and not stream:
             done = await run_to_end(request, calls[0])
@@ -217,7 +216,8 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
         batches = [calls[0].batches()]
         first = await first_event(request, batches[0])
         for i in range(1, n):
-            calls.append(ctx.bridge.generate({**_choice_fields(fields, i), "stream": stream}, session=session))
+            calls.append(ctx.bridge.generate({**_choice_fields(fields, i), "stream": stream}, session=session,
+                                             rid=f"{meta['id']}-{i}"))
             batches.append(calls[i].batches())
         if stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

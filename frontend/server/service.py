@@ -57,6 +57,7 @@ from frontend.protocol import SKILL_SAMPLING
 from frontend.server.detokenizer import IncrementalDetokenizer
 from frontend.images.intake import ImageIntake, Render, intake_family
 from frontend.server.request import Request
+from frontend.server.tokenization import decode_ids
 from frontend.server.worker_handle import WorkerDown, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
@@ -80,6 +81,13 @@ class ServiceConfig(EngineConfig):
     image_slots: int | None = None  # arena image slots; None: room for one request of the largest images
     image_slot_tiles: int = 1  # tiles per image slot
     image_workers: int | None = None  # processes that decode and tile images; None: cores - 2, 1 to 4
+    served_model_name: str | None = None  # the name clients see (HTTP /v1/models, requests' model); None: model
+    chat_template: str | None = None  # a Jinja chat template's text, in place of the tokenizer's
+
+
+def served_name(config: ServiceConfig) -> str:
+    """The model's name for clients: ``--served-model-name``, else ``--model`` as given."""
+    return config.served_model_name or config.model
 
 
 class Service:
@@ -91,6 +99,8 @@ class Service:
         # LoRA adapters are checked against the model here, so a bad one fails before a worker starts.
         self.adapters = read_adapters(cfg.loras, read_config(self.model_path))
         self.tokenizer = tokenizer or load_tokenizer(self.model_path)
+        if cfg.chat_template is not None:  # every rendering reads tokenizer.chat_template (tokenization.py)
+            self.tokenizer.chat_template = cfg.chat_template
         self.vocab_size = self.model.vocab_size
         self.generation = 0
         self.requests: dict[int, Request] = {}  # by seq_id, until the worker releases it
@@ -214,14 +224,11 @@ class Service:
         return req
 
     def decode(self, ids: list[int]) -> str:
-        """Text of token ids; ids the tokenizer lacks (a vocabulary larger than it) decode to nothing."""
-        n = len(self.tokenizer)
-        return self.tokenizer.decode([t for t in ids if 0 <= t < n])
+        return decode_ids(self.tokenizer, ids)
 
     def _take_prepared(self) -> None:
         """Loop thread: requests whose images the pool finished go on to the worker."""
-        max_len = int(self.worker.info.get("max_model_len", self.config.max_model_len) if self.worker.info
-                      else self.config.max_model_len)
+        max_len = int(self.info["max_model_len"])  # the first worker's; a restarted one has the same config
         for req, error in self.images.take_prepared(max_len, self.worker.images):
             if error is not None:
                 self._end(req, error=error)

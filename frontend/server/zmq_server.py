@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from frontend import logs
 from frontend import protocol as P
 from frontend.client import DEFAULT_ENDPOINT
 from frontend.server.connections import Connections
@@ -44,7 +45,7 @@ from frontend.server.metrics import Metrics
 from frontend.cli.options import MAX_QUEUE
 from frontend.server.outbox import Outbox, Sent
 from frontend.server.request import Request
-from frontend.server.service import Service
+from frontend.server.service import Service, served_name
 from frontend.server.systemd import Notifier
 from frontend.server.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
@@ -67,7 +68,7 @@ class Gate:
 
     def __init__(self, service: Service, limits: P.Limits | None = None) -> None:
         self.service = service
-        self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
+        self.max_model_len = int(service.info["max_model_len"])  # the worker's (context_length: why that long)
         # a prompt needs one token less than the context: at least one is generated
         self.limits = limits or P.Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
         self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
@@ -285,7 +286,8 @@ class Server:
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
                      "grammar_cache_hits": self.gate.grammars.cache_hits,
                      "adapters": list(self.service.adapters),
-                     "vision": self.service.model.vision, "family": self.service.model.family}
+                     "vision": self.service.model.vision, "family": self.service.model.family,
+                     "served_model_name": served_name(self.service.config)}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}
@@ -339,6 +341,7 @@ class Server:
                     self._cancel_requests_of([state.identity])
             return
         self.live.pop((state.identity, state.id), None)
+        self._log_end(req, state.id, kind, payload)
         if kind == "done":
             self.metrics.done(payload)
             try:
@@ -352,6 +355,15 @@ class Server:
             self.metrics.error(payload["code"])
             frames = P.encode_error(state.id, payload["code"], payload["message"])
         self._send(state.identity, frames)
+
+    def _log_end(self, req: Request, rid: str, kind: str, payload: dict[str, Any]) -> None:
+        model = req.adapter or served_name(self.service.config)
+        if kind == "done":
+            logs.request_line(rid, model, payload["usage"], payload["metrics"], payload["finish_reason"])
+        else:
+            usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids)}
+            took = None if req.t_end is None else {"total_ms": (req.t_end - req.t_submit) * 1000}
+            logs.request_line(rid, model, usage, took, None, error=payload["code"])
 
     def _send(self, identity: bytes, frames: list[bytes], keep: bool = True) -> Sent:
         """Never blocks; ``keep``: a request's message, held for a client that cannot take it now."""

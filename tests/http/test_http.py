@@ -9,7 +9,9 @@ an ``HttpListener`` on an ephemeral port.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
+import logging
 import os
 import random
 import re
@@ -27,6 +29,7 @@ from PIL import Image
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.http.errors import STATUS, HttpError
+from frontend.logs import JsonFormatter
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +70,84 @@ def metric_values(text: str) -> dict[str, float]:
 # --------------------------------------------------------------------------- openai
 
 
-def test_models_and_health(oai, raw):
-    assert [m.id for m in oai.models.list().data] == [MODEL]
-    r = raw.get("/health")
+def test_models_and_probes(live, oai, raw):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == live.server.gate.max_model_len > 0  # what the server enforces
+    assert raw.get("/health").json() == {"status": "live", "state": "ready"}
+    r = raw.get("/ready")
     assert r.status_code == 200 and r.json() == {"status": "ready"}
+    assert raw.get("/version").json() == {"version": importlib.metadata.version("tandem")}
+
+
+# --------------------------------------------------------------------------- the request log
+
+
+def test_each_finished_request_leaves_one_log_line_with_its_figures(oai, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.requests")
+    answers = [oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=n, temperature=0, seed=n)
+               for n in (3, 5)]
+    records = {r.fields["request_id"]: r for r in caplog.records if r.name == "tandem.requests"}
+    assert set(records) >= {a.id for a in answers}  # the id the HTTP answer carries
+    for a in answers:
+        record = records[a.id]
+        line = json.loads(JsonFormatter().format(record))  # --log-format json
+        assert {k: line[k] for k in ("level", "logger", "request_id", "model", "prompt_tokens", "output_tokens",
+                                     "finish_reason")} == {
+            "level": "INFO", "logger": "tandem.requests", "request_id": a.id, "model": MODEL,
+            "prompt_tokens": a.usage.prompt_tokens, "output_tokens": a.usage.completion_tokens,
+            "finish_reason": a.choices[0].finish_reason}
+        assert 0 < line["ttft_ms"] <= line["duration_ms"]
+        text = record.getMessage()  # --log-format text: the same figures as key=value
+        assert text.startswith(f"request {a.id} finished: ")
+        assert dict(re.findall(r"(\w+)=(\S+)", text)) == {
+            k: str(v) for k, v in line.items() if k in record.fields and k != "request_id" and v is not None}
+    assert answers[0].usage.completion_tokens != answers[1].usage.completion_tokens  # non-vacuity: each its own
+
+
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shared.models import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+def test_tokenize_is_the_tokenizers_ids_and_detokenize_gives_the_text_back(live, raw, tokenizer):
+    prompt = "Once upon a time, in Paris: 42 cats!"
+    r = raw.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    assert r["tokens"] == tokenizer.encode(prompt, add_special_tokens=False) and r["count"] == len(r["tokens"]) > 1
+    assert r["max_model_len"] == live.server.gate.max_model_len
+    assert raw.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": prompt}
+    assert raw.post("/detokenize", json={"tokens": r["tokens"][:-1]}).json()["prompt"] != prompt  # non-vacuity
+
+
+def test_tokenize_messages_counts_what_a_chat_completion_uses(raw, oai, tokenizer):
+    r = raw.post("/tokenize", json={"messages": MSG}).json()
+    assert r["tokens"] == tokenizer.apply_chat_template(MSG, add_generation_prompt=True, tokenize=True)["input_ids"]
+    done = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, temperature=0)
+    assert done.usage.prompt_tokens == r["count"]
+    bare = raw.post("/tokenize", json={"messages": MSG, "add_generation_prompt": False}).json()["tokens"]
+    assert bare == r["tokens"][:len(bare)] and len(bare) < r["count"]  # without the assistant's opening
+
+
+@pytest.mark.parametrize("path, body, status, says", [
+    ("/tokenize", {"prompt": "a", "messages": MSG}, 400, "exactly one of prompt and messages"),
+    ("/tokenize", {}, 400, "exactly one of prompt and messages"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt must be a string"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role must be one of"),
+    ("/tokenize", {"messages": MSG, "add_generation_prompt": "yes"}, 400, "add_generation_prompt must be a boolean"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+    ("/tokenize", {"prompt": "x" * ((1 << 18) + 1)}, 413, "the limit is"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens[1] must be >= 0"),
+    ("/detokenize", {"tokens": [1, 1 << 20]}, 400, "tokens[1] must be < vocab size"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens must be an array of integers"),
+])
+def test_tokenize_and_detokenize_errors_name_the_field(raw, path, body, status, says):
+    r = raw.post(path, json=body)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text
 
 
 def test_chat_stream_concatenates_to_the_same_seeded_text(oai):
@@ -473,18 +550,21 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request(live, raw):
 # --------------------------------------------------------------------------- health across a worker restart
 
 
-def test_health_is_503_while_the_worker_restarts(live, raw):
-    assert raw.get("/health").status_code == 200
+def test_ready_is_503_while_the_worker_restarts_and_health_stays_200(live, raw):
+    assert raw.get("/ready").status_code == 200
     os.kill(live.svc.worker_pid, signal.SIGKILL)  # the server replaces its worker in-process
-    seen = []
+    seen, reasons = [], set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        r = raw.get("/health")
-        seen.append((r.status_code, r.json()["status"]))
-        if seen[-1] == (200, "ready") and (503, "restarting") in seen:
+        ready, health = raw.get("/ready"), raw.get("/health")
+        seen.append((ready.status_code, ready.json()["status"], health.status_code))
+        reasons.add(ready.json().get("reason"))
+        if seen[-1][:2] == (200, "ready") and (503, "restarting") in {s[:2] for s in seen}:
             break
         time.sleep(0.05)
-    assert (503, "restarting") in seen and seen[-1] == (200, "ready"), seen[-5:]
-    assert set(seen) <= {(200, "ready"), (503, "restarting")}, set(seen)
+    assert (503, "restarting") in {s[:2] for s in seen} and seen[-1][:2] == (200, "ready"), seen[-5:]
+    assert {s[:2] for s in seen} <= {(200, "ready"), (503, "restarting")}, set(seen)
+    assert {s[2] for s in seen} == {200}, set(seen)  # live throughout: a liveness probe keeps the pod
+    assert {r for r in reasons if r} == {"the worker failed and a new one is warming up; requests wait for it"}
     after = metric_values(raw.get("/metrics").text)
     assert after["tandem:worker_generation"] == 2 and after["tandem:worker_ready"] == 1
