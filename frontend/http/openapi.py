@@ -24,7 +24,7 @@ from ..protocol import MAX_STOP, ROLES
 from ..skills import CAPTION_LENGTHS
 from .errors import STATUS, bad_request
 
-JSON_TYPE = {int: "integer", float: "number", bool: "boolean", str: "string"}
+JSON_TYPE = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object"}
 WHAT = {"integer": "an integer", "number": "a number", "boolean": "a boolean", "string": "a string",
         "array": "an array", "object": "an object"}
 
@@ -43,7 +43,7 @@ def _sampling(name: str) -> dict[str, Any]:
 @lru_cache(maxsize=1)
 def bodies() -> dict[str, dict[str, Any]]:
     """Each POST route's body schema, by path."""
-    from .openai import PASS_THROUGH, ROLE_ALIASES  # (openai.py reads the body through common.py)
+    from .openai import MAX_N, PASS_THROUGH, ROLE_ALIASES  # (openai.py reads the body through common.py)
 
     model = _t("string", "The served model's name (GET /v1/models); on the OpenAI routes also a LoRA adapter's.")
     text_part = {"type": "object", "required": ["type", "text"],
@@ -67,7 +67,9 @@ def bodies() -> dict[str, dict[str, Any]]:
         "stream": _t("boolean", "Server-sent events."),
         "stream_options": _t("object", "With stream: include_usage (a boolean).",
                              properties={"include_usage": {"type": "boolean"}}),
-        "n": _t("integer", "Choices per request: only 1."),
+        "n": _t("integer", f"Choices per request (1 to {MAX_N}); with seed, choice i samples as seed + i."),
+        "tools": _t("array", "Not supported: a request with tools is a 400 (tool_choice none is served)."),
+        "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}], "description": "Only \"none\" is served."},
         "response_format": _t("object", "text, json_object, or json_schema with json_schema.schema.",
                               required=["type"], properties={"type": {"enum": ["text", "json_object", "json_schema"]},
                                           "json_schema": {"type": "object"}}),
@@ -80,12 +82,12 @@ def bodies() -> dict[str, dict[str, Any]]:
         "/v1/chat/completions": _body(["messages"], messages=messages, **openai_common,
                                       max_completion_tokens=_sampling("max_tokens"),
                                       logprobs=_t("boolean", "The chosen tokens' log probabilities."),
-                                      top_logprobs=_t("integer", "Only 0 (alternatives are not given).")),
+                                      top_logprobs=_t("integer", "With logprobs: the most likely alternatives of each token (0 to 20).")),
         "/v1/completions": _body(["prompt"], prompt={"anyOf": [
             {"type": "string"}, token_ids,
             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}}],
             "description": "A string or token ids (or an array of one of these)."}, **openai_common,
-            logprobs=_t("integer", "Give the chosen tokens' log probabilities."),
+            logprobs=_t("integer", "The chosen tokens' log probabilities and this many alternatives (0 to 20)."),
             echo=_t("boolean", "Not supported."), suffix=_t("string", "Not supported."),
             best_of=_t("integer", "Only 1.")),
         "/v1/caption": _body([], model=model, image_url=image_url, settings=settings, stream=_t("boolean"),
