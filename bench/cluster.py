@@ -186,7 +186,7 @@ class DirectServer:
         import httpx
 
         try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence, Union
 
 import msgpack
 
-from shared.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, SamplingParams
 
 __all__ = [
     "VERSION_FRAME",
@@ -60,6 +60,8 @@ __all__ = [
     "ClientMessage",
     "parse_client_message",
     "prompt_field",
+    "parse_prompt",
+    "parse_token_ids",
     "encode_chunk",
     "encode_done",
     "encode_error",
@@ -78,6 +80,7 @@ ERROR_CODES = frozenset(
         "unsupported_version",
         "duplicate_id",
         "too_long",
+        "context_length_exceeded",
         "overloaded",
         "worker_failed",
         "internal",
@@ -102,7 +105,7 @@ SKILLS = ("caption", "query", "point", "detect")
 SKILL_SAMPLING = {"temperature": 0.5, "top_p": 0.3}
 DEFAULT_MAX_OBJECTS = 50
 MAX_GRAMMAR_OBJECTS = 100  # the most items a point/box grammar (frontend/grammars) takes
-OUTPUT_FIELDS = ("stop", "stream", "logprobs", "grammar")  # optional, besides the sampling fields
+OUTPUT_FIELDS = ("stop", "stream", "logprobs", "top_logprobs", "grammar")  # optional, besides the sampling fields
 MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
 _GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS,
                               *MODEL_FIELDS, *SKILL_FIELDS})
@@ -170,6 +173,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     stream: bool = True
     logprobs: bool = False
+    top_logprobs: int = 0  # each token's most likely alternatives too (implies logprobs)
     grammar: dict[str, Any] | None = None
     images: tuple[bytes, ...] = ()  # encoded image files, placed by <image> / image parts (not yet decoded)
     adapter: str | None = None  # a LoRA adapter the server was started with; None = the base model
@@ -454,6 +458,12 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     stop = _parse_stop(ctx, msg.get("stop"))
     stream = _opt_bool(ctx, msg, "stream", True)
     logprobs = _opt_bool(ctx, msg, "logprobs", False)
+    top_logprobs = msg.get("top_logprobs")
+    if top_logprobs is None:
+        top_logprobs = 0
+    elif not _is_int(top_logprobs) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        got = _short(top_logprobs) if _is_int(top_logprobs) else _tname(top_logprobs)
+        raise ctx.bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {got}")
     grammar = _parse_grammar(ctx, msg.get("grammar"))
     images = _parse_images(ctx, msg.get("images"), prompt)
     adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
@@ -465,7 +475,8 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
         prompt["skill"] = {"skill": prompt["skill"], **{f: msg[f] for f in given}}
     elif given:
         raise ctx.bad(f"{given[0]} is a skill field: send it with skill")
-    return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream, logprobs=logprobs,
+    return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream,
+                           logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
                            grammar=grammar, images=images, adapter=adapter,
                            explicit=frozenset(f for f in SAMPLING_FIELD_NAMES if msg.get(f) is not None))
 
@@ -506,6 +517,18 @@ def _parse_prompt(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
     parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids,
              "skill": _parse_skill}[name]
     return {name: parse(ctx, msg[name], limits)}
+
+
+def parse_prompt(name: str, value: object, limits: Limits | None = None) -> Any:
+    """One prompt form (``prompt``, ``messages`` or ``prompt_token_ids``) checked as a generate's is
+    (``ProtocolError`` naming the field): for what renders prompts outside a generate (HTTP ``/tokenize``)."""
+    parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids}[name]
+    return parse(_Ctx(), value, limits or DEFAULT_LIMITS)
+
+
+def parse_token_ids(value: object, name: str, limits: Limits | None = None) -> list[int]:
+    """Token ids of the vocabulary (``ProtocolError`` naming ``name``); may be empty (HTTP ``/detokenize``)."""
+    return _int_list(_Ctx(), value, name, limits or DEFAULT_LIMITS)
 
 
 def _parse_skill(ctx: _Ctx, v: object, limits: Limits) -> str:
@@ -645,6 +668,10 @@ def _sampling_values(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
             continue
         if f.type is tuple:  # token ids
             values[f.name] = tuple(_int_list(ctx, v, f.name, limits))
+        elif f.type is dict:  # token id -> number (keys: integers, or decimal strings as JSON has them)
+            if not isinstance(v, dict):
+                raise ctx.bad(f"{f.name} must be {f.must_be}, got {_tname(v)}")
+            values[f.name] = v
         elif not _WIRE_TYPE_OK[f.type](v):
             raise ctx.bad(f"{f.name} must be {f.must_be}, got {_tname(v)}")
         else:
@@ -727,10 +754,15 @@ def encode_message(msg: Mapping[str, Any]) -> list[bytes]:
         raise
 
 
-def encode_chunk(id: str, seq: int, text: str, token_ids: Sequence[int]) -> list[bytes]:
-    return _frames(
-        {"type": "chunk", "id": id, "seq": int(seq), "text": text, "token_ids": [int(t) for t in token_ids]}
-    )
+def encode_chunk(id: str, seq: int, text: str, token_ids: Sequence[int],
+                 logprobs: Sequence[float] | None = None, top_logprobs: Sequence | None = None) -> list[bytes]:
+    """``logprobs`` / ``top_logprobs`` (one per token id) are omitted from the message when None."""
+    msg = {"type": "chunk", "id": id, "seq": int(seq), "text": text, "token_ids": [int(t) for t in token_ids]}
+    if logprobs is not None:
+        msg["logprobs"] = [float(x) for x in logprobs]
+    if top_logprobs is not None:
+        msg["top_logprobs"] = top_logprobs
+    return _frames(msg)
 
 
 def encode_done(
@@ -743,8 +775,9 @@ def encode_done(
     output: Any = None,
     logprobs: Any = None,
     reasoning: Any = None,
+    top_logprobs: Any = None,
 ) -> list[bytes]:
-    """``output`` / ``logprobs`` / ``reasoning`` are omitted from the message when None."""
+    """``output`` / ``logprobs`` / ``reasoning`` / ``top_logprobs`` are omitted from the message when None."""
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
     msg: dict[str, Any] = {
@@ -762,6 +795,8 @@ def encode_done(
         msg["logprobs"] = logprobs
     if reasoning is not None:
         msg["reasoning"] = reasoning
+    if top_logprobs is not None:
+        msg["top_logprobs"] = top_logprobs
     try:
         return _frames(msg)
     except (OverflowError, UnicodeEncodeError):  # only a parsed output can hold such values

@@ -108,13 +108,15 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, constrained: bool = False,
                logprobs: bool = False, seq_id: int | None = None, adapter: str | None = None,
-               images: list[ImageInput] | None = None, task: SkillTask | None = None) -> Sequence:
+               images: list[ImageInput] | None = None, task: SkillTask | None = None,
+               top_logprobs: bool = False) -> Sequence:
         """Queue a request (thread-safe). Invalid input raises ValueError naming the field.
 
         ``images``: one per image of the prompt, in prompt order; its ``<image>``
         tokens (as many as the image has feature rows) take their features.
         ``task``: a Moondream model's skill (default: caption/query rules); with an image, the
-        prompt's first positions are the image block (its ids are placeholders)."""
+        prompt's first positions are the image block (its ids are placeholders).
+        ``top_logprobs``: also the most likely tokens' logprobs (``CommittedStep.top``)."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)  # its stop ids against this vocabulary (the ranges, again)
         prompt = [int(t) for t in prompt_ids]
@@ -125,10 +127,18 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt: {len(prompt)} tokens do not fit the context of {self.max_model_len} "
                              "(prompt + at least one generated token)")
-        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
-        if len(prompt) + max_tokens > self.alloc.pages.capacity * self.alloc.page_size:
-            raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
-                             f"({self.alloc.pages.capacity}); lower max_tokens")
+        room = self.max_model_len - len(prompt)
+        kv_room = self.alloc.pages.capacity * self.alloc.page_size - len(prompt)
+        if params.max_tokens is None:  # the rest of the context, as far as the KV cache can hold it
+            if kv_room < 1:
+                raise ValueError(f"prompt: {len(prompt)} tokens need more KV pages than the cache has "
+                                 f"({self.alloc.pages.capacity})")
+            max_tokens = min(room, kv_room)
+        else:
+            max_tokens = min(params.max_tokens, room)
+            if max_tokens > kv_room:
+                raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than the cache has "
+                                 f"({self.alloc.pages.capacity}); lower max_tokens")
         if self.runner.skills is not None:  # a Moondream model: the caption/query rules by default
             task = (task or SkillTask()).checked(len(prompt), params.temperature)
         elif task is not None:
@@ -142,7 +152,8 @@ class Engine:
                 seq_id = self._next_id
             self._next_id = max(self._next_id, seq_id) + 1
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs, images=seq_images,
+            seq = Sequence(seq_id, prompt, params, max_tokens, seed, constrained, logprobs or top_logprobs,
+                           top_logprobs=top_logprobs, images=seq_images,
                            image_positions=positions, whole_spans=whole_spans, adapter=adapter, task=task)
             self._inbox.append((None, seq))
         return seq
@@ -291,7 +302,7 @@ class Engine:
     def _launch(self) -> Launch | None:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
-            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages, seq.task)
+            self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages, seq.task, seq.prompt_ids)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
             if seq.images:
@@ -353,8 +364,11 @@ class Engine:
             sample_rows=np.fromiter((s.row for s in sample_seqs), np.int64, len(sample_seqs)),
             sample_pos=np.asarray(sample_pos, dtype=np.int64),
             any_random=any(p.temperature > 0 for p in params),
-            any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            any_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params),
             want_logprobs=any(s.logprobs for s in sample_seqs),
+            want_top=any(s.top_logprobs for s in sample_seqs),
+            any_bias=any(p.logit_bias for p in params),
+            any_penalty=any(p.penalized for p in params),
             token_lora=token_lora_slots(plan) if self.lora_slots is not None else None,
             **(launch.images.inputs() if launch.images else {}),
         )
@@ -437,11 +451,11 @@ class Engine:
         if launch.images:
             self.images.committed(launch.images)
         n = len(launch.sample_seqs)
-        tokens, flags, logprobs, values = self.runner.read_step(pipeline_slot, n)
+        tokens, flags, logprobs, values, top = self.runner.read_step(pipeline_slot, n, launch.inputs.want_top)
         live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs, values)
         committed = CommittedStep(step, launch.prefill, launch.sample_seqs, tokens.astype(np.int32), finish, live,
                                   cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None,
-                                  values)
+                                  values, top)
         released = []
         for seq, end in zip(launch.seqs, launch.kv_ends):
             seq.kv_committed = max(seq.kv_committed, end)

@@ -38,14 +38,14 @@ class Load:
     """What every loader gets besides the directory."""
     dtype: torch.dtype
     device: torch.device
-    max_model_len: int
+    max_model_len: int | None  # None: the model's own context
     gguf: bool  # serve the directory's GGUF file as it is (quant_kernels set) or dequantized
     quant_kernels: QuantKernels | None
 
 
 def _llama(path: Path, how: Load) -> Loaded:
-    config = LlamaConfig.from_pretrained(path)
-    max_model_len = min(how.max_model_len, config.max_position_embeddings)
+    limit = LlamaConfig.from_pretrained(path).max_position_embeddings  # rope tables for the usable positions
+    max_model_len = min(how.max_model_len or limit, limit)
     if how.gguf or not any(path.glob("*.safetensors")):  # a GGUF file alone: dequantized
         return Loaded(load_gguf(path, how.quant_kernels, how.dtype, how.device, max_model_len))
     return Loaded(Llama.from_pretrained(path, dtype=how.dtype, device=how.device, max_model_len=max_model_len))
@@ -87,7 +87,7 @@ def llama_config(config: dict) -> LlamaConfig:
     return LlamaConfig.from_hf_config(family.text_config(config), **WORKER_FAMILIES[family.name].llama_fields)
 
 
-def load(path: Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
+def load(path: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
          quant_kernels: QuantKernels | None = None, gguf: bool = False) -> Loaded:
     """The model (and image encoder) of directory ``path``, as its family builds it."""
     how = Load(dtype, device, max_model_len, gguf, quant_kernels)

@@ -33,6 +33,7 @@ from shared.arith import ceil_div
 from shared.config import QUANTIZATIONS, EngineConfig
 from shared.families import family_of, read_config
 from shared.models import GGUF_FILE, ModelInfo, builtin, resolve_model
+from shared.sampling import MAX_TOP_LOGPROBS
 from shared.vision_config import ImageProcessorParams
 
 from .device import Device
@@ -69,6 +70,9 @@ class LaunchInputs:
     any_random: bool
     any_filter: bool
     want_logprobs: bool
+    want_top: bool = False  # some row wants the most likely tokens' logprobs (top_logprobs)
+    any_bias: bool = False  # some row has a logit_bias
+    any_penalty: bool = False  # some row has a penalty: its sampled tokens are counted
     # Encode units of this launch, before its text forward (image_prefill.py): (host tile blocks,
     # FeatureHolder, first feature row of the run in its image, the image's feature rows, its
     # ImageInput.tiling) per run.
@@ -91,9 +95,11 @@ class SlotBuffers:
         self.flags = device.pinned_empty((max_rows,), torch.int32)
         self.logprobs = device.pinned_empty((max_rows,), torch.float32)
         self.values = device.pinned_empty((max_rows, VALUES), torch.float32)  # Moondream's region values
+        self.top_ids = device.pinned_empty((max_rows, MAX_TOP_LOGPROBS), torch.int32)
+        self.top_logprobs = device.pinned_empty((max_rows, MAX_TOP_LOGPROBS), torch.float32)
         self.logits: torch.Tensor | None = None  # the forward's output, read by sampling
         self.hidden: torch.Tensor | None = None  # Moondream: the sampled rows' pre-post_ln hidden states
-        self.out: tuple | None = None  # the step's sampled ids, flags, logprobs, filled part by part
+        self.out: tuple | None = None  # the step's sampled ids, flags, logprobs, values, top, filled part by part
         self.keep: list = []  # device tensors that must live until the step's copy is done
 
 
@@ -145,6 +151,25 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return None
 
 
+def context_length(requested: int | None, model_limit: int, kv_tokens: int | None) -> tuple[int, str]:
+    """The context a sequence may fill (prompt + generated tokens) and why it is that long.
+
+    ``requested`` (``--max-model-len``) is capped at the model's limit (its max_position_embeddings);
+    None takes that limit, bounded by what the KV cache holds (``kv_tokens``: one sequence must fit).
+    A length asked for beyond the cache stands (several short sequences still share the cache); a
+    request that needs more pages than the cache has is refused then, and the reason says so."""
+    if requested is None:
+        if kv_tokens is not None and kv_tokens < model_limit:
+            return kv_tokens, (f"what the KV cache holds, below the model's limit of {model_limit} "
+                               "(--kv-pages, --kv-memory-fraction)")
+        return model_limit, f"the model's limit, max_position_embeddings {model_limit}"
+    if requested > model_limit:
+        return model_limit, f"the model's limit; --max-model-len {requested} asked for more"
+    if kv_tokens is not None and kv_tokens < requested:
+        return requested, f"--max-model-len; the KV cache holds only {kv_tokens} tokens"
+    return requested, "--max-model-len"
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: Device, llama: Llama | None = None,
                  vision: VisionEncoder | None = None, image_params: ImageProcessorParams | None = None) -> None:
@@ -152,7 +177,7 @@ class ModelRunner:
         ``config.model`` is loaded, with its vision encoder if it is a vision-language model."""
         self.device = device
         dev = device.torch_device
-        max_model_len, page_size, max_rows = config.max_model_len, config.page_size, config.max_batch
+        page_size, max_rows = config.page_size, config.max_batch
         path = resolve_model(config.model) if llama is None else None
         if path is not None:
             family_of(read_config(path))  # an unsupported architecture or quantization: refused before any work
@@ -169,7 +194,7 @@ class ModelRunner:
                                "--quantization none serves the dequantized weights")
         quant_kernels = quant.QuantKernels(kernels) if quantized else None
         if llama is None:  # the family's model, and its image encoder if it takes images
-            loaded = families.load(path, self.dtype, dev, max_model_len, quant_kernels, gguf=quantized == "gguf")
+            loaded = families.load(path, self.dtype, dev, config.max_model_len, quant_kernels, gguf=quantized == "gguf")
             llama, vision, image_params = loaded.model, loaded.vision, loaded.image_params
         if quantized in ("int8", "int4"):
             quantize_linears(llama, quantized, config.quantization_group, quant_kernels)
@@ -187,7 +212,9 @@ class ModelRunner:
         self.image_params = image_params
         # LoRA: wraps the targeted linear layers (before any graph is captured).
         self.lora = LoraPool(self.model, config.loras, config.max_loras, config.lora_kernel) if config.loras else None
-        self.max_model_len = min(max_model_len, llama.max_model_len)
+        # the model's limit, as far as its rope tables reach (a model built for tests may cover fewer positions)
+        model_limit = min(self.config.max_position_embeddings, llama.max_model_len)
+        self.max_model_len, self.context_reason = context_length(config.max_model_len, model_limit, None)
         self.page_size = page_size
         self.max_rows = max_rows
         self.debug = config.debug
@@ -208,12 +235,16 @@ class ModelRunner:
                 want = max_rows * ceil_div(self.max_model_len, page_size) + 1
                 kv_pages = min(want, (2 << 30) // per_page)
         self.num_pages = max(2, int(kv_pages))
+        # the tokens one sequence can hold (page 0 is the pool's scratch page)
+        self.max_model_len, self.context_reason = context_length(config.max_model_len, model_limit,
+                                                                 (self.num_pages - 1) * page_size)
+        log.info("context: %d tokens (%s)", self.max_model_len, self.context_reason)
         self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.dtype, dev)
         self.max_pages_per_seq = ceil_div(self.max_model_len, page_size)
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
         self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)
         self.pending[max_rows] = 0
-        self.params = RowParams(max_rows + 1, dev)
+        self.params = RowParams(max_rows + 1, self.vocab_size, dev)
         # Host copy of every row's page table, written at admission, so a decode
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
@@ -224,12 +255,12 @@ class ModelRunner:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     # -- rows -----------------------------------------------------------------
-    def set_row(self, row: int, params, seed: int, pages: list[int], task=None) -> None:
-        """Admission: the row's page table (host) and sampling parameters (device, on the compute stream);
-        a Moondream row's skill task (``moondream_skills.SkillTask``)."""
+    def set_row(self, row: int, params, seed: int, pages: list[int], task=None, prompt_ids=()) -> None:
+        """Admission: the row's page table (host) and sampling parameters (device, on the compute stream;
+        ``prompt_ids`` for the repetition penalty); a Moondream row's skill task (``moondream_skills.SkillTask``)."""
         self.block_tables[row, :len(pages)] = pages
         self.block_tables[row, len(pages):] = 0
-        self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids))
+        self.device.compute.submit(lambda: self.params.set_row(row, params, seed, self.eos_ids, prompt_ids))
         if self.skills is not None:
             self.device.compute.submit(lambda: self.skills.set_row(row, task or SkillTask()))
 
@@ -394,7 +425,9 @@ class ModelRunner:
                     buf.out = (torch.empty(num, dtype=torch.int64, device=logits.device),
                                torch.empty(num, dtype=torch.int32, device=logits.device),
                                torch.empty(num, dtype=torch.float32, device=logits.device),
-                               torch.zeros(num, VALUES, dtype=torch.float32, device=logits.device))
+                               torch.zeros(num, VALUES, dtype=torch.float32, device=logits.device),
+                               torch.empty(num, MAX_TOP_LOGPROBS, dtype=torch.int32, device=logits.device),
+                               torch.empty(num, MAX_TOP_LOGPROBS, dtype=torch.float32, device=logits.device))
                 if part is not None:
                     idx = dev_meta[2]
                     logits, rows, pos = logits[idx], rows[idx], pos[idx]
@@ -403,14 +436,18 @@ class ModelRunner:
                     logits = apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
                 if self.skills is not None:
                     logits = self.skills.suppress(logits, rows)
-                sampled = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter, inp.want_logprobs)
+                tokens, flags, logprobs, top = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter,
+                                                      inp.want_logprobs, inp.any_bias, inp.any_penalty, inp.want_top)
+                values = None
                 if self.skills is not None:  # the phase decides what is emitted; values stay on the device
-                    tokens, flags, values = self.skills.advance(self.moondream.region, hidden, rows, *sampled[:2])
-                    sampled = (tokens, flags, sampled[2], values)
-                self.pending.index_copy_(0, rows, sampled[0])
-                for out, values in zip(buf.out, sampled):  # tokens, flags, logprobs (None unless asked)
-                    if values is not None:
-                        out.copy_(values) if idx is None else out.index_copy_(0, idx, values)
+                    tokens, flags, values = self.skills.advance(self.moondream.region, hidden, rows, tokens, flags)
+                self.pending.index_copy_(0, rows, tokens)
+                if inp.any_penalty:  # before the next step's sampling, in either mode (sampler.py)
+                    self.params.count(rows, tokens)
+                sampled = (tokens, flags, logprobs, values, *(top or (None, None)))
+                for out, got in zip(buf.out, sampled):  # tokens, flags, logprobs, values, top (None unless asked)
+                    if got is not None:
+                        out.copy_(got) if idx is None else out.index_copy_(0, idx, got)
 
         self.device.compute.submit(run)
 
@@ -421,13 +458,14 @@ class ModelRunner:
         copy-done event: the only thing the commit waits on."""
         buf = self.slots[slot]
         num = len(inp.sample_rows)
-        want_lp = inp.want_logprobs
+        want_lp, want_top = inp.want_logprobs or inp.want_top, inp.want_top
 
         def release() -> None:
-            tokens, flags, logprobs, values = buf.out
+            tokens, flags, logprobs, values, top_ids, top_logprobs = buf.out
             buf.keep = [tokens, flags, logprobs if want_lp else None,
                         tokens.to(torch.int32) if dest is not None else None,
-                        values if self.skills is not None else None]
+                        values if self.skills is not None else None,
+                        (top_ids, top_logprobs) if want_top else None]
             buf.out = None
             buf.logits = buf.hidden = None
 
@@ -435,7 +473,7 @@ class ModelRunner:
         self.device.copy.wait(self.device.compute.record())  # after sampling and release()
 
         def copy() -> None:
-            tokens, flags, logprobs, tokens32, values = buf.keep
+            tokens, flags, logprobs, tokens32, values, top = buf.keep
             if dest is not None:
                 torch.from_numpy(dest[:num]).copy_(tokens32, non_blocking=True)
             buf.tokens[:num].copy_(tokens, non_blocking=True)
@@ -444,18 +482,23 @@ class ModelRunner:
                 buf.logprobs[:num].copy_(logprobs, non_blocking=True)
             if values is not None:
                 buf.values[:num].copy_(values, non_blocking=True)
+            if top is not None:
+                buf.top_ids[:num].copy_(top[0], non_blocking=True)
+                buf.top_logprobs[:num].copy_(top[1], non_blocking=True)
 
         self.device.copy.submit(copy)
         return self.device.copy.record()
 
-    def read_step(self, slot: int, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """The committed step's sampled ids, flags, logprobs and Moondream's region values [num, 3]
-        (None for other models), after the copy event."""
+    def read_step(self, slot: int, num: int, top: bool = False) -> tuple:
+        """The committed step's sampled ids, flags, logprobs, Moondream's region values [num, 3]
+        (None for other models) and, with ``top``, the most likely (ids, logprobs) [num, K] (else None),
+        after the copy event."""
         buf = self.slots[slot]
         buf.keep = []
         values = buf.values[:num].numpy().copy() if self.skills is not None else None
+        top_out = (buf.top_ids[:num].numpy().copy(), buf.top_logprobs[:num].numpy().copy()) if top else None
         return (buf.tokens[:num].numpy().copy(), buf.flags[:num].numpy().copy(), buf.logprobs[:num].numpy().copy(),
-                values)
+                values, top_out)
 
     # -- CUDA graphs ----------------------------------------------------------------
     def _graph_for(self, slot: int, batch: int, pages: int) -> "_DecodeGraph | None":

@@ -8,12 +8,28 @@ those three numbers, used through the Gumbel-max trick
 (argmax(logits / T + Gumbel)). A seeded request therefore samples the same
 tokens whatever its batch mates, its batch row, the timing, or pipelined vs
 blocking mode. Requests without a seed get one drawn at admission.
+
+The logits are adjusted in vLLM's order: ``logit_bias`` (added), then the
+penalties (``repetition_penalty`` over the prompt's and the generated tokens,
+``frequency_penalty`` and ``presence_penalty`` over the generated ones), then
+greedy argmax or temperature, ``min_p``, top-k, top-p and the Gumbel draw.
+Logprobs are the model's own (its log-softmax before any adjustment: vLLM's
+default "raw" logprobs): the sampled token's, and on request the
+``MAX_TOP_LOGPROBS`` most likely tokens with theirs (the frontend keeps as many
+as each request asked for).
+
+Penalties read a per-row count of each generated token (``RowParams.counts``,
+[rows, vocab] on the device). The sampling call that emits a row's token adds
+it there (``RowParams.count``), on the compute stream, before the next step's
+sampling is enqueued: pipelined or blocking, step t+1 sees step t's token. A
+penalized row's counts are reset at admission (and its prompt tokens marked);
+other rows' counts are stale and never matter (their penalties are neutral).
 """
 from __future__ import annotations
 
 import torch
 
-from shared.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+from shared.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_EOS_IDS = 8
 MAX_STOP_IDS = MAX_EOS_IDS + MAX_STOP_TOKEN_IDS  # stop ids per row kept on device (EOS ids + stop_token_ids)
@@ -56,25 +72,49 @@ class RowParams:
     to drain (the forward in flight), a pipeline bubble at every admission.
     """
 
-    def __init__(self, max_rows: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
         self._pinned = torch.device(device).type == "cuda"
-        self.ints = torch.zeros(max_rows, 2 + MAX_STOP_IDS, dtype=torch.int64, device=device)
-        self.floats = torch.zeros(max_rows, 2, dtype=torch.float32, device=device)
+        stops_end = 2 + MAX_STOP_IDS
+        self.ints = torch.zeros(max_rows, stops_end + MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(max_rows, _FLOATS + MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
         self.ints[:, 2:] = NO_TOKEN
-        self.floats[:, 1] = 1.0
-        self.top_k, self.seed, self.stop_ids = self.ints[:, 0], self.ints[:, 1], self.ints[:, 2:]
-        self.temperature, self.top_p = self.floats[:, 0], self.floats[:, 1]
+        self.top_k, self.seed = self.ints[:, 0], self.ints[:, 1]
+        self.stop_ids, self.bias_ids = self.ints[:, 2:stops_end], self.ints[:, stops_end:]
+        (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
+         self.repetition_penalty) = self.floats[:, :_FLOATS].unbind(1)
+        self.bias_values = self.floats[:, _FLOATS:]
+        self.top_p.fill_(1.0)
+        self.repetition_penalty.fill_(1.0)
+        self.counts = torch.zeros(max_rows, vocab, dtype=torch.int32, device=device)  # generated tokens
+        self.in_prompt = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
 
-    def set_row(self, row: int, p: SamplingParams, seed: int, eos_ids: tuple[int, ...]) -> None:
+    def set_row(self, row: int, p: SamplingParams, seed: int, eos_ids: tuple[int, ...],
+                prompt_ids: list[int] = ()) -> None:
         stops = list(dict.fromkeys((() if p.ignore_eos else eos_ids) + p.stop_token_ids))
         assert len(stops) <= MAX_STOP_IDS, "checked by the model's EOS ids and SamplingParams.validate"
         stops += [NO_TOKEN] * (MAX_STOP_IDS - len(stops))
-        ints = torch.tensor([int(p.top_k), int(seed) & 0x7FFFFFFFFFFFFFFF, *stops], dtype=torch.int64)
-        floats = torch.tensor([float(p.temperature), float(p.top_p)], dtype=torch.float32)
+        pad = [NO_TOKEN] * (MAX_LOGIT_BIAS - len(p.logit_bias))
+        ints = torch.tensor([int(p.top_k), int(seed) & 0x7FFFFFFFFFFFFFFF, *stops, *p.logit_bias, *pad],
+                            dtype=torch.int64)
+        floats = torch.tensor([float(p.temperature), float(p.top_p), float(p.min_p), float(p.presence_penalty),
+                               float(p.frequency_penalty), float(p.repetition_penalty), *p.logit_bias.values(),
+                               *[0.0] * len(pad)], dtype=torch.float32)
+        prompt = torch.tensor(list(prompt_ids) if p.penalized else [], dtype=torch.int64)
         if self._pinned:
-            ints, floats = ints.pin_memory(), floats.pin_memory()
+            ints, floats, prompt = ints.pin_memory(), floats.pin_memory(), prompt.pin_memory()
         self.ints[row].copy_(ints, non_blocking=self._pinned)
         self.floats[row].copy_(floats, non_blocking=self._pinned)
+        if p.penalized:
+            self.counts[row].zero_()
+            self.in_prompt[row].zero_()
+            self.in_prompt[row].index_fill_(0, prompt.to(self.in_prompt.device, non_blocking=self._pinned), True)
+
+    def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The rows emitted these tokens (rows are distinct within one call)."""
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+
+_FLOATS = 6  # temperature, top_p, min_p, presence, frequency, repetition; then the logit_bias values
 
 
 def apply_bitmask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -93,39 +133,74 @@ def sample(
     any_random: bool,
     any_filter: bool,
     want_logprobs: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Sample one token per logits row. Returns (token ids, flags, logprobs or None).
+    any_bias: bool = False,
+    any_penalty: bool = False,
+    want_top: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Sample one token per logits row. Returns (token ids, flags, logprobs or None, top or None):
+    ``top`` is (ids, logprobs) [R, MAX_TOP_LOGPROBS] of the most likely tokens, most likely first.
 
-    ``any_random`` / ``any_filter`` are host-known batch properties (some row has
-    temperature > 0 / top-k or top-p) so greedy-only batches skip the noise and
-    the sort entirely.
+    ``any_random`` / ``any_filter`` / ``any_bias`` / ``any_penalty`` are host-known
+    batch properties (some row has temperature > 0 / min-p, top-k or top-p /
+    a logit bias / a penalty) so plain greedy batches skip the noise, the sort and
+    the [rows, vocab] gathers entirely.
     """
     logits = logits.float()
+    raw = logits
+    if any_bias:
+        logits = apply_logit_bias(logits, params.bias_ids[rows], params.bias_values[rows])
+    if any_penalty:
+        logits = apply_penalties(logits, params.counts[rows], params.in_prompt[rows], params.presence_penalty[rows],
+                                 params.frequency_penalty[rows], params.repetition_penalty[rows])
     greedy = logits.argmax(dim=-1)
     tokens = greedy
     if any_random:
         temp = params.temperature[rows]
         scaled = logits / temp.clamp_min(1e-6)[:, None]
         if any_filter:
-            scaled = _top_k_top_p(scaled, params.top_k[rows], params.top_p[rows])
+            scaled = _filter(scaled, params.min_p[rows], params.top_k[rows], params.top_p[rows])
         u = counter_uniform(params.seed[rows], positions, logits.shape[-1])
         gumbel = -torch.log(-torch.log(u))
         sampled = (scaled + gumbel).argmax(dim=-1)
         tokens = torch.where(temp > 0, sampled, greedy)
     stop = (tokens[:, None] == params.stop_ids[rows]).any(dim=-1)
     flags = stop.to(torch.int32) * FLAG_STOP
-    logprobs = None
-    if want_logprobs:
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, flags, logprobs
+    logprobs = top = None
+    if want_logprobs or want_top:
+        model_logprobs = torch.log_softmax(raw, dim=-1)
+        logprobs = model_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        if want_top:
+            values, ids = model_logprobs.topk(MAX_TOP_LOGPROBS, dim=-1)
+            top = (ids.to(torch.int32), values)
+    return tokens, flags, logprobs, top
 
 
-def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Add each row's biases [R, MAX_LOGIT_BIAS] to its tokens ``ids`` (NO_TOKEN entries add nothing)."""
+    used = ids >= 0
+    return logits.scatter_add(1, torch.where(used, ids, 0), torch.where(used, values, 0.0))
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties: a token of the prompt or the output has its logit divided by the repetition
+    penalty if positive (multiplied if not); then each generated token loses frequency x its count,
+    and presence once."""
+    generated = counts > 0
+    rep = torch.where(generated | in_prompt, repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    return logits - frequency[:, None] * counts - presence[:, None] * generated
+
+
+def _filter(scaled: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """min-p and top-k (masks over the whole distribution), then top-p over what they keep."""
     sorted_vals, order = scaled.sort(dim=-1, descending=True)
     vocab = scaled.shape[-1]
     rank = torch.arange(vocab, device=scaled.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
     drop = rank >= k[:, None]
+    full = sorted_vals.softmax(dim=-1)
+    drop |= full < min_p[:, None] * full[:, :1]  # the most likely token always stays
     probs = sorted_vals.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = probs.cumsum(dim=-1) - probs

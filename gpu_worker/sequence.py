@@ -42,6 +42,7 @@ class Sequence:
     seed: int
     constrained: bool = False
     logprobs: bool = False
+    top_logprobs: bool = False  # also the most likely tokens' logprobs (published, not kept here)
     images: list[SeqImage] = field(default_factory=list)
     image_positions: np.ndarray | None = None  # sorted prompt positions of the <image> tokens
     whole_spans: list[tuple[int, int]] = field(default_factory=list)  # prompt spans no chunk ends inside

@@ -49,6 +49,7 @@ class CommittedStep:
     cached: np.ndarray  # int32: on a request's first token, its prompt tokens from the prefix cache
     logprobs: np.ndarray | None  # float32, when any row asked for them
     values: np.ndarray | None  # float32 [rows, 3], Moondream: each token's region values (coord, w, h)
+    top: tuple[np.ndarray, np.ndarray] | None = None  # int32 ids, float32 logprobs [rows, K]: the most likely
 
     @property
     def rows(self) -> int:

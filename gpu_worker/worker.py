@@ -121,6 +121,7 @@ class Worker:
         self._beat()
         info = {"model": self.engine.config.model, "device": self.engine.device.spec,
                 "max_batch": self.engine.config.max_batch, "max_model_len": self.engine.max_model_len,
+                "max_model_len_reason": self.engine.runner.context_reason,
                 "pipeline": self.engine.pipelined, "vocab_size": self.engine.vocab_size,
                 "kv_pages": self.engine.alloc.pages.capacity, "pid": os.getpid(),
                 "vision": self.engine.runner.vision is not None}
@@ -203,6 +204,7 @@ class Worker:
                       for im in msg.images]
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
                                      logprobs=msg.logprobs, seq_id=msg.seq_id, adapter=msg.adapter,
+                                     top_logprobs=msg.top_logprobs > 0,
                                      images=images, task=skill_task(msg.skill, msg.prompt_ids))
         except ValueError as e:
             self._failed.append(RequestFailed(seq_id=msg.seq_id, code="bad_request", message=str(e)))
@@ -272,7 +274,7 @@ class Worker:
                              np.uint32(TokenFlag.ZOMBIE))
             seq_ids = np.fromiter((s.seq_id for s in c.seqs), np.uint32, c.rows)
             self.ring.stamp(p, c.step, Kind.PREFILL if c.prefill else Kind.DECODE, seq_ids, flags,
-                             c.logprobs, None if self.direct_copy else c.tokens, c.values)
+                             c.logprobs, None if self.direct_copy else c.tokens, c.values, c.top)
         self.mask_requests = tick.mask_requests
         for image in tick.tiles_done:
             self._copied += image.tag

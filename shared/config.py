@@ -30,7 +30,8 @@ class EngineConfig:
     device: str = _about("auto", "auto | cpu | cuda | sim:MS (a simulated device, MS per decode step).")
     pipeline: bool = _about(True, "Blocking decode (the baseline) instead of pipelined.")  # the flag says off
     max_batch: int = _about(64, "Batch rows (concurrent sequences).")
-    max_model_len: int = _about(2048, "Context length cap (prompt + generated tokens).")
+    max_model_len: int | None = _about(None, "Context length (prompt + generated tokens); default: the model's own "
+                                              "limit (max_position_embeddings), bounded by what the KV cache holds.")
     page_size: int = 16
     kv_pages: int | None = _about(None, "KV cache pages (default: sized to memory).")
     kv_memory_fraction: float = _about(0.5, "Fraction of free GPU memory for the KV cache (CUDA, without "
@@ -48,7 +49,8 @@ class EngineConfig:
                                        "dequantizes a GGUF file.")
     quantization_group: int = _about(32, "int4's group along K (32, 64 or 128).")
     generation_config: str = _about("auto", "Where the model's generation_config.json is read from: auto (the model's "
-                                             "directory; its temperature, top_p, top_k and max_new_tokens are the "
+                                             "directory; its temperature, top_p, top_k, min_p, repetition_penalty and "
+                                             "max_new_tokens are the "
                                              "defaults of requests that leave them out), vllm (Tandem's defaults; its "
                                              "EOS ids still apply) or a folder holding one.")
     cuda_graphs: bool = True

@@ -24,7 +24,8 @@ from shared.sampling import SamplingParams
 GENERATION_CONFIG = "generation_config.json"
 AUTO, VLLM = "auto", "vllm"
 # generation_config.json's name -> SamplingParams' name, for the defaults taken from the file.
-SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
+SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def read(model_dir: str | Path, source: str = AUTO) -> dict:

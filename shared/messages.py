@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 import msgspec.structs
 
-from shared.sampling import SAMPLING_FIELDS, SamplingField, SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingField, SamplingParams
 
 __all__ = [
     "MessageError", "Sampling", "Submit", "Cancel", "Shutdown", "StatsRequest", "Stats",
@@ -44,9 +44,11 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
 
 def _wire_field(f: SamplingField) -> tuple[str, Any, Any]:
     # Token ids travel as a list (what msgpack arrays decode to, so a decoded
-    # message equals the one encoded); unset-able fields (seed) may be nil.
-    kind = list[int] if f.type is tuple else f.type
+    # message equals the one encoded), logit biases as a map; unset-able fields (seed) may be nil.
+    kind = {tuple: list[int], dict: dict[int, float]}.get(f.type, f.type)
     default = list(f.default) if f.type is tuple else f.default
+    if f.type is dict:
+        return f.name, kind, msgspec.field(default_factory=dict)
     return f.name, (Optional[kind] if f.default is None else kind), default
 
 
@@ -89,6 +91,7 @@ class Submit(_Msg, tag="submit"):
     sampling: Sampling = Sampling()
     constrained: bool = False  # the frontend will write mask rows for it
     logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # the most likely tokens' too
     mask_row: int = -1  # the row of the mask region the frontend writes this request's masks into
     images: list[SubmitImage] = []  # in prompt order
     adapter: Optional[str] = None  # a LoRA adapter's name (the worker's --lora), None = the base model

@@ -26,10 +26,10 @@ from frontend.server.zmq_server import Server
 V = b"TANDEM1"
 TERMINAL = ("done", "error")
 FINISH_REASONS = {"stop", "length", "cancelled"}
-ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "overloaded", "worker_failed",
-               "internal"}
+ERROR_CODES = {"bad_request", "unsupported_version", "duplicate_id", "too_long", "context_length_exceeded", "overloaded",
+               "worker_failed", "internal"}
 MAX_BATCH = 32
-MAX_MODEL_LEN = 2048  # ServiceConfig default
+MAX_MODEL_LEN = 2048  # tiny-random's max_position_embeddings: the default context
 VOCAB = 49152  # tiny-random (SmolLM2 tokenizer)
 LONG = 1900  # max_tokens that keeps a request live for the whole test (ignore_eos)
 
@@ -41,9 +41,9 @@ def pack(msg) -> bytes:
 class LiveServer:
     """One ``Server`` on a thread, plus a way to run code on that thread."""
 
-    def __init__(self, model: str = "tiny-random", **server_kw) -> None:
+    def __init__(self, model: str = "tiny-random", max_model_len: int | None = None, **server_kw) -> None:
         self.svc = Service(ServiceConfig(model=model, device="cpu", max_batch=MAX_BATCH, kv_pages=1200,
-                                         page_size=8))
+                                         page_size=8, max_model_len=max_model_len))
         try:
             self.server = Server(self.svc, "tcp://127.0.0.1:0", **server_kw)
         except zmq.ZMQError:  # a libzmq that wants the wildcard form

@@ -23,9 +23,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from frontend import logs
 from frontend.cli import serve_options
-from frontend.cli.options import (ENGINE_OPTIONS, GroupedCommand, engine_options, normalize_endpoint, option, sampling_options,
-                              server_options)
+from frontend.cli.options import (ENGINE_OPTIONS, GroupedCommand, config_file_option, engine_options,
+                                  normalize_endpoint, option, sampling_options, server_options)
 from frontend.client import DEFAULT_ENDPOINT
 from frontend.protocol import DEFAULT_MAX_OBJECTS
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
@@ -55,9 +56,11 @@ class _Main(click.Group):
 
 
 def _set_log_level(ctx, param, value):
-    if value is not None:
-        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")  # once (no-op after)
-        logging.getLogger().setLevel(value.upper())
+    logs.configure(level=value)
+
+
+def _set_log_format(ctx, param, value):
+    logs.configure(fmt=value)
 
 
 def log_level_option(default: str | None = None):
@@ -66,6 +69,13 @@ def log_level_option(default: str | None = None):
     return option("Other", "--log-level", type=click.Choice(LOG_LEVELS), default=default,
                   show_default=default is not None, expose_value=False, is_eager=True, callback=_set_log_level,
                   help="Logging on stderr (also the GPU worker's).")
+
+
+def log_format_option():
+    return option("Other", "--log-format", type=click.Choice(logs.FORMATS), default="text", show_default=True,
+                  expose_value=False, is_eager=True, callback=_set_log_format,
+                  help="Logging on stderr as text, or one JSON object per line for every record (and for the "
+                       "command's status lines); with --log-level info, one line per finished request.")
 
 
 def connect_option(default: str | None, help: str):
@@ -383,8 +393,11 @@ def check_endpoint_free(endpoint: str) -> None:
 @server_options
 @serve_options.network_options
 @log_level_option()
+@log_format_option()
+@config_file_option
 def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, image_workers,
-          metrics_compat, http, api_key, curve_secret_key, curve_clients, insecure, **engine_kw):
+          served_model_name, chat_template, metrics_compat, http, host, port, api_key, curve_secret_key, curve_clients,
+          insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
 
     \b
@@ -396,39 +409,44 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, e
       TANDEM_API_KEY=... tandem serve --http 0.0.0.0:8000 --curve-secret-key s.key_secret --curve-clients keys/
       tandem serve --lora pirate=./pirate-lora --lora legal=./legal-lora --max-loras 2
       tandem serve --model ./SmolVLM-256M-Instruct    # a vision-language model directory
+      tandem serve --config serve.yaml --port 9000    # options from a file (keys: long option names)
+      tandem serve --model ./my-llama --served-model-name llama --chat-template chat.jinja --log-format json
     """
-    net = serve_options.resolve(bind, http, api_key, curve_secret_key, curve_clients, insecure)
+    net = serve_options.resolve(bind, http, host, port, api_key, curve_secret_key, curve_clients, insecure)
     from frontend.server.zmq_server import Server, install_signal_handlers
     from frontend.server.service import Service
 
     check_endpoint_free(bind)  # before the model load, which can take minutes
     net.listen()
+    template = None if chat_template is None else Path(chat_template).read_text()
     cfg = service_config(engine_kw, restart=not exit_on_worker_failure, image_slots=image_slots,
-                         encoder_cache_mb=encoder_cache_mb, image_workers=image_workers)
-    click.echo(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...", err=True)
+                         encoder_cache_mb=encoder_cache_mb, image_workers=image_workers,
+                         served_model_name=served_model_name, chat_template=template)
+    logs.status(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...")
     service = Service(cfg, on_progress=_show_worker_progress)
     server = Server(service, bind, max_queue=max_queue, drain_timeout_s=drain_timeout, curve=net.curve,
                     metrics_compat=metrics_compat)
     listener = net.start_http(server)
     install_signal_handlers(server)
-    click.echo(f"tandem: serving {cfg.model} on {server.endpoint}{' and ' + listener.url if listener else ''} "
-               f"(device {service.info.get('device')}, pipeline {'on' if cfg.pipeline else 'off'}, "
-               f"worker pid {service.worker_pid})", err=True)
+    logs.status(f"tandem: serving {cfg.model}{f' as {served_model_name}' if served_model_name else ''} on "
+                f"{server.endpoint}{' and ' + listener.url if listener else ''} (device {service.info.get('device')}, "
+                f"pipeline {'on' if cfg.pipeline else 'off'}, context {service.info['max_model_len']} tokens: "
+                f"{service.info['max_model_len_reason']}, worker pid {service.worker_pid})")
     try:
         server.serve_forever()
     finally:
         if listener is not None:
             listener.stop()
-    click.echo("tandem: stopped", err=True)
+    logs.status("tandem: stopped")
 
 
 def _show_worker_progress(msg) -> None:
     """Worker start-up stages on stderr; in a terminal a counted stage updates one line."""
     line = f"tandem: worker: {msg.stage}" + (f" {msg.done}/{msg.total}" if msg.total else "")
     if sys.stderr.isatty() and msg.total:
-        click.echo("\r" + line, err=True, nl=msg.done == msg.total)
+        logs.status("\r" + line, end="\n" if msg.done == msg.total else "")
     elif not msg.total or msg.done in (1, msg.total):
-        click.echo(line, err=True)
+        logs.status(line)
 
 
 @main.command()
@@ -467,7 +485,8 @@ main.add_command(serve_options.keygen_command())
               help="The affinity router's bound: a replica takes a request its affinity sends it only while it "
                    "holds at most (1 + this) x the average load; above, the next replica in the request's order.")
 @click.pass_context
-def cluster(ctx, replicas, address, not_ready_grace, router, max_overload, http, api_key, insecure, **serve_kw):
+def cluster(ctx, replicas, address, not_ready_grace, router, max_overload, http, host, port, api_key, insecure,
+            **serve_kw):
     """Serve one HTTP address from N replicas of `tandem serve` on Ray Serve (the tandem[cluster] extra).
 
     Every option of `tandem serve` but --bind and CURVE is passed on to each replica's `tandem serve`;
@@ -479,7 +498,7 @@ def cluster(ctx, replicas, address, not_ready_grace, router, max_overload, http,
       tandem cluster --replicas 2 --model tiny-random --device cpu
       TANDEM_API_KEY=... tandem cluster --address auto --replicas 8 --device cuda --http 0.0.0.0:8000
     """
-    http_addr = serve_options.resolve_http(http, api_key, insecure)
+    http_addr = serve_options.resolve_http(http, host, port, api_key, insecure)
     if http_addr is None:
         raise click.UsageError("tandem cluster serves HTTP: --http none is not possible")
     if importlib.util.find_spec("ray") is None:

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import click
@@ -20,8 +21,8 @@ from frontend.client import DEFAULT_ENDPOINT
 from frontend.server.metrics import COMPAT
 from shared.config import INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
 from shared.lora_config import KERNELS
-from shared.models import REGISTRY
 from shared.generation_config import SAMPLING_DEFAULTS
+from shared.models import REGISTRY
 from shared.sampling import SAMPLING_FIELDS
 
 MODEL_DEFAULTS = frozenset(SAMPLING_DEFAULTS.values())  # the sampling fields a model's generation_config.json sets
@@ -90,7 +91,7 @@ def engine_options(fn: Callable) -> Callable:
         *(option("Engine", "--" + flag.replace("_", "-"), is_flag=True, help=config_field(field).metadata["help"])
           for flag, field in no.items()),
         engine_option("--max-batch", "max_batch"),
-        engine_option("--max-model-len", "max_model_len"),
+        engine_option("--max-model-len", "max_model_len", type=click.IntRange(min=2)),
         engine_option("--prefill-budget", "prefill_budget", type=click.IntRange(min=1)),
         engine_option("--kv-pages", "kv_pages", type=int),
         engine_option("--kv-memory-fraction", "kv_memory_fraction"),
@@ -139,10 +140,28 @@ def server_options(fn: Callable) -> Callable:
         option("Engine", "--image-workers", type=click.IntRange(min=1), default=None,
                help="Vision models: processes (at nice 19) that decode and tile images (default: the cores "
                     "less two, 1 to 4)."),
+        option("Server", "--served-model-name", default=None, metavar="NAME",
+               help="The model's name for HTTP clients: what /v1/models lists and what requests' model must be "
+                    "(--model's value is still accepted). Default: --model's value."),
+        option("Server", "--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+               metavar="FILE", help="A Jinja chat template (file) rendering chat messages in place of the "
+                                    "tokenizer's own."),
         option("Server", "--metrics-compat", type=click.Choice(COMPAT), default=None,
                help="Also export /metrics' running, waiting and KV-usage figures under these names (vllm: "
                     "for routers and dashboards made for vLLM)."),
     ])
+
+
+def _token_map(ctx, param, values: tuple[str, ...]) -> dict[int, float]:
+    """``("50256=-100", ...)`` -> ``{50256: -100.0}``."""
+    out = {}
+    for v in values:
+        token, _, bias = v.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise click.BadParameter(f"{v!r} is not TOKEN=BIAS (an integer = a number)", param=param) from None
+    return out
 
 
 def sampling_options(fn: Callable) -> Callable:
@@ -154,10 +173,51 @@ def sampling_options(fn: Callable) -> Callable:
             opts.append(option("Sampling", flag, is_flag=True, help=f.help))
         elif f.type is tuple:  # stop_token_ids: one --stop-token-id per id
             opts.append(option("Sampling", "--stop-token-id", f.name, multiple=True, type=int, help=f.help))
-        elif f.name in MODEL_DEFAULTS:  # left out, the model's generation_config.json value applies first
-            opts.append(option("Sampling", flag, type=f.type, default=f.default, help=f"{f.help} [default: the "
-                               f"model's generation_config.json, else {f.default}]"))
-        else:
-            opts.append(option("Sampling", flag, type=f.type, default=f.default, show_default=f.default is not None,
+        elif f.type is dict:  # logit_bias: one --logit-bias TOKEN=BIAS per token
+            opts.append(option("Sampling", flag, multiple=True, metavar="TOKEN=BIAS", callback=_token_map,
                                help=f.help))
+        else:  # left out, a field the model's generation_config.json sets takes its value first
+            model = " Left out: the model's generation_config.json value, if any." if f.name in MODEL_DEFAULTS else ""
+            opts.append(option("Sampling", flag, type=f.type, default=f.default, show_default=f.default is not None,
+                               help=f.help + model))
     return apply(fn, opts)
+
+
+def config_file_option(fn: Callable) -> Callable:
+    """``--config FILE.yaml``: the command's options from a YAML mapping whose keys are the long option
+    names (``max-model-len: 4096``, ``lora: [a=./a]``, ``insecure: true``). Flags on the command line
+    (and environment variables) win over the file; an unknown key is an error naming it."""
+    return option("Other", "--config", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
+                  is_eager=True, expose_value=False, callback=_load_config_file,
+                  help="Options from a YAML file (keys: the long option names); the command line wins.")(fn)
+
+
+def _load_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> None:
+    if path is None:
+        return
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise click.BadParameter(f"{path} is not valid YAML: {e}", ctx, param) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path} must hold a mapping of option names to values", ctx, param)
+    by_name = {opt[2:]: p for p in ctx.command.params if isinstance(p, click.Option) and p is not param
+               for opt in p.opts if opt.startswith("--")}
+    values = {}
+    for key, value in data.items():
+        opt = by_name.get(str(key))
+        if opt is None:
+            raise click.BadParameter(f"unknown key {key!r} in {path}: not an option of `{ctx.command_path}` "
+                                     "(keys are the long option names, e.g. max-model-len)", ctx, param)
+        if value is None:  # null: the option's default
+            continue
+        if opt.multiple:
+            value = value if isinstance(value, list) else [value]
+        elif not opt.is_flag and not isinstance(value, str):
+            value = str(value)  # as typed on a command line: the option's own type converts and checks it
+        values[opt.name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **values}

@@ -26,10 +26,15 @@ DEFAULT_HTTP = "127.0.0.1:8000"
 def network_options(fn):
     """The options ``tandem serve`` gains (values arrive as keyword arguments)."""
     opts = [
-        option("Server", "--http", "http", default=DEFAULT_HTTP, show_default=True,
-               help="HOST:PORT for the HTTP API (OpenAI, Moondream, /health, /metrics); 'none' turns it off."),
+        option("Server", "--http", "http", default=None, show_default=DEFAULT_HTTP,
+               help="HOST:PORT for the HTTP API (OpenAI, Moondream, /health, /metrics); 'none' turns it off. "
+                    "Or say it with --host and --port (not both ways)."),
+        option("Server", "--host", default=None, show_default=DEFAULT_HTTP.rpartition(":")[0],
+               help="The HTTP API's host (with --port; instead of --http)."),
+        option("Server", "--port", type=click.IntRange(0, 65535), default=None,
+               show_default=DEFAULT_HTTP.rpartition(":")[2], help="The HTTP API's port (with --host; instead of --http)."),
         option("Server", "--api-key", envvar="TANDEM_API_KEY", show_envvar=True, default=None,
-               help="Require this key on every HTTP route but /health (Bearer or X-Moondream-Auth)."),
+               help="Require this key on every HTTP route but the probes /health and /ready (Bearer or X-Moondream-Auth)."),
         option("Server", "--curve-secret-key", type=click.Path(dir_okay=False), default=None,
                help="ZeroMQ CURVE: the server's .key_secret file (tandem keygen)."),
         option("Server", "--curve-clients", type=click.Path(file_okay=False), default=None,
@@ -83,11 +88,11 @@ class Network:
         return HttpListener(server, *self.http, api_key=self.api_key, sock=self._sock).start()
 
 
-def resolve(bind: str, http: str, api_key: str | None, curve_secret_key: str | None, curve_clients: str | None,
-            insecure: bool) -> Network:
+def resolve(bind: str, http: str | None, host: str | None, port: int | None, api_key: str | None,
+            curve_secret_key: str | None, curve_clients: str | None, insecure: bool) -> Network:
     if (curve_secret_key is None) != (curve_clients is None):
         raise click.UsageError("CURVE needs both --curve-secret-key and --curve-clients")
-    http_addr = resolve_http(http, api_key, insecure)
+    http_addr = resolve_http(http, host, port, api_key, insecure)
     if not insecure:
         host = zmq_host(bind)
         if host is not None and curve_secret_key is None and not is_loopback(host):
@@ -98,15 +103,30 @@ def resolve(bind: str, http: str, api_key: str | None, curve_secret_key: str | N
     return Network(http_addr, api_key, curve)
 
 
-def resolve_http(http: str, api_key: str | None, insecure: bool) -> tuple[str, int] | None:
-    """``--http`` as (host, port), under the exposure rule (``tandem serve`` and ``tandem cluster``)."""
+def resolve_http(http: str | None, host: str | None, port: int | None, api_key: str | None,
+                 insecure: bool) -> tuple[str, int] | None:
+    """The HTTP address as (host, port), under the exposure rule (``tandem serve`` and ``tandem cluster``)."""
     if api_key is not None and not api_key.strip():
         raise click.UsageError("--api-key / TANDEM_API_KEY is empty")
+    http = http_address(http, host, port)
     http_addr = parse_http(http)
     if not insecure and http_addr is not None and api_key is None and not is_loopback(http_addr[0]):
         raise click.UsageError(f"refusing to serve HTTP on {http} (beyond loopback) without --api-key; "
                                "set one (or TANDEM_API_KEY), bind 127.0.0.1, or pass --insecure")
     return http_addr
+
+
+def http_address(http: str | None, host: str | None, port: int | None) -> str:
+    """``--http HOST:PORT`` (or none), or ``--host`` and ``--port``, each defaulting to its part of
+    DEFAULT_HTTP: one way to say it per command line (both ways is a usage error, even if they agree)."""
+    if http is not None and (host is not None or port is not None):
+        raise click.UsageError("give the HTTP address either as --http HOST:PORT or as --host/--port, not both")
+    if http is not None:
+        return http
+    default_host, _, default_port = DEFAULT_HTTP.rpartition(":")
+    host = default_host if host is None else host
+    port = default_port if port is None else port
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 host in brackets
 
 
 def parse_http(text: str) -> tuple[str, int] | None:

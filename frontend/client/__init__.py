@@ -50,6 +50,7 @@ from frontend.client.core import DEFAULT_ENDPOINT, GENERATE_OPTIONS, VERSION_FRA
 from frontend.client.errors import (
                                     BadRequest,
                                     ConnectionClosed,
+                                    ContextLengthExceeded,
                                     DuplicateId,
                                     InternalError,
                                     Overloaded,
@@ -71,6 +72,7 @@ __all__ = [
     "UnsupportedVersion",
     "DuplicateId",
     "TooLong",
+    "ContextLengthExceeded",
     "Overloaded",
     "WorkerFailed",
     "InternalError",

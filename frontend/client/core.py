@@ -33,12 +33,15 @@ GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) 
 
 @dataclass
 class Chunk:
-    """One ``chunk``: the text and token ids new since the previous chunk."""
+    """One ``chunk``: the text and token ids new since the previous chunk (and their logprobs,
+    if the request asked for them)."""
 
     id: str
     seq: int
     text: str
     token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list | None = None  # per token id: [token id, logprob] pairs, best first
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Result:
     logprobs: Any = None  # only with logprobs=True
     reasoning: Any = None  # a Moondream reasoning query: {text, token_ids, grounding}
     id: str = ""
+    top_logprobs: Any = None  # only with top_logprobs=N: per token, N [token id, logprob] pairs, best first
 
     @classmethod
     def _from_msg(cls, msg: dict) -> Result:
@@ -67,11 +71,13 @@ class Result:
             output=msg.get("output"),
             logprobs=msg.get("logprobs"),
             reasoning=msg.get("reasoning"),
+            top_logprobs=msg.get("top_logprobs"),
         )
 
 
 def chunk_from(msg: dict) -> Chunk:
-    return Chunk(msg.get("id"), msg.get("seq", 0), msg.get("text", ""), list(msg.get("token_ids") or []))
+    return Chunk(msg.get("id"), msg.get("seq", 0), msg.get("text", ""), list(msg.get("token_ids") or []),
+                 msg.get("logprobs"), msg.get("top_logprobs"))
 
 
 CLOSED = {"type": "_closed"}  # put into every waiting queue when the client closes
@@ -395,9 +401,10 @@ class ClientBase:
         or ``prompt_token_ids=``; ``request_id=`` (default: a fresh uuid4 hex);
         ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
         max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, logprobs, grammar, images (paths, bytes or PIL images, placed by
+        ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p,
+        logit_bias, logprobs, top_logprobs, grammar, images (paths, bytes or PIL images, placed by
         ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
-        server's defaults apply: max_tokens 256, temperature 0 = greedy, top_p 1,
+        server's defaults apply: max_tokens the rest of the context, temperature 0 = greedy, top_p 1,
         top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
         server ``error``.
         """

@@ -6,7 +6,7 @@ class TandemError(Exception):
     """An ``error`` from the server (or a client-side failure); see ``.code``.
 
     ``code`` is one of the protocol's codes (``bad_request``, ``unsupported_version``,
-    ``duplicate_id``, ``too_long``, ``overloaded``, ``worker_failed``, ``internal``)
+    ``duplicate_id``, ``too_long``, ``context_length_exceeded``, ``overloaded``, ``worker_failed``, ``internal``)
     or, for client-side failures, ``timeout`` / ``closed``.  ``id`` is the
     request id, when there is one.  Each code has a subclass; catch
     ``TandemError`` and check ``.code``, or catch the subclass.
@@ -48,6 +48,12 @@ class TooLong(TandemError):
     code = "too_long"
 
 
+class ContextLengthExceeded(TooLong):
+    """The prompt does not fit the model's context (a kind of too long)."""
+
+    code = "context_length_exceeded"
+
+
 class Overloaded(TandemError):
     code = "overloaded"
 
@@ -74,5 +80,6 @@ class ConnectionClosed(TandemError):
 
 _ERROR_CLASSES: dict[str, type[TandemError]] = {
     c.code: c
-    for c in (BadRequest, UnsupportedVersion, DuplicateId, TooLong, Overloaded, WorkerFailed, InternalError)
+    for c in (BadRequest, UnsupportedVersion, DuplicateId, TooLong, ContextLengthExceeded, Overloaded, WorkerFailed,
+              InternalError)
 }

@@ -26,7 +26,7 @@ from .router import AffinityRouter
 from .routing import checked_overload
 
 CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router", "max_overload")
-NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "api_key", "insecure"})  # the last three are the ingress's
+NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "host", "port", "api_key", "insecure"})  # all but SERVE_ONLY: the ingress's
 HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 1.0
 QUIET = {"enable_access_log": False}  # Serve logs a line per request and per replica call otherwise

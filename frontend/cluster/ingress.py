@@ -56,8 +56,8 @@ class ClusterBridge:
         self._queues: dict[str, asyncio.Queue] = {}  # Call.forget drops its own
         self._pumps: dict[str, asyncio.Task] = {}
 
-    def generate(self, fields: dict[str, Any], session: str | None = None) -> Call:
-        rid = f"c{next(self._ids)}"
+    def generate(self, fields: dict[str, Any], session: str | None = None, rid: str | None = None) -> Call:
+        rid = rid or f"c{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         route = {"session": session} if session else {"prefix_pages": self._prefix_pages(fields)}
@@ -177,7 +177,9 @@ class TandemIngress:
         info = await replicas.info.remote()
         tokenizer = load_tokenizer(info["model"])
         self._bridge = ClusterBridge(replicas, tokenizer)
-        self._ctx = Context(bridge=self._bridge, model=info["model"], tokenizer=tokenizer,
+        name = info.get("served_model_name") or info["model"]
+        self._ctx = Context(bridge=self._bridge, model=name, tokenizer=tokenizer,
+                            aliases=tuple({info["model"]} - {name}), max_model_len=int(info["max_model_len"]),
                             adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")),
                             native_skills=native_skills(info.get("family")),
                             sampling_defaults=info.get("sampling_defaults") or {})

@@ -6,7 +6,8 @@ there is one request table and one validation. Modules: ``app.py`` (routes,
 API key), ``openai.py``, ``moondream.py``, ``playground.py`` (the page at
 ``/``, in ``static/``, and ``/v1/stats``), ``common.py`` (body, model, images,
 disconnects, SSE), ``errors.py`` (statuses), ``listener.py`` (uvicorn on its
-own thread). Contract: docs/HTTP.md.
+own thread), ``tokens.py`` (``/tokenize``, ``/detokenize``), ``openapi.py`` (``/openapi.json`` and
+the bodies' JSON types ``common.read_json`` checks). Contract: docs/HTTP.md.
 """
 from .listener import HttpListener
 

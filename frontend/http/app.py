@@ -2,18 +2,24 @@
 
 Routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
 (``openai.py``); ``/v1/caption``, ``/v1/query``, ``/v1/point``, ``/v1/detect``
-(``moondream.py``); ``GET /``, the playground page, and ``GET /v1/stats``, its
-live figures (``playground.py``); ``GET /health`` (200 once the worker is ready,
-503 while it starts or restarts, or the server drains) and ``GET /metrics``
-(Prometheus).
+(``moondream.py``); ``/tokenize``, ``/detokenize`` (``tokens.py``); ``GET /``, the
+playground page, and ``GET /v1/stats``, its live figures (``playground.py``);
+``GET /version``, ``GET /metrics`` (Prometheus), ``GET /openapi.json`` (``openapi.py``: the
+document, built from the routes below and the definitions the validation uses) and the probes:
 
-With an API key every route but ``/health`` and the page's own files needs
+- ``GET /health``: live. 200 whenever the process answers, also while the worker
+  restarts or the server drains (a liveness probe must not kill a pod that heals itself).
+- ``GET /ready``: 200 only while the worker is up and warm and the server takes
+  requests; else 503 naming why (``starting``, ``restarting``, ``draining``, ``stopped``).
+
+With an API key every route but the probes and the page's own files needs
 ``Authorization: Bearer KEY`` or ``X-Moondream-Auth: KEY``; anything else is a
 401 before the request is read (no work is done for it).
 """
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import logging
 from typing import Callable
 
@@ -26,17 +32,25 @@ from starlette.routing import Route
 
 from frontend.server.metrics import CONTENT_TYPE, Metrics
 from ..protocol import Unencodable
-from . import moondream, openai, playground
+from . import moondream, openai, openapi, playground, tokens
 from .common import ClientGone, Context, server_info
 from .errors import HttpError, bad_request
 
 log = logging.getLogger("tandem.http")
 
-OPEN_PATHS = frozenset({"/health"})
+VERSION = importlib.metadata.version("tandem")
+
+OPEN_PATHS = frozenset({"/health", "/ready"})
+NOT_READY = {  # /ready's answer for each state but ready
+    "starting": "the worker is loading the model and warming up",
+    "restarting": "the worker failed and a new one is warming up; requests wait for it",
+    "draining": "the server is shutting down: requests in flight finish, new ones are refused",
+    "stopped": "the server has no worker",
+}
 
 
-def build_app(ctx: Context, metrics: Metrics, health: Callable[[], str], api_key: str | None = None):
-    """``health()`` names the server's state: ``ready``, or why it is not (``starting`` ...)."""
+def build_app(ctx: Context, metrics: Metrics, state: Callable[[], str], api_key: str | None = None):
+    """``state()`` names the server's state: ``ready``, or why it is not (a key of ``NOT_READY``)."""
 
     def post(fn):
         async def endpoint(request: Request):
@@ -49,9 +63,17 @@ def build_app(ctx: Context, metrics: Metrics, health: Callable[[], str], api_key
     async def models(request: Request):
         return openai.models(ctx)
 
-    async def health_route(request: Request):
-        state = health()
-        return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
+    async def health(request: Request):
+        return JSONResponse({"status": "live", "state": state()})
+
+    async def ready(request: Request):
+        now = state()
+        if now == "ready":
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": now, "reason": NOT_READY[now]}, status_code=503)
+
+    async def version(request: Request):
+        return JSONResponse({"version": VERSION})
 
     async def metrics_route(request: Request):
         # info None (the server loop is busy): counters and histograms only
@@ -65,10 +87,22 @@ def build_app(ctx: Context, metrics: Metrics, health: Callable[[], str], api_key
         Route("/v1/query", post(moondream.query), methods=["POST"]),
         Route("/v1/point", post(moondream.point), methods=["POST"]),
         Route("/v1/detect", post(moondream.detect), methods=["POST"]),
-        Route("/health", health_route, methods=["GET"]),
+        Route("/tokenize", post(tokens.tokenize), methods=["POST"]),
+        Route("/detokenize", post(tokens.detokenize), methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         *playground.routes(ctx, metrics),
     ]
+    served = [(r.path, tuple(sorted(r.methods - {"HEAD"}))) for r in routes if isinstance(r, Route)]
+    served.append(("/openapi.json", ("GET",)))
+    spec = openapi.document(served, _is_open, VERSION)  # (the document lists itself)
+
+    async def openapi_route(request: Request):
+        return JSONResponse(spec)
+
+    routes.append(Route("/openapi.json", openapi_route, methods=["GET"]))
     handlers = {HttpError: _http_error, Unencodable: _unencodable, HTTPException: _starlette_error}
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(InternalErrors)])
     return ApiKeyAuth(app, api_key) if api_key else app

@@ -74,10 +74,11 @@ class Bridge:
         return {"type": "error", "id": None, "code": code, "message": message}
 
     # ------------------------------------------------------------------ requests
-    def generate(self, fields: dict[str, Any], session: str | None = None) -> "Call":
+    def generate(self, fields: dict[str, Any], session: str | None = None, rid: str | None = None) -> "Call":
         """``session``: the client's session (``common.session_of``); a cluster's ingress routes by
-        it (``frontend/cluster``), one server has nothing to route."""
-        rid = f"h{next(self._ids)}"
+        it (``frontend/cluster``), one server has nothing to route. ``rid``: the request's id (unique:
+        the id its HTTP answer carries, so the server's log line names it); default ``h<n>``."""
+        rid = rid or f"h{next(self._ids)}"
         frames = encode_message({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
         self._demux.add_request(rid, q)

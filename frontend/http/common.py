@@ -13,8 +13,10 @@ from typing import Any, AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
+from ..protocol import DEFAULT_LIMITS, Limits
 from .bridge import Bridge, Call
 from .errors import HttpError, bad_request
+from .openapi import check_body
 
 MAX_BODY_BYTES = 32 << 20  # images travel as data: URLs; the server's own limits apply after this
 
@@ -24,8 +26,11 @@ class Context:
     """What the routes need from the server (shared by every request on the HTTP loop)."""
 
     bridge: Bridge
-    model: str  # the served model's name, as /v1/models lists it
-    tokenizer: Any = None  # for logprobs' token strings (decoding only)
+    model: str  # the served model's name (--served-model-name, else --model), as /v1/models lists it
+    tokenizer: Any = None  # logprobs' token strings, /tokenize and /detokenize (this loop's own copy)
+    aliases: tuple[str, ...] = ()  # other names a request may give the served model (--model, when renamed)
+    max_model_len: int = 0  # the context: prompt + generated tokens
+    limits: Limits = DEFAULT_LIMITS  # the server's (prompt size, vocabulary): /tokenize checks what generate would
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (--lora): OpenAI routes take them as models
     vision: bool = False  # the model takes images
     native_skills: bool = False  # the model renders its own skill prompts (Moondream: shared/families)
@@ -59,14 +64,15 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    check_body(request.url.path, body)  # each field's JSON type, as /openapi.json states it
     return body
 
 
 def check_model(ctx: Context, body: dict[str, Any], adapters: bool = False) -> str:
-    """The ``model`` the request names (absent: the served one); 404 for any other. With
-    ``adapters``, the name of a served LoRA adapter is a model too (see :func:`adapter_field`)."""
+    """The ``model`` the request names (absent, or one of its aliases: the served name); 404 for any
+    other. With ``adapters``, the name of a served LoRA adapter is a model too (see :func:`adapter_field`)."""
     model = body.get("model")
-    if model is None:
+    if model is None or model in ctx.aliases:
         return ctx.model
     if not isinstance(model, str):
         raise bad_request(f"model must be a string, got {_json_type(model)}")

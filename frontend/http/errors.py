@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 STATUS = {
     "bad_request": (400, "invalid_request_error"),
     "too_long": (413, "invalid_request_error"),
+    "context_length_exceeded": (400, "invalid_request_error"),  # OpenAI's status and code for it
     "overloaded": (503, "server_overloaded"),
     "worker_failed": (503, "server_error"),
     "internal": (500, "server_error"),

@@ -17,6 +17,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from frontend.server.service import served_name
+
 from .app import build_app
 from .bridge import Bridge
 from .common import Context
@@ -80,7 +82,7 @@ class HttpListener:
             self._uvicorn.should_exit = True
         self._thread.join(timeout)
 
-    def _health(self) -> str:
+    def _state(self) -> str:
         server = self._server
         if server.draining:
             return "draining"
@@ -104,11 +106,13 @@ class HttpListener:
         service = self._server.service
         # The loop thread's tokenizer is its own (a Rust tokenizer borrowed by two threads at once
         # may raise "Already borrowed"): this thread decodes logprobs' token strings with a copy.
-        ctx = Context(bridge=bridge, model=service.config.model, tokenizer=copy.deepcopy(service.tokenizer),
-                      adapters=tuple(service.adapters), vision=service.model.vision,
+        name = served_name(service.config)
+        ctx = Context(bridge=bridge, model=name, tokenizer=copy.deepcopy(service.tokenizer),
+                      aliases=tuple({service.config.model} - {name}), max_model_len=self._server.gate.max_model_len,
+                      limits=self._server.limits, adapters=tuple(service.adapters), vision=service.model.vision,
                       native_skills=service.model.family.native_skills,
                       sampling_defaults=service.model.sampling_defaults)
-        app = build_app(ctx, self._server.metrics, self._health, self._api_key)
+        app = build_app(ctx, self._server.metrics, self._state, self._api_key)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, ws="none", http=JsonErrorsH11Protocol)
         self._uvicorn = uvicorn.Server(config)

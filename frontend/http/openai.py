@@ -4,21 +4,22 @@ An OpenAI request becomes one protocol ``generate``; the server validates it
 (types, ranges, limits; ``bad_request`` names the field) like any ZeroMQ
 request. What this module checks is only the HTTP shape the protocol does not
 have: message content parts, ``stop`` as a string, ``response_format``,
-``n``, the completions ``prompt`` forms. Unknown fields are ignored, as
-OpenAI does.
+``n``, ``tools``/``tool_choice`` (refused: never dropped in silence), the
+completions ``prompt`` forms. Unknown fields are ignored, as OpenAI does.
 
 Defaults follow OpenAI, not the protocol: ``temperature`` 1.0, unless the model's
 generation_config.json has one (then the server applies it, as it does its other
 sampling defaults: ``Gate.sampling``). Without ``max_tokens``/``max_completion_tokens``
-the model's default or else the protocol's (256) applies.
-Extras beyond OpenAI's fields: ``top_k``, ``ignore_eos``, ``stop_token_ids``
-(as vLLM takes them) and ``grammar`` (the protocol's grammar map:
+the model's default applies, else the protocol's (as vLLM: the rest of the context).
+Extras beyond OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids`` (as vLLM takes them) and ``grammar`` (the protocol's grammar map:
 ``{"kind": "point"|"box", "max_objects": n}``, ``{"kind": "regex", "pattern": s}``,
 ``{"kind": "json_schema", "schema": {...}}``), whose parsed result comes back
 as ``choices[0].output``. See docs/HTTP.md.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -27,32 +28,36 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from shared.sampling import MAX_TOP_LOGPROBS
+
 from .bridge import Call
 from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
-                     session_of, sse, sse_response, terminal_or_raise)
+                     session_of, sse, sse_response, terminal_or_raise, unless_gone)
 from .errors import HttpError, bad_request
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where the model has none
-PASS_THROUGH = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop_token_ids")
+# OpenAI's sampling fields and vLLM's extras, the protocol's names: the server checks them.
+MAX_N = 16  # choices per request (n): each is a sequence of the batch, its KV reserved at admission
+PASS_THROUGH = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
 ROLE_ALIASES = {"developer": "system"}
 
 
 def models(ctx: Context) -> JSONResponse:
-    adapters = [{"id": a, "object": "model", "created": CREATED, "owned_by": "tandem", "parent": ctx.model}
-                for a in ctx.adapters]  # LoRA adapters, as vLLM lists them
-    return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model, "object": "model", "created": CREATED, "owned_by": "tandem"}, *adapters]})
+    base = {"object": "model", "created": CREATED, "owned_by": "tandem", "max_model_len": ctx.max_model_len}
+    adapters = [{"id": a, **base, "parent": ctx.model} for a in ctx.adapters]  # LoRA adapters, as vLLM lists them
+    return JSONResponse({"object": "list", "data": [{"id": ctx.model, **base}, *adapters]})
 
 
 async def chat_completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     model = check_model(ctx, body, adapters=True)
     images: list[bytes] = []
-    fields = {"messages": _messages(ctx, body.get("messages"), images), **_sampling(ctx, body, chat=True),
+    fields = {"messages": chat_messages(ctx, body.get("messages"), images), **_sampling(ctx, body, chat=True),
               **adapter_field(ctx, model)}
     if images:
         fields["images"] = images
-    return await _respond(ctx, request, body, model, fields, _ChatShape())
+    return await _respond(ctx, request, body, model, fields, _ChatShape)
 
 
 async def completions(ctx: Context, request: Request):
@@ -65,7 +70,7 @@ async def completions(ctx: Context, request: Request):
     if field(body, "best_of", int, "an integer") not in (None, 1):
         raise bad_request("best_of must be 1")
     fields = {**_prompt(body.get("prompt")), **_sampling(ctx, body, chat=False), **adapter_field(ctx, model)}
-    return await _respond(ctx, request, body, model, fields, _CompletionShape())
+    return await _respond(ctx, request, body, model, fields, _CompletionShape)
 
 
 # --------------------------------------------------------------------------- request mapping
@@ -82,15 +87,20 @@ def _sampling(ctx: Context, body: dict[str, Any], chat: bool) -> dict[str, Any]:
     stop = body.get("stop")
     if stop is not None:
         out["stop"] = [stop] if isinstance(stop, str) else stop
-    if field(body, "n", int, "an integer") not in (None, 1):
-        raise bad_request("n must be 1 (one choice per request)")
-    lp = body.get("logprobs")
     if chat:
+        _refuse_tools(body)
+    if chat:  # logprobs: true, and top_logprobs: the most likely alternatives of each token
         out["logprobs"] = bool(field(body, "logprobs", bool, "a boolean"))
-    else:  # completions: the number of top alternatives; only the chosen token's logprob is given
-        out["logprobs"] = field(body, "logprobs", int, "an integer") is not None
-    if lp is not None and field(body, "top_logprobs", int, "an integer"):
-        raise bad_request("top_logprobs is not supported (only the chosen token's logprob)")
+        top = field(body, "top_logprobs", int, "an integer")
+        if top is not None and not out["logprobs"]:
+            raise bad_request("top_logprobs needs logprobs: true")
+    else:  # completions: logprobs is the number of alternatives
+        top = field(body, "logprobs", int, "an integer")
+        out["logprobs"] = top is not None
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    if top:
+        out["top_logprobs"] = top  # the server checks its range
     grammar = _response_format(body.get("response_format"))
     if body.get("grammar") is not None:
         if grammar is not None:
@@ -104,6 +114,19 @@ def _sampling(ctx: Context, body: dict[str, Any], chat: bool) -> dict[str, Any]:
     if so is not None and not isinstance(so.get("include_usage", False), bool):
         raise bad_request("stream_options.include_usage must be a boolean")
     return out
+
+
+def _refuse_tools(body: dict[str, Any]) -> None:
+    """Tool calling is not served: a request that offers tools is a 400 naming the field, never
+    answered as if they were not there (``tool_choice: "none"`` asks for no call: that is served)."""
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return
+    if body.get("tools"):
+        raise bad_request("tools: tool calling is not supported by this server (send tool_choice: \"none\" "
+                          "or no tools)")
+    if choice is not None:
+        raise bad_request(f"tool_choice: tool calling is not supported by this server, got {json.dumps(choice)[:80]}")
 
 
 def _response_format(rf: Any) -> dict[str, Any] | None:
@@ -124,7 +147,7 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def _messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
+def chat_messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
     """The protocol's messages; the files of ``image_url`` parts are appended to ``images``."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array")
@@ -144,8 +167,8 @@ def _messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str
     return out
 
 
-def _content_parts(ctx: Context, parts: list, where: str, images: list[bytes]) -> str | list[dict[str, Any]]:
-    """Text parts joined into one string; with images, the protocol's text and image parts in order."""
+def _content_parts(ctx: Context, parts: list, where: str, images: list[bytes]) -> list[dict[str, Any]]:
+    """The protocol's text and image parts in order (the server renders them as for any client)."""
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -158,9 +181,7 @@ def _content_parts(ctx: Context, parts: list, where: str, images: list[bytes]) -
             out.append({"type": "image"})
         else:
             raise bad_request(f"{where}[{j}] must be a text or image_url part, got type {kind!r}")
-    if any(p["type"] == "image" for p in out):
-        return out
-    return "\n".join(p["text"] for p in out)
+    return out
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
@@ -176,59 +197,139 @@ def _prompt(prompt: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- answers
 
 
-async def _respond(ctx: Context, request: Request, body: dict, model: str, fields: dict, shape: "_Shape"):
-    stream = field(body, "stream", bool, "a boolean")
-    call = ctx.bridge.generate({**fields, "stream": bool(stream)}, session=session_of(request, body))
+async def _respond(ctx: Context, request: Request, body: dict, model: str, fields: dict, shape: type["_Shape"]):
+    stream = bool(field(body, "stream", bool, "a boolean"))
+    n = field(body, "n", int, "an integer")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {n}")
+    shapes = [shape(i) for i in range(n)]
     meta = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
-    if not stream:
-        done = await run_to_end(request, call)
-        return JSONResponse({**meta, "object": shape.object, "choices": [shape.choice(ctx, done)],
-                             "usage": _usage(done)})
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    batches = call.batches()
-    first = await first_event(request, batches)
-    return sse_response(_stream(ctx, call, batches, first, meta, shape, include_usage))
+    session = session_of(request, body)
+    # Each choice is one request of the protocol. The first streams (between the processes, whatever the
+    # client asked) and the others start at its first token: its prompt's KV pages are in the prefix
+    # cache by then, so they map them instead of computing them again.
+    calls = [ctx.bridge.generate({**fields, "stream": stream or n > 1}, session=session, rid=meta["id"])]
+    try:
+        if n == 1 and not stream:
+            done = await run_to_end(request, calls[0])
+            return JSONResponse({**meta, "object": shape.object, "choices": [shapes[0].choice(ctx, done)],
+                                 "usage": _usage([done])})
+        batches = [calls[0].batches()]
+        first = await first_event(request, batches[0])
+        for i in range(1, n):
+            calls.append(ctx.bridge.generate({**_choice_fields(fields, i), "stream": stream}, session=session,
+                                             rid=f"{meta['id']}-{i}"))
+            batches.append(calls[i].batches())
+        if stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            body_stream = _stream(ctx, calls, batches, first, meta, shapes, include_usage, fields["logprobs"])
+            calls = []  # the stream owns them now
+            return sse_response(body_stream)
+        dones = await unless_gone(request, asyncio.gather(_terminal(batches[0], first),
+                                                           *(_terminal(b, None) for b in batches[1:])))
+        dones = [terminal_or_raise(d) for d in dones]
+        return JSONResponse({**meta, "object": shape.object, "usage": _usage(dones),
+                             "choices": [s.choice(ctx, d) for s, d in zip(shapes, dones)]})
+    finally:
+        for call in calls:
+            call.abandon()  # an error or a client gone: the other choices stop too (no-op once ended)
+
+
+def _choice_fields(fields: dict, i: int) -> dict:
+    """Choice i's request: with a seed, its own reproducible stream (the request with seed + i)."""
+    if fields.get("seed") is None:
+        return fields
+    seed = fields["seed"] + i
+    return {**fields, "seed": seed - (1 << 64) if seed >= 1 << 64 else seed}
+
+
+async def _terminal(batches: AsyncIterator[list], first: list | None) -> dict:
+    """A call's terminal message, after ``first`` (a batch already taken from ``batches``)."""
+    if first is not None and first[-1]["type"] != "chunk":
+        return first[-1]
+    async for batch in batches:
+        if batch[-1]["type"] != "chunk":
+            return batch[-1]
+    raise AssertionError("unreachable: batches end with a terminal message")
 
 
 _MARK = "\u0000text\u0000"
 
 
-async def _stream(ctx: Context, call: Call, batches: AsyncIterator[list], first: list, meta: dict, shape: "_Shape",
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body. Text chunks are the hot path: one pre-encoded template per stream with the
-    text spliced in, and whatever arrived together goes out in one write."""
-    head = {**meta, "object": shape.chunk_object}
+async def _stream(ctx: Context, calls: list[Call], batches: list[AsyncIterator[list]], first: list, meta: dict,
+                  shapes: list["_Shape"], include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
+    """The SSE body, the choices interleaved as their messages arrive. Text chunks are the hot path:
+    one pre-encoded template per choice with the text spliced in, and whatever arrived together goes
+    out in one write. With logprobs, each chunk carries its tokens' (a token whose text is not out
+    yet goes with the next chunk)."""
+    head = {**meta, "object": shapes[0].chunk_object}
     extra = {"usage": None} if include_usage else {}
-    before, after = sse({**head, "choices": [shape.delta(_MARK)], **extra}).split(json.dumps(_MARK).encode())
+    templates = [sse({**head, "choices": [s.delta(_MARK)], **extra}).split(json.dumps(_MARK).encode())
+                 for s in shapes]
+    # per choice, not sent yet (their text is held back)
+    held = [{"token_ids": [], "logprobs": [], "top_logprobs": []} for _ in shapes]
+
+    def chunk(i: int, m: dict) -> bytes | None:
+        if not want_logprobs:
+            return templates[i][0] + json.dumps(m["text"]).encode() + templates[i][1] if m["text"] else None
+        for key, values in held[i].items():
+            values.extend(m.get(key) or ())
+        if not m["text"]:
+            return None
+        lp = shapes[i].logprobs(ctx, **held[i])
+        for values in held[i].values():
+            values.clear()
+        return sse({**head, "choices": [shapes[i].delta(m["text"], lp)], **extra})
+
+    # The next batch of each choice still running: read only while this body is being read, so a
+    # client gone (this generator left) leaves the requests unread, and their cancel goes out.
+    waiting: dict[asyncio.Future, int] = {}
+    ready: list[tuple[int, list]] = [(0, first)]
+    for i in range(1, len(shapes)):
+        waiting[asyncio.ensure_future(batches[i].__anext__())] = i
+    dones: list[dict] = []
     try:
-        opening = shape.opening()
-        if opening is not None:
-            yield sse({**head, "choices": [opening], **extra})
-        batch = first
-        while True:
-            out = [before + json.dumps(m["text"]).encode() + after for m in batch if m["type"] == "chunk" and m["text"]]
+        openings = [s.opening() for s in shapes]
+        if openings[0] is not None:
+            yield b"".join(sse({**head, "choices": [o], **extra}) for o in openings)
+        while len(dones) < len(shapes):
+            if ready:
+                i, batch = ready.pop(0)
+            elif len(shapes) == 1:  # one choice: read it here, no task in between
+                i, batch = 0, await batches[0].__anext__()
+            else:
+                arrived, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                ready.extend((waiting.pop(f), f.result()) for f in arrived)
+                i, batch = ready.pop(0)
+            if len(shapes) > 1 and batch[-1]["type"] == "chunk":
+                waiting[asyncio.ensure_future(batches[i].__anext__())] = i
+            out = [c for c in (chunk(i, m) for m in batch if m["type"] == "chunk") if c is not None]
             last = batch[-1]
             if last["type"] != "chunk":
                 done = terminal_or_raise(last)
-                out.append(sse({**head, "choices": [shape.last(ctx, done)], **extra}))
-                if include_usage:
-                    out.append(sse({**head, "choices": [], "usage": _usage(done)}))
-                yield b"".join(out)
-                break
+                dones.append(done)
+                rest = shapes[i].logprobs(ctx, **held[i]) if want_logprobs and held[i]["token_ids"] else None
+                out.append(sse({**head, "choices": [shapes[i].last(ctx, done, rest)], **extra}))
+                if include_usage and len(dones) == len(shapes):
+                    out.append(sse({**head, "choices": [], "usage": _usage(dones)}))
             if out:
                 yield b"".join(out)
-            batch = await batches.__anext__()
     except HttpError as e:  # after the 200 went out: the error as an event, as OpenAI does
         yield sse(e.body())
     finally:
-        call.abandon()  # the client went away mid-stream: cancel (no-op once ended)
+        for f in waiting:
+            f.cancel()
+        for call in calls:
+            call.abandon()  # the client went away mid-stream: cancel (no-op once ended)
     yield b"data: [DONE]\n\n"
 
 
-def _usage(done: dict) -> dict[str, int]:
-    u = done["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+def _usage(dones: list[dict]) -> dict[str, int]:
+    """One prompt, every choice's completion."""
+    prompt = dones[0]["usage"]["prompt_tokens"]
+    completion = sum(d["usage"]["completion_tokens"] for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _token_texts(ctx: Context, token_ids: list[int]) -> list[str]:
@@ -236,71 +337,97 @@ def _token_texts(ctx: Context, token_ids: list[int]) -> list[str]:
         [str(t) for t in token_ids]
 
 
+def _texts(ctx: Context, token_ids: list[int], top_logprobs: list | None) -> tuple[list[str], list[list]]:
+    """The tokens' texts, and per token its alternatives as (text, logprob), best first (one decode call)."""
+    tops = top_logprobs or [[] for _ in token_ids]
+    texts = _token_texts(ctx, [*token_ids, *(t for top in tops for t, _ in top)])
+    at = len(token_ids)
+    alternatives = []
+    for top in tops:
+        alternatives.append([(texts[at + j], lp) for j, (_, lp) in enumerate(top)])
+        at += len(top)
+    return texts[:len(token_ids)], alternatives
+
+
 class _Shape:
+    """One choice's pieces of the answer (``index``: its place among the request's ``n``)."""
+
     prefix = object = chunk_object = ""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
 
     def choice(self, ctx: Context, done: dict) -> dict: ...
     def opening(self) -> dict | None: ...
-    def delta(self, text: str) -> dict: ...
-    def last(self, ctx: Context, done: dict) -> dict: ...
+    def delta(self, text: str, logprobs: dict | None = None) -> dict: ...
+    def last(self, ctx: Context, done: dict, logprobs: dict | None) -> dict: ...
 
-    def _end_fields(self, ctx: Context, done: dict) -> dict:
-        out: dict[str, Any] = {"finish_reason": done["finish_reason"], "logprobs": self.logprobs(ctx, done)}
+    def _end_fields(self, done: dict, logprobs: dict | None) -> dict:
+        out: dict[str, Any] = {"finish_reason": done["finish_reason"], "logprobs": logprobs}
         if "output" in done:
             out["output"] = done["output"]  # the grammar's parsed result (a Tandem extra)
         return out
 
-    def logprobs(self, ctx: Context, done: dict) -> Any: ...
+    def all_logprobs(self, ctx: Context, done: dict) -> dict | None:
+        """The whole completion's logprobs (a non-streamed answer), None if not asked."""
+        if "logprobs" not in done:
+            return None
+        return self.logprobs(ctx, done["token_ids"], done["logprobs"], done.get("top_logprobs"))
+
+    def logprobs(self, ctx: Context, token_ids: list[int], logprobs: list[float], top_logprobs: list | None) -> dict:
+        """``top_logprobs``: per token, its alternatives' [token id, logprob] pairs (empty or None: none asked)."""
 
 
 class _ChatShape(_Shape):
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def choice(self, ctx, done):
-        return {"index": 0, "message": {"role": "assistant", "content": done["text"]}, **self._end_fields(ctx, done)}
+        return {"index": self.index, "message": {"role": "assistant", "content": done["text"]},
+                **self._end_fields(done, self.all_logprobs(ctx, done))}
 
     def opening(self):
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, text):
-        return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    def delta(self, text, logprobs=None):
+        return {"index": self.index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
 
-    def last(self, ctx, done):
-        return {"index": 0, "delta": {}, **self._end_fields(ctx, done)}
+    def last(self, ctx, done, logprobs):
+        return {"index": self.index, "delta": {}, **self._end_fields(done, logprobs)}
 
-    def logprobs(self, ctx, done):
-        if "logprobs" not in done:
-            return None
-        tokens = _token_texts(ctx, done["token_ids"])
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, done["logprobs"])]}
+    def logprobs(self, ctx, token_ids, logprobs, top_logprobs=None):
+        tokens, tops = _texts(ctx, token_ids, top_logprobs)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top]}
+                            for t, lp, top in zip(tokens, logprobs, tops)]}
 
 
 class _CompletionShape(_Shape):
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self.offset = 0  # text_offset of the next token: its tokens' texts so far (streamed in parts)
+
     def choice(self, ctx, done):
-        return {"index": 0, "text": done["text"], **self._end_fields(ctx, done)}
+        return {"index": self.index, "text": done["text"], **self._end_fields(done, self.all_logprobs(ctx, done))}
 
     def opening(self):
         return None
 
-    def delta(self, text):
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    def delta(self, text, logprobs=None):
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
-    def last(self, ctx, done):
-        return {"index": 0, "text": "", **self._end_fields(ctx, done)}
+    def last(self, ctx, done, logprobs):
+        return {"index": self.index, "text": "", **self._end_fields(done, logprobs)}
 
-    def logprobs(self, ctx, done):
-        if "logprobs" not in done:
-            return None
-        tokens = _token_texts(ctx, done["token_ids"])
-        offsets, pos = [], 0
+    def logprobs(self, ctx, token_ids, logprobs, top_logprobs=None):
+        tokens, tops = _texts(ctx, token_ids, top_logprobs)
+        offsets = []
         for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": list(done["logprobs"]), "top_logprobs": None,
-                "text_offset": offsets}
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "text_offset": offsets,
+                "top_logprobs": [dict(top) for top in tops] if top_logprobs else None}
 
 
 CREATED = int(time.time())  # when this server process started: the model's "created"

@@ -179,8 +179,8 @@ class ImageIntake:
             log.exception("rendering the prompt of request %d failed", req.seq_id)
             return ("internal", f"{type(e).__name__}: {e}")
         if len(req.prompt_ids) >= max_len:
-            return ("too_long", f"the prompt has {len(req.prompt_ids)} tokens with its images; the context holds "
-                                f"{max_len} (prompt + at least one generated token)")
+            return ("context_length_exceeded", f"the prompt has {len(req.prompt_ids)} tokens with its images; the "
+                                               f"context holds {max_len} (prompt + at least one generated token)")
         need = slots.slots_needed(images.tile_counts)
         if need > slots.capacity:
             return ("bad_request", f"images: {sum(images.tile_counts)} tiles need {need} image slots; the server "

@@ -110,7 +110,7 @@ class _EngineCollector:
             yield family
             for alias in VLLM_ALIASES.get(family.name, ()) if self._metrics.compat == "vllm" else ():
                 same = GaugeMetricFamily(alias, f"{family.documentation} (vLLM's name)", labels=["model_name"])
-                same.add_metric([str(s.get("model", ""))], family.samples[0].value)
+                same.add_metric([str(s.get("served_model_name") or s.get("model", ""))], family.samples[0].value)
                 yield same
 
     def _families(self, s: Mapping[str, Any]):

@@ -39,6 +39,8 @@ class Request:
     detok: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: int = 0  # how many of each token's most likely alternatives it asked for
+    token_top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
     mask_row: int = -1  # its row in the shared mask region while it holds one
     images: RequestImages | None = None  # submit_images: its images until they are handed to the worker
     submitted: bool = False  # sent to the worker (else waiting for a mask row)
@@ -85,6 +87,8 @@ class Request:
                 payload["output_error"] = str(e)
         if self.logprobs:
             payload["logprobs"] = list(self.token_logprobs)
+        if self.top_logprobs:
+            payload["top_logprobs"] = [[list(pair) for pair in top] for top in self.token_top]
         if self.on_event is not None:
             self.on_event(self, "done", payload)
 

@@ -48,7 +48,7 @@ from shared.lora_config import read_adapters
 from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
                              SubmitSkill)
 from shared.models import ModelInfo, load_tokenizer
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
@@ -57,6 +57,7 @@ from frontend.protocol import SKILL_SAMPLING
 from frontend.server.detokenizer import IncrementalDetokenizer
 from frontend.images.intake import ImageIntake, Render, intake_family
 from frontend.server.request import Request
+from frontend.server.tokenization import decode_ids
 from frontend.server.worker_handle import WorkerDown, WorkerHandle
 
 log = logging.getLogger("tandem.frontend")
@@ -64,7 +65,7 @@ log = logging.getLogger("tandem.frontend")
 # Plain ints for the per-token loop (IntFlag operators cost a Python call each).
 _ZOMBIE, _FINISH_MASK = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISH_MASK)
 
-PROTOCOL_CODES = {"bad_request", "too_long", "overloaded", "worker_failed", "internal"}
+PROTOCOL_CODES = {"bad_request", "too_long", "context_length_exceeded", "overloaded", "worker_failed", "internal"}
 
 
 @dataclass
@@ -80,6 +81,13 @@ class ServiceConfig(EngineConfig):
     image_slots: int | None = None  # arena image slots; None: room for one request of the largest images
     image_slot_tiles: int = 1  # tiles per image slot
     image_workers: int | None = None  # processes that decode and tile images; None: cores - 2, 1 to 4
+    served_model_name: str | None = None  # the name clients see (HTTP /v1/models, requests' model); None: model
+    chat_template: str | None = None  # a Jinja chat template's text, in place of the tokenizer's
+
+
+def served_name(config: ServiceConfig) -> str:
+    """The model's name for clients: ``--served-model-name``, else ``--model`` as given."""
+    return config.served_model_name or config.model
 
 
 class Service:
@@ -91,6 +99,8 @@ class Service:
         # LoRA adapters are checked against the model here, so a bad one fails before a worker starts.
         self.adapters = read_adapters(cfg.loras, read_config(self.model_path))
         self.tokenizer = tokenizer or load_tokenizer(self.model_path)
+        if cfg.chat_template is not None:  # every rendering reads tokenizer.chat_template (tokenization.py)
+            self.tokenizer.chat_template = cfg.chat_template
         self.vocab_size = self.model.vocab_size
         self.generation = 0
         self.requests: dict[int, Request] = {}  # by seq_id, until the worker releases it
@@ -146,13 +156,16 @@ class Service:
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, stop=(), constraint=None,
-               logprobs: bool = False, on_event=None, user_data=None, adapter: str | None = None) -> Request:
-        req = self._new_request(prompt_ids, params, stop, constraint, logprobs, on_event, user_data, adapter)
+               logprobs: bool = False, on_event=None, user_data=None, adapter: str | None = None,
+               top_logprobs: int = 0) -> Request:
+        """``top_logprobs``: also that many most likely tokens with their logprobs, for each token."""
+        req = self._new_request(prompt_ids, params, stop, constraint, logprobs, on_event, user_data, adapter,
+                                top_logprobs)
         self._ready_to_send(req)
         return req
 
     def _new_request(self, prompt_ids, params, stop, constraint, logprobs, on_event, user_data,
-                     adapter: str | None) -> Request:
+                     adapter: str | None, top_logprobs: int = 0) -> Request:
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         if adapter is not None and adapter not in self.adapters:
@@ -160,14 +173,16 @@ class Service:
                              f"{', '.join(self.adapters) or 'none'}")
         seq_id = self._next_seq
         self._next_seq = self._next_seq % 0xFFFFFFFF + 1
-        req = Request(seq_id, list(prompt_ids or ()), params, tuple(s for s in stop if s), constraint, logprobs,
-                      on_event, user_data, adapter)
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        req = Request(seq_id, list(prompt_ids or ()), params, tuple(s for s in stop if s), constraint,
+                      logprobs or top_logprobs > 0, on_event, user_data, adapter, top_logprobs=top_logprobs)
         self.requests[seq_id] = req
         return req
 
     def submit_images(self, images: list[bytes], render: Render, params: SamplingParams | None = None, *,
                       stop=(), constraint=None, logprobs: bool = False, on_event=None, user_data=None,
-                      adapter: str | None = None) -> Request:
+                      adapter: str | None = None, top_logprobs: int = 0) -> Request:
         """A request with images, decoded and tiled in the image pool; then
         ``render(prepared images) -> prompt ids`` (e.g. ``images.image_prompt_ids`` of the
         rendered text) runs on the loop thread (``tokenizer`` is used on that thread only; the HTTP
@@ -177,7 +192,7 @@ class Service:
         if self.images is None:
             raise ValueError("images: this model takes no images (it has no vision encoder)")
         self.images.check(images)
-        req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter)
+        req = self._new_request(None, params, stop, constraint, logprobs, on_event, user_data, adapter, top_logprobs)
         req.images = self.images.start(req, images, render)
         return req
 
@@ -209,14 +224,11 @@ class Service:
         return req
 
     def decode(self, ids: list[int]) -> str:
-        """Text of token ids; ids the tokenizer lacks (a vocabulary larger than it) decode to nothing."""
-        n = len(self.tokenizer)
-        return self.tokenizer.decode([t for t in ids if 0 <= t < n])
+        return decode_ids(self.tokenizer, ids)
 
     def _take_prepared(self) -> None:
         """Loop thread: requests whose images the pool finished go on to the worker."""
-        max_len = int(self.worker.info.get("max_model_len", self.config.max_model_len) if self.worker.info
-                      else self.config.max_model_len)
+        max_len = int(self.info["max_model_len"])  # the first worker's; a restarted one has the same config
         for req, error in self.images.take_prepared(max_len, self.worker.images):
             if error is not None:
                 self._end(req, error=error)
@@ -262,6 +274,7 @@ class Service:
         self.worker.channel.send(Submit(seq_id=req.seq_id, prompt_ids=req.prompt_ids,
                                         sampling=Sampling.from_params(req.params),
                                         constrained=req.constraint is not None, logprobs=req.logprobs,
+                                        top_logprobs=req.top_logprobs,
                                         mask_row=req.mask_row, adapter=req.adapter, images=images,
                                         skill=SubmitSkill(**req.skill.task()) if req.skill else None))
 
@@ -388,6 +401,9 @@ class Service:
                 req.values.append(tuple(entry.values[i].tolist()))
             if req.logprobs and lps is not None:
                 req.token_logprobs.append(float(lps[i]))
+            if req.top_logprobs and entry.top_ids is not None:
+                k = req.top_logprobs
+                req.token_top.append(list(zip(entry.top_ids[i, :k].tolist(), entry.top_logprobs[i, :k].tolist())))
             if req.constraint is not None and not req.constraint.accept(token):
                 self._end(req, error=("internal", f"token {token} violated the request's constraint"))
                 self._stop_worker_side(req, FinishReason.ERROR)
@@ -413,7 +429,12 @@ class Service:
     # ------------------------------------------------------------------ events
     def _emit_chunk(self, req: Request, text: str, token: int) -> None:
         if req.on_event is not None:
-            req.on_event(req, "chunk", {"text": text, "token_ids": [token]})
+            payload = {"text": text, "token_ids": [token]}
+            if req.logprobs:  # streamed with its token, not only in the terminal message
+                payload["logprobs"] = req.token_logprobs[-1:]
+            if req.top_logprobs:
+                payload["top_logprobs"] = req.token_top[-1:]
+            req.on_event(req, "chunk", payload)
 
     def _end(self, req: Request, reason: FinishReason = FinishReason.NONE,
              error: tuple[str, str] | None = None) -> None:

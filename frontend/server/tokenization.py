@@ -6,9 +6,11 @@ from jinja2 import TemplateError
 from frontend.images.idefics3 import PreparedImage, image_prompt_ids
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` (text only) rendered with the model's chat template."""
-    out = _apply_chat_template(tokenizer, text_only(messages), tokenize=True)
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` (text only) rendered with the model's chat template (``--chat-template``
+    replaces the tokenizer's); a generate always adds the assistant's opening (``add_generation_prompt``)."""
+    out = _apply_chat_template(tokenizer, text_only(messages), tokenize=True,
+                               add_generation_prompt=add_generation_prompt)
     if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -18,21 +20,32 @@ def text_prompt_ids(tokenizer, text: str) -> list[int]:
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
-def _apply_chat_template(tokenizer, messages: list[dict], tokenize: bool):
+def decode_ids(tokenizer, ids: list[int]) -> str:
+    """Text of token ids; ids the tokenizer lacks (a vocabulary larger than it) decode to nothing."""
+    n = len(tokenizer)
+    return tokenizer.decode([t for t in ids if 0 <= t < n])
+
+
+def _apply_chat_template(tokenizer, messages: list[dict], tokenize: bool, add_generation_prompt: bool = True):
     """ValueError (a bad request) when the model has no template or its template refuses the
     conversation: many do, with ``raise_exception`` (e.g. roles that do not alternate)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=tokenize)
     except TemplateError as e:
         raise ValueError(f"messages: the model's chat template refuses them: {e}") from None
 
 
+TEXT_PARTS_SEPARATOR = "\n"  # vLLM's rule for text parts; every door (ZeroMQ, HTTP) renders through here
+
+
 def text_only(messages: list[dict]) -> list[dict]:
-    """Content given as a list of text parts joined into one string (any chat template takes that)."""
+    """Content given as a list of text parts joined into one string (any chat template takes that),
+    with newlines between the parts."""
     return [m if isinstance(m["content"], str) else
-            {**m, "content": "".join(p.get("text", "") for p in m["content"])} for m in messages]
+            {**m, "content": TEXT_PARTS_SEPARATOR.join(p.get("text", "") for p in m["content"])} for m in messages]
 
 
 def place_images(messages: list[dict], count: int) -> list[dict]:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from frontend import logs
 from frontend import protocol as P
 from frontend.client import DEFAULT_ENDPOINT
 from frontend.server.connections import Connections
@@ -44,7 +45,7 @@ from frontend.server.metrics import Metrics
 from frontend.cli.options import MAX_QUEUE
 from frontend.server.outbox import Outbox, Sent
 from frontend.server.request import Request
-from frontend.server.service import Service
+from frontend.server.service import Service, served_name
 from frontend.server.systemd import Notifier
 from frontend.server.tokenization import chat_prompt_ids, image_chat_prompt_ids, text_prompt_ids
 
@@ -63,11 +64,11 @@ class Gate:
     renders the prompt (text, chat messages or token ids; with images, once the image pool knows
     their tiling), compiles the grammar, checks what needs the model (an empty prompt, the
     context length, images on a text model) and submits. Bad input raises ``ProtocolError``
-    (``bad_request``, ``too_long``) naming the field; nothing has been submitted then."""
+    (``bad_request``, ``too_long``, ``context_length_exceeded``) naming the field; nothing has been submitted then."""
 
     def __init__(self, service: Service, limits: P.Limits | None = None) -> None:
         self.service = service
-        self.max_model_len = int(service.info.get("max_model_len", service.config.max_model_len))
+        self.max_model_len = int(service.info["max_model_len"])  # the worker's (context_length: why that long)
         # a prompt needs one token less than the context: at least one is generated
         self.limits = limits or P.Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
         self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
@@ -98,10 +99,10 @@ class Gate:
         if ids is not None and not ids:
             raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
         if ids is not None and len(ids) >= self.max_model_len:
-            raise P.ProtocolError("too_long", f"the prompt has {len(ids)} tokens; the context holds "
+            raise P.ProtocolError("context_length_exceeded", f"the prompt has {len(ids)} tokens; the context holds "
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
-        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, on_event=on_event,
-                  user_data=user_data, adapter=msg.adapter)
+        kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
+                  on_event=on_event, user_data=user_data, adapter=msg.adapter)
         sampling = self.sampling(msg)
         try:
             if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
@@ -292,7 +293,8 @@ class Server:
                      "grammar_cache_hits": self.gate.grammars.cache_hits,
                      "adapters": list(self.service.adapters),
                      "vision": self.service.model.vision, "family": self.service.model.family.name,
-                     "sampling_defaults": self.service.model.sampling_defaults}
+                     "sampling_defaults": self.service.model.sampling_defaults,
+                     "served_model_name": served_name(self.service.config)}
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}
@@ -337,7 +339,8 @@ class Server:
             state.t_last = now
             if state.stream:
                 sent = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
-                                                                 payload["token_ids"]))
+                                                                 payload["token_ids"], payload.get("logprobs"),
+                                                                 payload.get("top_logprobs")))
                 state.seq += 1
                 if sent is Sent.GONE:
                     self._clients_gone([state.identity])
@@ -345,12 +348,13 @@ class Server:
                     self._cancel_requests_of([state.identity])
             return
         self.live.pop((state.identity, state.id), None)
+        self._log_end(req, state.id, kind, payload)
         if kind == "done":
             self.metrics.done(payload)
             try:
                 frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                        payload["usage"], payload["metrics"], payload.get("output"),
-                                       payload.get("logprobs"), payload.get("reasoning"))
+                                       payload.get("logprobs"), payload.get("reasoning"), payload.get("top_logprobs"))
             except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
                 log.exception("cannot encode the answer of request %r", state.id)
                 frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")
@@ -358,6 +362,15 @@ class Server:
             self.metrics.error(payload["code"])
             frames = P.encode_error(state.id, payload["code"], payload["message"])
         self._send(state.identity, frames)
+
+    def _log_end(self, req: Request, rid: str, kind: str, payload: dict[str, Any]) -> None:
+        model = req.adapter or served_name(self.service.config)
+        if kind == "done":
+            logs.request_line(rid, model, payload["usage"], payload["metrics"], payload["finish_reason"])
+        else:
+            usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.token_ids)}
+            took = None if req.t_end is None else {"total_ms": (req.t_end - req.t_submit) * 1000}
+            logs.request_line(rid, model, usage, took, None, error=payload["code"])
 
     def _send(self, identity: bytes, frames: list[bytes], keep: bool = True) -> Sent:
         """Never blocks; ``keep``: a request's message, held for a client that cannot take it now."""

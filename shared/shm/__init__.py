@@ -19,9 +19,11 @@ Regions (every one 64-byte aligned; each cache line has exactly one writer):
               worker exists), one heartbeat line per side, one control line per
               side (frontend: ``consumed`` token entries; worker: ``ack_consumed``).
 * token ring  worker -> frontend. ``ring_entries`` entries, one per committed step:
-              a meta line (step, kind, row count) and a (4, max_rows) block of
+              a meta line (step, kind, row count) and a (47, max_rows) block of
               row columns (sequence id uint32, token id int32, flags uint32,
-              optional float32 logprob), plus an int32 token staging row.
+              optional float32 logprob, Moondream's 3 region values, the 20 most
+              likely token ids and their logprobs; an entry writes the columns up
+              to the last it uses), plus an int32 token staging row.
 * ack ring    frontend -> worker. (seq, FinishReason) events: the frontend ended it.
 * mask rows   frontend -> worker. ``max_batch`` xgrammar-layout token bitmasks
               (bit j of word i allows token 32*i+j), each with a step stamp; the

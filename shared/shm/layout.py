@@ -10,9 +10,10 @@ from enum import IntEnum, IntFlag
 import numpy as np
 
 from shared.arith import ceil_div
+from shared.sampling import MAX_TOP_LOGPROBS
 
 MAGIC = int.from_bytes(b"TANDEMAR", "little")
-LAYOUT_VERSION = 4  # 4: token-ring rows carry region values
+LAYOUT_VERSION = 5  # 4: token-ring rows carry region values; 5: and top logprobs
 CACHE_LINE = 64
 
 
@@ -52,11 +53,15 @@ _HEADER_BYTES = 512
 
 # Token-ring meta words per entry (one cache line per entry).
 _M_STEP_LO, _M_STEP_HI, _M_COMMIT = 0, 1, 2
-# commit payload: nrows in bits 0-23, kind in 24-27, has-logprobs in bit 28, has-values in bit 29.
-# Row columns of an entry (one (7, rows) block so an entry is one vectorised op); the last three
-# are a Moondream row's region values (coordinate, width, height; float32).
-_C_SEQ, _C_TOK, _C_FLAGS, _C_LOGP, _C_VALUES, _NCOLS = 0, 1, 2, 3, 4, 7
-NUM_VALUES = _NCOLS - _C_VALUES
+# commit payload: nrows in bits 0-23, kind in 24-27, has-logprobs in bit 28, has-values in bit 29,
+# has-top-logprobs in bit 30.
+# Row columns of an entry (one (47, rows) block so an entry is one vectorised op); then three
+# for a Moondream row's region values (coordinate, width, height; float32); then the row's
+# MAX_TOP_LOGPROBS most likely token ids (int32) and their logprobs (float32). An entry
+# writes (and a reader copies) only the columns up to the last it uses.
+_C_SEQ, _C_TOK, _C_FLAGS, _C_LOGP, _C_VALUES, _C_TOP = 0, 1, 2, 3, 4, 7
+_NCOLS = _C_TOP + 2 * MAX_TOP_LOGPROBS
+NUM_VALUES = _C_TOP - _C_VALUES
 _MAX_ROWS_LIMIT = 1 << 24
 
 
@@ -100,7 +105,7 @@ class Layout:
         u64, i32 = np.dtype(np.uint64), np.dtype(np.int32)
         specs = [
             ("ring_meta", (r, 8), u64),
-            ("ring_rows", (r, _NCOLS, rows), u64),  # columns: seq, token, flags, logprob, 3 values
+            ("ring_rows", (r, _NCOLS, rows), u64),  # columns: seq, token, flags, logprob, 3 values, top
             ("ring_stage", (r, rows), i32),   # raw token ids from device copies
             ("ack_events", (a, 2), u64),
             ("mask_stamp", (b,), u64),

@@ -12,8 +12,8 @@ import numpy as np
 
 from .errors import RingCorrupt, RingTimeout
 from .layout import (
-    _C_FLAGS, _C_LOGP, _C_SEQ, _C_TOK, _C_VALUES, _H_CONSUMED, _M_COMMIT, _M_STEP_HI, _M_STEP_LO, _NCOLS,
-    NUM_VALUES, Kind,
+    _C_FLAGS, _C_LOGP, _C_SEQ, _C_TOK, _C_TOP, _C_VALUES, _H_CONSUMED, _M_COMMIT, _M_STEP_HI, _M_STEP_LO, _NCOLS,
+    MAX_TOP_LOGPROBS, NUM_VALUES, Kind,
 )
 from .tags import _U32, _TornClock, _prev_tag, _tag, _tagged, _tags_ok
 from .wake import AbortFn, _drain, _signal, _Waiter
@@ -32,6 +32,8 @@ class Entry(NamedTuple):
     flags: np.ndarray             # uint32 (TokenFlag bits)
     logprobs: Optional[np.ndarray]  # float32 or None
     values: Optional[np.ndarray] = None  # float32 [rows, 3]: Moondream's region values, or None
+    top_ids: Optional[np.ndarray] = None  # int32 [rows, MAX_TOP_LOGPROBS]: most likely first, or None
+    top_logprobs: Optional[np.ndarray] = None  # float32 [rows, MAX_TOP_LOGPROBS], or None
 
 
 @dataclass
@@ -109,19 +111,20 @@ class TokenRingWriter:
         return self.try_reserve()
 
     def stamp(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, logprobs=None,
-              token_ids=None, values=None) -> int:
+              token_ids=None, values=None, top=None) -> int:
         """Fill a reserved entry with one step's rows and publish it. Token ids
         come from ``token_ids`` if given, else from the first rows of
         ``p.token_ids`` (the staging row a device copy wrote: that copy must
         have completed, e.g. after ``event.synchronize()``). ``values``: float32 [rows, 3]
-        region values (Moondream). Returns the ring position."""
+        region values (Moondream). ``top``: (int32 ids, float32 logprobs), each
+        [rows, MAX_TOP_LOGPROBS], the most likely tokens. Returns the ring position."""
         if p.position != self._stamp_next:
             raise ValueError(f"stamp out of order: got position {p.position}, expected {self._stamp_next}")
-        return self._write(p, *self._validate(step, kind, seq_ids, flags, token_ids, logprobs, values))
+        return self._write(p, *self._validate(step, kind, seq_ids, flags, token_ids, logprobs, values, top))
 
-    def _validate(self, step: int, kind: Kind, seq_ids, flags, token_ids, logprobs, values=None) -> tuple:
+    def _validate(self, step: int, kind: Kind, seq_ids, flags, token_ids, logprobs, values=None, top=None) -> tuple:
         """(step, kind, seq_ids u32, flags u32, token_ids i32 | None, logprobs f32 | None,
-        values f32 [n, 3] | None), checked."""
+        values f32 [n, 3] | None, top (i32, f32) [n, K] | None), checked."""
         n = len(seq_ids)
         if not 0 <= n <= self._max_rows:
             raise ValueError(f"an entry holds 0..{self._max_rows} rows (nrows), got {n}")
@@ -131,27 +134,35 @@ class TokenRingWriter:
             values = np.asarray(values, dtype=np.float32)
             if values.shape != (n, NUM_VALUES):
                 raise ValueError(f"values must have shape ({n}, {NUM_VALUES}), got {values.shape}")
-        return (step, Kind(kind), *_normalize_rows(n, seq_ids, flags, token_ids, logprobs), values)
+        if top is not None:
+            top = (np.asarray(top[0], dtype=np.int32), np.asarray(top[1], dtype=np.float32))
+            if top[0].shape != (n, MAX_TOP_LOGPROBS) or top[1].shape != (n, MAX_TOP_LOGPROBS):
+                raise ValueError(f"top must be two arrays of shape ({n}, {MAX_TOP_LOGPROBS})")
+        return (step, Kind(kind), *_normalize_rows(n, seq_ids, flags, token_ids, logprobs), values, top)
 
-    def _write(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, tok, lp, values=None) -> int:
+    def _write(self, p: PendingEntry, step: int, kind: Kind, seq_ids, flags, tok, lp, values=None, top=None) -> int:
         tag, index, n = _tag(p.position), p.index, len(seq_ids)
         if tok is None:
             tok = p.token_ids[:n]
-        has_lp, has_values = lp is not None, values is not None
-        ncols = _NCOLS if has_values else _C_VALUES if has_lp else _C_LOGP
+        has_lp, has_values, has_top = lp is not None, values is not None, top is not None
+        ncols = _NCOLS if has_top else _C_TOP if has_values else _C_VALUES if has_lp else _C_LOGP
         payload = np.zeros((ncols, n), np.uint32)
         payload[_C_SEQ], payload[_C_TOK], payload[_C_FLAGS] = seq_ids, tok.view(np.uint32), flags
         if has_lp:
             payload[_C_LOGP] = lp.view(np.uint32)
         if has_values:
-            payload[_C_VALUES:] = np.ascontiguousarray(values.T).view(np.uint32)
+            payload[_C_VALUES:_C_TOP] = np.ascontiguousarray(values.T).view(np.uint32)
+        if has_top:
+            payload[_C_TOP:_C_TOP + MAX_TOP_LOGPROBS] = np.ascontiguousarray(top[0].T).view(np.uint32)
+            payload[_C_TOP + MAX_TOP_LOGPROBS:] = np.ascontiguousarray(top[1].T).view(np.uint32)
         # Payload words first ...
         _tagged(tag, payload, self._rows[index, :ncols, :n])
         meta, hi = self._meta[index], tag << 32
         meta[_M_STEP_LO] = hi | (step & _U32)
         meta[_M_STEP_HI] = hi | (step >> 32)
         # ... the commit word last: readers key on it.
-        meta[_M_COMMIT] = hi | n | (int(kind) << 24) | (int(has_lp) << 28) | (int(has_values) << 29)
+        meta[_M_COMMIT] = hi | n | (int(kind) << 24) | (int(has_lp) << 28) | (int(has_values) << 29) | \
+            (int(has_top) << 30)
         self._stamp_next += 1
         _signal(self._a.wake.tokens)
         return p.position
@@ -255,11 +266,13 @@ class TokenRingReader:
             raise RingCorrupt(f"token ring entry {index}: commit tag {ctag:#x} is neither the "
                               f"expected {tag:#x} (position {pos}) nor the previous {prev:#x}")
         n, kind_v, has_lp, has_values = commit & 0xFFFFFF, (commit >> 24) & 0xF, (commit >> 28) & 1, (commit >> 29) & 1
-        if n > self._max_rows or kind_v not in (Kind.PREFILL, Kind.DECODE) or commit >> 30 & 0x3:
+        has_top = (commit >> 30) & 1
+        if n > self._max_rows or kind_v not in (Kind.PREFILL, Kind.DECODE) or commit >> 31 & 0x1:
             raise RingCorrupt(f"token ring entry {index}: invalid commit word {commit:#018x}")
         # Copy first, then validate the copy. Load order does not matter: a
         # step or row word read "too early" carries an older tag and fails.
-        rows = self._rows[index, :_NCOLS if has_values else _C_VALUES if has_lp else _C_LOGP, :n].copy()
+        ncols = _NCOLS if has_top else _C_TOP if has_values else _C_VALUES if has_lp else _C_LOGP
+        rows = self._rows[index, :ncols, :n].copy()
         if not ((step_lo >> 32) == (step_hi >> 32) == tag and _tags_ok(rows, tag)):
             if self._torn.expired(pos):
                 raise RingCorrupt(f"token ring entry {index} (position {pos}) has been published "
@@ -271,7 +284,9 @@ class TokenRingReader:
         return Entry(pos, (step_lo & _U32) | (step_hi & _U32) << 32, Kind(kind_v), low[_C_SEQ],
                      low[_C_TOK].view(np.int32), low[_C_FLAGS],
                      low[_C_LOGP].view(np.float32) if has_lp else None,
-                     np.ascontiguousarray(low[_C_VALUES:].view(np.float32).T) if has_values else None)
+                     np.ascontiguousarray(low[_C_VALUES:_C_TOP].view(np.float32).T) if has_values else None,
+                     np.ascontiguousarray(low[_C_TOP:_C_TOP + MAX_TOP_LOGPROBS].view(np.int32).T) if has_top else None,
+                     np.ascontiguousarray(low[_C_TOP + MAX_TOP_LOGPROBS:].view(np.float32).T) if has_top else None)
 
     def wait(self, timeout: Optional[float] = None, abort: AbortFn = None) -> bool:
         """Block until the next entry's commit word is visible (spin ``spin_s``,

@@ -27,6 +27,7 @@ from processes import ROOT
 from bench.cluster import LocalCluster
 from frontend.cluster.routing import NOT_STARTED
 from shared.config import EngineConfig
+from shared.models import TINY_RANDOM_CONFIG
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -173,8 +174,12 @@ def test_kubernetes_core_objects_validate_strictly(tmp_path):
     container = pod["containers"][0]
     drain = float(container["args"][container["args"].index("--drain-timeout") + 1])
     assert pod["terminationGracePeriodSeconds"] > drain
-    assert all(container[p]["httpGet"]["path"] == "/health" for p in ("startupProbe", "readinessProbe",
-                                                                       "livenessProbe"))
+    probes = {p: container[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    # live (200 while a worker restarts) for startup and liveness; ready (503 then) takes the pod out of the Service
+    assert probes == {"startupProbe": "/health", "readinessProbe": "/ready", "livenessProbe": "/health"}
+    from frontend.http.app import OPEN_PATHS
+
+    assert set(probes.values()) <= OPEN_PATHS  # a probe carries no API key
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     key = next(e for e in container["env"] if e["name"] == "TANDEM_API_KEY")
     assert key["valueFrom"]["secretKeyRef"]["name"] == "tandem-api-key"
@@ -202,7 +207,8 @@ def test_ray_service_serve_config_validates_and_its_args_are_serve_options():
 
 
 BURST_ROOM = 16  # requests a replica runs at once: above either replica's share of _burst's 24 under the bound
-CONTEXT_PAGES = EngineConfig.max_model_len // EngineConfig.page_size  # a request's KV when it may fill the context
+# a request's KV when it may fill the context (by default tiny-random's own limit)
+CONTEXT_PAGES = TINY_RANDOM_CONFIG["max_position_embeddings"] // EngineConfig.page_size
 
 
 @pytest.fixture(scope="module")

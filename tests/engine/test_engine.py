@@ -258,6 +258,18 @@ def test_a_request_must_fit_the_whole_kv_cache_and_the_vocabulary():
         eng.submit([1, 2], SamplingParams(stop_token_ids=[3, eng.vocab_size]))
     full = eng.generate([[1] * 10], SamplingParams(max_tokens=room - 10, ignore_eos=True))[0]
     assert len(full.output_ids) == room - 10 and eng.idle
+    rest = eng.generate([[1] * 10], SamplingParams(ignore_eos=True))[0]  # max_tokens omitted: what the cache holds
+    assert len(rest.output_ids) == room - 10 and eng.idle
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit([1] * (room + 1), SamplingParams())
+    eng.close()
+
+
+def test_max_tokens_omitted_is_the_rest_of_the_context():
+    eng = make_engine(max_model_len=64)
+    seqs = eng.generate([[3] * n for n in (1, 40, 63)], SamplingParams(ignore_eos=True))
+    assert [len(s.output_ids) for s in seqs] == [63, 24, 1]
+    assert all(s.finish_reason == FinishReason.LENGTH for s in seqs) and eng.idle
     eng.close()
 
 
@@ -394,3 +406,34 @@ def test_bf16_cpu_weights_are_prepacked_unless_disabled():
         finally:
             eng.close()
         assert kinds == ({PackedLinear} if want else {torch.nn.Linear}), (dtype, prepack, kinds)
+
+
+def test_the_default_context_is_the_models_limit_bounded_by_the_kv_cache():
+    from shared.models import TINY_RANDOM_CONFIG
+
+    limit = TINY_RANDOM_CONFIG["max_position_embeddings"]
+    roomy = make_engine(max_batch=2)  # 1200 pages of 8 tokens: the whole limit fits
+    assert (roomy.max_model_len, roomy.runner.context_reason) == (limit, f"the model's limit, "
+                                                                         f"max_position_embeddings {limit}")
+    roomy.close()
+    small = make_engine(max_batch=2, kv_pages=5)  # page 0 is scratch: 4 pages of 8 tokens
+    assert small.max_model_len == 4 * 8 == small.alloc.pages.capacity * small.alloc.page_size
+    assert small.runner.context_reason.startswith("what the KV cache holds")
+    with pytest.raises(ValueError, match="do not fit the context of 32"):
+        small.submit([1] * 32, SamplingParams())
+    assert len(small.generate([[1] * 31], SamplingParams(max_tokens=100, ignore_eos=True))[0].output_ids) == 1
+    small.close()
+
+
+@pytest.mark.parametrize("requested, kv_tokens, expected, why", [
+    (None, None, 2048, "the model's limit, max_position_embeddings 2048"),
+    (None, 4096, 2048, "the model's limit, max_position_embeddings 2048"),
+    (None, 512, 512, "what the KV cache holds, below the model's limit of 2048 (--kv-pages, --kv-memory-fraction)"),
+    (1024, 4096, 1024, "--max-model-len"),
+    (4096, None, 2048, "the model's limit; --max-model-len 4096 asked for more"),
+    (1024, 512, 1024, "--max-model-len; the KV cache holds only 512 tokens"),  # asked for: it stands
+])
+def test_context_length_and_its_reason(requested, kv_tokens, expected, why):
+    from gpu_worker.model_runner import context_length
+
+    assert context_length(requested, 2048, kv_tokens) == (expected, why)

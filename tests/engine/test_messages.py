@@ -73,7 +73,8 @@ def test_defaults_and_sampling_conversion():
     assert m.sampling == Sampling() and not m.constrained and not m.logprobs
     assert to_sampling_params(m) == SamplingParams()
     p = SamplingParams(max_tokens=3, temperature=1.5, top_p=0.5, top_k=4, seed=9,
-                       stop_token_ids=(1, 2), ignore_eos=True)
+                       stop_token_ids=(1, 2), ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
+                       repetition_penalty=1.2, min_p=0.1, logit_bias={3: -100.0, 7: 2.5})
     default = SamplingParams()
     assert all(getattr(p, n) != getattr(default, n) for n in SAMPLING_FIELD_NAMES), "set every field"
     sub = decode(encode(Submit(seq_id=1, prompt_ids=[1], sampling=Sampling.from_params(p))))
@@ -95,7 +96,8 @@ def test_wire_sampling_is_generated_from_sampling_params():
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("stop_token_ids", [-3]),
-    ("stop_token_ids", list(range(65))),
+    ("stop_token_ids", list(range(65))), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0), ("min_p", 1.5), ("logit_bias", {-1: 1.0}),
 ])
 def test_to_sampling_params_names_bad_field(field, value):
     sub = Submit(seq_id=1, prompt_ids=[1], sampling=Sampling(**{field: value}))

@@ -9,11 +9,13 @@ import torch
 
 from gpu_worker.allocator import Allocator, FreeList
 from gpu_worker.page_pool import chain
-from gpu_worker.sampler import FLAG_STOP, RowParams, _top_k_top_p, apply_bitmask, sample
+from gpu_worker.sampler import FLAG_STOP, RowParams, _filter, apply_bitmask, sample
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import Sequence
 from shared.finish import FinishReason
 from shared.sampling import SamplingParams
+
+VOCAB = 100  # the widest logits these tests sample
 
 PAGE = 4
 
@@ -153,7 +155,7 @@ def reference_top_k_top_p(row: np.ndarray, k: int, p: float) -> np.ndarray:
 def test_top_k_top_p_keeps_what_the_reference_keeps(k, p):
     rng = np.random.default_rng(k * 100 + int(p * 1000))
     logits = rng.normal(0, 2, size=(6, 50)).astype(np.float32)
-    got = _top_k_top_p(torch.from_numpy(logits), torch.full((6,), k), torch.full((6,), p)).numpy()
+    got = _filter(torch.from_numpy(logits), torch.zeros(6), torch.full((6,), k), torch.full((6,), p)).numpy()
     for row, out in zip(logits, got):
         want = reference_top_k_top_p(row.astype(np.float64), k, p)
         assert np.array_equal(np.isfinite(out), np.isfinite(want)), (k, p)
@@ -167,12 +169,12 @@ def test_top_k_top_p_keeps_what_the_reference_keeps(k, p):
 
 def test_top_k_top_p_applies_per_row_parameters():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
-    out = _top_k_top_p(logits, torch.tensor([1, 0, 3]), torch.tensor([1.0, 0.7, 1.0]))  # p: 0.64, 0.24, ...
+    out = _filter(logits, torch.zeros(3), torch.tensor([1, 0, 3]), torch.tensor([1.0, 0.7, 1.0]))  # p: 0.64, 0.24, ...
     assert torch.isfinite(out).sum(dim=1).tolist() == [1, 2, 3]
 
 
 def make_params(rows: int, **kw) -> RowParams:
-    params = RowParams(rows, torch.device("cpu"))
+    params = RowParams(rows, VOCAB, torch.device("cpu"))
     for r in range(rows):
         params.set_row(r, SamplingParams(**kw), seed=1234 + r, eos_ids=(2,))
     return params
@@ -184,7 +186,7 @@ def test_sampled_tokens_follow_the_truncated_distribution():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0]])
     params = make_params(1, temperature=0.7, top_k=6, top_p=0.9)
     n = 20_000
-    tokens, _, _ = sample(logits.expand(n, -1), torch.zeros(n, dtype=torch.long), torch.arange(n), params,
+    tokens, *_ = sample(logits.expand(n, -1), torch.zeros(n, dtype=torch.long), torch.arange(n), params,
                           any_random=True, any_filter=True, want_logprobs=False)
     counts = np.bincount(tokens.numpy(), minlength=8) / n
     truncated = reference_top_k_top_p(logits[0].double().numpy() / 0.7, 6, 0.9)
@@ -196,15 +198,15 @@ def test_sampled_tokens_follow_the_truncated_distribution():
 
 def test_a_seeded_row_samples_the_same_tokens_whatever_its_batch_row_and_mates():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
-    params = RowParams(4, torch.device("cpu"))
+    params = RowParams(4, VOCAB, torch.device("cpu"))
     same = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=4)
     params.set_row(0, same, seed=99, eos_ids=())
     params.set_row(3, same, seed=99, eos_ids=())
     params.set_row(1, SamplingParams(temperature=1.0), seed=5, eos_ids=())
     pos = torch.tensor([7, 7, 7])
     run = dict(any_random=True, any_filter=True, want_logprobs=False)
-    a, _, _ = sample(logits[[0, 1, 2]], torch.tensor([0, 1, 2]), pos, params, **run)
-    b, _, _ = sample(logits[[2, 1, 0]], torch.tensor([1, 2, 3]), pos, params, **run)  # row 3 has row 0's seed
+    a, *_ = sample(logits[[0, 1, 2]], torch.tensor([0, 1, 2]), pos, params, **run)
+    b, *_ = sample(logits[[2, 1, 0]], torch.tensor([1, 2, 3]), pos, params, **run)  # row 3 has row 0's seed
     assert a[0] == b[2]
     draws = [sample(logits[[0]], torch.tensor([0]), torch.tensor([p]), params, **run)[0].item() for p in range(40)]
     assert len(set(draws)) > 1  # non-vacuity: the noise does change with the position
@@ -213,11 +215,11 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_batch_row_and_mates()
 def test_greedy_rows_take_the_argmax_and_stop_tokens_are_flagged():
     logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 1.0]])
     params = make_params(2, temperature=0.0)
-    tokens, flags, logprobs = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params,
+    tokens, flags, logprobs, _ = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params,
                                      any_random=False, any_filter=False, want_logprobs=True)
     assert tokens.tolist() == [1, 0]
     params.set_row(1, SamplingParams(stop_token_ids=(0,)), seed=0, eos_ids=(2,))
-    _, flags, _ = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params, False, False, False)
+    _, flags, *_ = sample(logits, torch.tensor([0, 1]), torch.tensor([0, 0]), params, False, False, False)
     assert flags.tolist() == [0, FLAG_STOP]
     np.testing.assert_allclose(logprobs.numpy(), torch.log_softmax(logits, -1).max(-1).values.numpy(), rtol=1e-6)
 

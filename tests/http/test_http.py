@@ -9,7 +9,9 @@ an ``HttpListener`` on an ephemeral port.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
+import logging
 import os
 import random
 import re
@@ -27,6 +29,7 @@ from PIL import Image
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.http.errors import STATUS, HttpError
+from frontend.logs import JsonFormatter
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +70,84 @@ def metric_values(text: str) -> dict[str, float]:
 # --------------------------------------------------------------------------- openai
 
 
-def test_models_and_health(oai, raw):
-    assert [m.id for m in oai.models.list().data] == [MODEL]
-    r = raw.get("/health")
+def test_models_and_probes(live, oai, raw):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == live.server.gate.max_model_len > 0  # what the server enforces
+    assert raw.get("/health").json() == {"status": "live", "state": "ready"}
+    r = raw.get("/ready")
     assert r.status_code == 200 and r.json() == {"status": "ready"}
+    assert raw.get("/version").json() == {"version": importlib.metadata.version("tandem")}
+
+
+# --------------------------------------------------------------------------- the request log
+
+
+def test_each_finished_request_leaves_one_log_line_with_its_figures(oai, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.requests")
+    answers = [oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=n, temperature=0, seed=n)
+               for n in (3, 5)]
+    records = {r.fields["request_id"]: r for r in caplog.records if r.name == "tandem.requests"}
+    assert set(records) >= {a.id for a in answers}  # the id the HTTP answer carries
+    for a in answers:
+        record = records[a.id]
+        line = json.loads(JsonFormatter().format(record))  # --log-format json
+        assert {k: line[k] for k in ("level", "logger", "request_id", "model", "prompt_tokens", "output_tokens",
+                                     "finish_reason")} == {
+            "level": "INFO", "logger": "tandem.requests", "request_id": a.id, "model": MODEL,
+            "prompt_tokens": a.usage.prompt_tokens, "output_tokens": a.usage.completion_tokens,
+            "finish_reason": a.choices[0].finish_reason}
+        assert 0 < line["ttft_ms"] <= line["duration_ms"]
+        text = record.getMessage()  # --log-format text: the same figures as key=value
+        assert text.startswith(f"request {a.id} finished: ")
+        assert dict(re.findall(r"(\w+)=(\S+)", text)) == {
+            k: str(v) for k, v in line.items() if k in record.fields and k != "request_id" and v is not None}
+    assert answers[0].usage.completion_tokens != answers[1].usage.completion_tokens  # non-vacuity: each its own
+
+
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shared.models import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+def test_tokenize_is_the_tokenizers_ids_and_detokenize_gives_the_text_back(live, raw, tokenizer):
+    prompt = "Once upon a time, in Paris: 42 cats!"
+    r = raw.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    assert r["tokens"] == tokenizer.encode(prompt, add_special_tokens=False) and r["count"] == len(r["tokens"]) > 1
+    assert r["max_model_len"] == live.server.gate.max_model_len
+    assert raw.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": prompt}
+    assert raw.post("/detokenize", json={"tokens": r["tokens"][:-1]}).json()["prompt"] != prompt  # non-vacuity
+
+
+def test_tokenize_messages_counts_what_a_chat_completion_uses(raw, oai, tokenizer):
+    r = raw.post("/tokenize", json={"messages": MSG}).json()
+    assert r["tokens"] == tokenizer.apply_chat_template(MSG, add_generation_prompt=True, tokenize=True)["input_ids"]
+    done = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, temperature=0)
+    assert done.usage.prompt_tokens == r["count"]
+    bare = raw.post("/tokenize", json={"messages": MSG, "add_generation_prompt": False}).json()["tokens"]
+    assert bare == r["tokens"][:len(bare)] and len(bare) < r["count"]  # without the assistant's opening
+
+
+@pytest.mark.parametrize("path, body, status, says", [
+    ("/tokenize", {"prompt": "a", "messages": MSG}, 400, "exactly one of prompt and messages"),
+    ("/tokenize", {}, 400, "exactly one of prompt and messages"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt must be a string"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role must be one of"),
+    ("/tokenize", {"messages": MSG, "add_generation_prompt": "yes"}, 400, "add_generation_prompt must be a boolean"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+    ("/tokenize", {"prompt": "x" * ((1 << 18) + 1)}, 413, "the limit is"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens[1] must be >= 0"),
+    ("/detokenize", {"tokens": [1, 1 << 20]}, 400, "tokens[1] must be < vocab size"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens must be an array of integers"),
+])
+def test_tokenize_and_detokenize_errors_name_the_field(raw, path, body, status, says):
+    r = raw.post(path, json=body)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text
 
 
 def test_chat_stream_concatenates_to_the_same_seeded_text(oai):
@@ -111,6 +188,103 @@ def test_stop_and_logprobs(oai):
     assert text.startswith(cut.choices[0].message.content)
 
 
+def test_logprobs_stream_with_each_chunk(live, oai):
+    """Streamed, each text chunk carries its tokens' logprobs; together they are the non-streamed
+    answer's, over HTTP (chat and completions) and over ZeroMQ."""
+    kw = dict(model=MODEL, messages=MSG, max_tokens=12, temperature=0, logprobs=True)
+    whole = oai.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = [c for c in oai.chat.completions.create(**kw, stream=True) if c.choices]
+    with_lp = [c for c in chunks if c.choices[0].logprobs is not None]
+    assert len(with_lp) >= len(whole) // 2 > 1  # non-vacuity: spread over the stream, not only the last chunk
+    streamed = [t for c in with_lp for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+    ckw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=0)
+    one = oai.completions.create(**ckw).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in oai.completions.create(**ckw, stream=True)
+             if c.choices and c.choices[0].logprobs is not None]
+    assert len(parts) > 1
+    assert [t for p in parts for t in p.tokens] == one.tokens
+    assert [x for p in parts for x in p.token_logprobs] == one.token_logprobs
+    assert [x for p in parts for x in p.text_offset] == one.text_offset
+    with Client(live.endpoint) as zc:
+        s = zc.stream("Once upon a time", max_tokens=10, temperature=0, logprobs=True)
+        got = [x for chunk in s for x in chunk.logprobs]
+        assert got == s.result.logprobs and len(got) == 10
+
+
+def test_top_logprobs_best_first_streamed_and_whole(live, oai):
+    """Greedy: each token is its own best alternative; the alternatives are sorted, as many as asked,
+    the same streamed or not, over HTTP (chat and completions) and over ZeroMQ."""
+    kw = dict(model=MODEL, messages=MSG, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5)
+    whole = oai.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(whole) == 8
+    for t in whole:
+        alts = [a.logprob for a in t.top_logprobs]
+        assert len(alts) == 5 and alts == sorted(alts, reverse=True) and alts[0] > alts[-1]
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)
+    streamed = [t for c in oai.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in whole]
+    one = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=3)
+    lp = one.choices[0].logprobs
+    assert len(lp.top_logprobs) == 6 and all(1 <= len(d) <= 3 for d in lp.top_logprobs)
+    assert all(max(d.values()) == x for d, x in zip(lp.top_logprobs, lp.token_logprobs))
+    with Client(live.endpoint) as zc:
+        s = zc.stream("Once upon a time", max_tokens=6, temperature=0, top_logprobs=4)
+        chunks = list(s)
+        assert [p for c in chunks for p in c.top_logprobs] == s.result.top_logprobs
+        assert [len(t) for t in s.result.top_logprobs] == [4] * 6 and s.result.logprobs is not None
+    for bad in (dict(logprobs=True, top_logprobs=21), dict(top_logprobs=2)):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, **bad)
+        assert "top_logprobs" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=21)
+    assert "logprobs" in e.value.body["message"]
+
+
+def test_n_choices_share_the_prompt_and_each_has_its_own_seeded_stream(live, oai):
+    """n choices: choice i is the request with seed + i (non-vacuity: they differ); the others map the
+    first one's prompt pages from the prefix cache; streamed, each chunk says its choice's index."""
+    prompt = list(range(5000, 5070))  # token ids no other test sends: nothing of it is cached before
+    live.wait_idle()
+    with Client(live.endpoint) as zc:
+        hits = zc.info()["prefix_cache"]["hit_tokens"]
+        shared = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, n=3)
+        hits = zc.info()["prefix_cache"]["hit_tokens"] - hits
+    assert len(shared.choices) == 3 and hits == 2 * ((len(prompt) - 1) // 8 * 8)  # page size 8: all full pages
+    messages = [{"role": "user", "content": "Choices, choices: " + "one two three " * 20}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    r = oai.chat.completions.create(**kw, n=3)
+    prompt = r.usage.prompt_tokens
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert (r.usage.completion_tokens, r.usage.total_tokens) == (24, prompt + 24)
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3
+    for i, text in enumerate(texts):
+        alone = oai.chat.completions.create(**{**kw, "seed": 11 + i})
+        assert alone.choices[0].message.content == text, i
+    streamed = {i: "" for i in range(3)}
+    finished = set()
+    usage = None
+    for c in oai.chat.completions.create(**kw, n=3, stream=True, stream_options={"include_usage": True}):
+        if not c.choices:
+            usage = c.usage
+            continue
+        streamed[c.choices[0].index] += c.choices[0].delta.content or ""
+        if c.choices[0].finish_reason:
+            finished.add(c.choices[0].index)
+    assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    assert usage.completion_tokens == 24
+    one = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in one.choices] == [0, 1] and one.choices[0].text != one.choices[1].text
+    for bad in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, n=bad)
+        assert e.value.body["message"].startswith("n must be")
+    live.wait_idle()
+
+
 def test_response_format_json_schema_and_grammar_extra(oai):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}
@@ -149,6 +323,83 @@ def test_openai_client_errors(oai):
     assert "does not take images" in e.value.body["message"]
 
 
+def test_each_sampler_field_reaches_the_sampler(live, oai):
+    """The unmodified openai client sends each field (vLLM's extras through ``extra_body``): the HTTP
+    answer equals the ZeroMQ answer with the same field (it reached the sampler as it was sent) and
+    differs from the answer without it (it was not dropped)."""
+    prompt = "Once upon a time"
+    greedy = dict(max_tokens=16, temperature=0.0)
+    with Client(live.endpoint) as zc:
+        first = zc.generate(prompt, **greedy).token_ids[0]
+        cases = [  # (the request without the field, the field as the openai client takes it, as extra_body)
+            # greedy on the random model hardly repeats: penalties < 0 (< 1) that reward repeats show
+            (greedy, dict(presence_penalty=-2.0), {}),
+            (greedy, dict(frequency_penalty=-2.0), {}),
+            (greedy, dict(logit_bias={str(first): -100}), {}),
+            (greedy, {}, dict(repetition_penalty=0.3)),
+            # the random model's distribution is nearly flat: min_p 1 keeps the most likely tokens only
+            (dict(max_tokens=16, temperature=1.5, seed=5), {}, dict(min_p=1.0)),
+        ]
+        for base, kw, extra in cases:
+            http = oai.completions.create(model=MODEL, prompt=prompt, **base, **kw, extra_body=extra).choices[0]
+            zmq = zc.generate(prompt, **base, **kw, **extra)
+            without = zc.generate(prompt, **base)
+            assert http.text == zmq.text != without.text, (kw, extra)
+        assert first not in zc.generate(prompt, **greedy, logit_bias={first: -100}).token_ids
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 2),
+                                         ("repetition_penalty", 0), ("logit_bias", {"x": 1}),
+                                         ("logit_bias", {"99999999": 1})])
+def test_sampler_fields_out_of_range_are_400s_naming_them(oai, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body={field: value})
+    assert e.value.status_code == 400 and field in e.value.body["message"], e.value.body
+
+
+def test_max_tokens_omitted_fills_the_context_and_an_overlong_prompt_is_openais_400(live, oai):
+    with Client(live.endpoint) as zc:
+        context = zc.info()["max_model_len"]
+    near_full = [7] * (context - 5)
+    r = oai.completions.create(model=MODEL, prompt=near_full, extra_body={"ignore_eos": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (context - 5, 5)
+    assert r.choices[0].finish_reason == "length"
+    for prompt in ([7] * context, [7] * (context + 100)):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert e.value.status_code == 400 and e.value.code == "context_length_exceeded", e.value.body
+        assert e.value.body["type"] == "invalid_request_error" and str(context) in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # chat: the rendered conversation is what counts
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * context}])
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_text_parts_render_the_same_through_every_door(live, oai):
+    """Text parts are joined with newlines over HTTP and over ZeroMQ alike."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    answers = {}
+    with Client(live.endpoint) as zc:
+        for name, content in [("parts", parts), ("newline", "Hello\nworld"), ("glued", "Helloworld")]:
+            messages = [{"role": "user", "content": content}]
+            http = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+            zmq = zc.generate(messages=messages, max_tokens=8, temperature=0)
+            assert (http.choices[0].message.content, http.usage.prompt_tokens) == \
+                (zmq.text, zmq.usage["prompt_tokens"]), name
+            answers[name] = (zmq.text, zmq.usage["prompt_tokens"])
+    assert answers["parts"] == answers["newline"] != answers["glued"]
+
+
+def test_tools_are_refused_unless_tool_choice_is_none(oai):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kw, name in [(dict(tools=tools), "tools"), (dict(tools=tools, tool_choice="auto"), "tools"),
+                     (dict(tool_choice="required"), "tool_choice")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, **kw)
+        assert e.value.body["message"].startswith(name), e.value.body
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, tools=tools, tool_choice="none")
+    assert r.usage.completion_tokens == 2
+
+
 # --------------------------------------------------------------------------- moondream
 
 
@@ -178,7 +429,7 @@ def test_error_statuses(live, raw):
         (raw.post(chat, json=[1, 2]), 400, "bad_request"),
         (raw.post(chat, json={"model": MODEL, "messages": MSG, "max_tokens": "ten"}), 400, "bad_request"),
         (raw.post(chat, json={"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}), 400, "bad_request"),
-        (raw.post(chat, json={"model": MODEL, "messages": MSG, "n": 2}), 400, "bad_request"),
+        (raw.post(chat, json={"model": MODEL, "messages": MSG, "n": 17}), 400, "bad_request"),
         (raw.post("/v1/query", json={"settings": {"max_tokens": 4}}), 400, "bad_request"),
         (raw.post(chat, json={"model": "nope", "messages": MSG}), 404, "model_not_found"),
         (raw.get("/v1/nothing"), 404, "not_found"),
@@ -299,18 +550,21 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request(live, raw):
 # --------------------------------------------------------------------------- health across a worker restart
 
 
-def test_health_is_503_while_the_worker_restarts(live, raw):
-    assert raw.get("/health").status_code == 200
+def test_ready_is_503_while_the_worker_restarts_and_health_stays_200(live, raw):
+    assert raw.get("/ready").status_code == 200
     os.kill(live.svc.worker_pid, signal.SIGKILL)  # the server replaces its worker in-process
-    seen = []
+    seen, reasons = [], set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        r = raw.get("/health")
-        seen.append((r.status_code, r.json()["status"]))
-        if seen[-1] == (200, "ready") and (503, "restarting") in seen:
+        ready, health = raw.get("/ready"), raw.get("/health")
+        seen.append((ready.status_code, ready.json()["status"], health.status_code))
+        reasons.add(ready.json().get("reason"))
+        if seen[-1][:2] == (200, "ready") and (503, "restarting") in {s[:2] for s in seen}:
             break
         time.sleep(0.05)
-    assert (503, "restarting") in seen and seen[-1] == (200, "ready"), seen[-5:]
-    assert set(seen) <= {(200, "ready"), (503, "restarting")}, set(seen)
+    assert (503, "restarting") in {s[:2] for s in seen} and seen[-1][:2] == (200, "ready"), seen[-5:]
+    assert {s[:2] for s in seen} <= {(200, "ready"), (503, "restarting")}, set(seen)
+    assert {s[2] for s in seen} == {200}, set(seen)  # live throughout: a liveness probe keeps the pod
+    assert {r for r in reasons if r} == {"the worker failed and a new one is warming up; requests wait for it"}
     after = metric_values(raw.get("/metrics").text)
     assert after["tandem:worker_generation"] == 2 and after["tandem:worker_ready"] == 1

@@ -50,7 +50,7 @@ def _browser_or_skip():
 
 @contextlib.contextmanager
 def tandem_serve(tmp_path, *args: str):
-    """A ``tandem serve`` with HTTP on a free port; yields its base URL once /health is ready."""
+    """A ``tandem serve`` with HTTP on a free port; yields its base URL once /ready says so."""
     port = free_port()
     log = open(tmp_path / f"serve-{port}.log", "w+")
     proc = subprocess.Popen([*CLI, "serve", *args, "--bind", f"ipc://{tmp_path}/serve-{port}.sock",
@@ -69,7 +69,7 @@ def tandem_serve(tmp_path, *args: str):
             assert proc.poll() is None, f"tandem serve exited:\n{tail()}"
             assert time.monotonic() < deadline, f"tandem serve not ready:\n{tail()}"
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
             time.sleep(0.2)
         yield url

@@ -177,8 +177,8 @@ def test_engine_one_at_a_time_never_reads_values_back(checkpoints, encode):
         runner = engine.runner
         read_step = runner.read_step
 
-        def poisoned(slot, num, runner=runner, read_step=read_step):  # bound now: the loop rebinds both
-            out = read_step(slot, num)
+        def poisoned(slot, num, top=False, *, runner=runner, read_step=read_step):  # bound now: the loop rebinds
+            out = read_step(slot, num, top)
             runner.slots[slot].values.fill_(float("nan"))
             return out
 

@@ -61,12 +61,12 @@ def prompt_tokens(client: httpx.Client) -> float:
 def test_api_key_both_headers(live):
     body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with httpx.Client(base_url=live.http.url, timeout=60) as c:
-        assert c.get("/health").status_code == 200  # open: load balancers probe it
+        assert c.get("/health").status_code == c.get("/ready").status_code == 200  # open: probes carry no key
         before = prompt_tokens(c)
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Moondream-Auth": "wrong"},
                         {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
             for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
-                                 ("POST", "/v1/query")):
+                                 ("POST", "/v1/query"), ("POST", "/tokenize"), ("GET", "/version")):
                 r = c.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401, (headers, path, r.text)
                 assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"]
@@ -122,7 +122,7 @@ def test_curve_unknown_client_gets_no_answer(live, keys, who):
 
 def test_exposure_rule():
     resolve = serve_options.resolve
-    loop = dict(api_key=None, curve_secret_key=None, curve_clients=None, insecure=False)
+    loop = dict(host=None, port=None, api_key=None, curve_secret_key=None, curve_clients=None, insecure=False)
     assert resolve("tcp://127.0.0.1:5557", "127.0.0.1:8000", **loop).http == ("127.0.0.1", 8000)
     assert resolve("ipc:///tmp/t.sock", "localhost:8000", **loop).curve is None
     assert resolve("tcp://127.0.0.1:5557", "none", **loop).http is None

@@ -231,7 +231,7 @@ def test_local_generate_answers_bad_input_as_the_server(server):
         assert remote.exit_code == local.exit_code == 1, (args[1:], remote.output, local.output)
         assert local.stderr == remote.stderr and local.stderr.count("\n") == 1, (local.stderr, remote.stderr)
         codes.append(local.stderr.removeprefix("Error: ").split(":")[0])
-    assert codes == ["bad_request", "too_long", "bad_request"], codes  # the server's checks answered
+    assert codes == ["bad_request", "context_length_exceeded", "bad_request"], codes  # the server's checks answered
 
 
 def test_default_model_answers_paris():
@@ -512,3 +512,142 @@ def test_systemd_unit_command_line_parses_with_this_cli():
     assert ctx.params["exit_on_worker_failure"] is False  # the unit restarts a dead worker in-process
     with pytest.raises(click.UsageError):
         main.commands["serve"].make_context("serve", argv[i + 1:] + ["--no-such-option"])  # non-vacuity
+
+
+# --------------------------------------------------------------------------- serve: the HTTP address, --config
+
+
+def test_the_http_address_is_said_one_way():
+    from frontend.cli.serve_options import resolve_http
+
+    assert resolve_http(None, None, None, None, False) == ("127.0.0.1", 8000)  # DEFAULT_HTTP
+    assert resolve_http(None, None, 9000, None, False) == ("127.0.0.1", 9000)
+    assert resolve_http(None, "::1", None, None, False) == ("::1", 8000)
+    assert resolve_http("127.0.0.1:9001", None, None, None, False) == ("127.0.0.1", 9001)
+    assert resolve_http("none", None, None, None, False) is None
+    for http, host, port in (("127.0.0.1:9000", "127.0.0.1", None), ("127.0.0.1:9000", None, 9000),
+                             ("none", None, 9000)):
+        with pytest.raises(click.UsageError, match="not both"):  # even where both ways agree
+            resolve_http(http, host, port, None, False)
+    with pytest.raises(click.UsageError, match="beyond loopback"):  # --host is under the exposure rule too
+        resolve_http(None, "0.0.0.0", None, None, False)
+    res = invoke("serve", *TINY, "--http", "127.0.0.1:9000", "--port", "9000")
+    assert res.exit_code == 2 and "not both" in res.output  # refused before any model is loaded
+
+
+def serve_context(*args: str) -> click.Context:
+    return main.commands["serve"].make_context("serve", list(args))
+
+
+def test_a_config_file_gives_serves_options_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: tiny-random\nmax-batch: 8\nmax-model-len: 512\nlora: [a=./a]\nno-pipeline: true\n"
+                      "quantization-group: 64\nhost: 0.0.0.0\nkv-pages: null\nlog-level: debug\n")
+    logging.getLogger().setLevel(logging.WARNING)
+    for args in (["--config", str(config), "--max-batch", "4"], ["--max-batch", "4", "--config", str(config)]):
+        ctx = serve_context(*args)
+        p = ctx.params
+        assert (p["model"], p["max_batch"], p["max_model_len"], p["lora"], p["no_pipeline"], p["quantization_group"],
+                p["host"], p["kv_pages"]) == ("tiny-random", 4, 512, ("a=./a",), True, "64", "0.0.0.0", None)
+        assert cli.given(ctx, "max_model_len") and not cli.given(ctx, "kv_pages")  # the file's count as given
+        assert logging.getLogger().level == logging.DEBUG  # eager options from the file too
+    assert serve_context().params["max_batch"] == 64  # non-vacuity: without the file, the default
+
+
+@pytest.mark.parametrize("text, says", [
+    ("max-batch: 8\nmax_batch: 9\n", "unknown key 'max_batch'"),
+    ("model: tiny-random\nmodle: x\n", "unknown key 'modle'"),
+    ("config: other.yaml\n", "unknown key 'config'"),
+    ("- max-batch\n", "must hold a mapping"),
+    ("max-batch: [1\n", "is not valid YAML"),
+    ("max-batch: many\n", "'many' is not a valid integer"),
+])
+def test_a_config_file_with_an_unknown_key_or_a_bad_value_is_refused_naming_it(tmp_path, text, says):
+    config = tmp_path / "serve.yaml"
+    config.write_text(text)
+    res = invoke("serve", "--config", str(config))
+    assert res.exit_code == 2 and says in res.output, res.output
+
+
+@pytest.fixture(scope="module")
+def named_server(tmp_path_factory):
+    """``tandem serve --config FILE --port P``: the file names the model, a served name, a chat template,
+    JSON logs at info and a port the command line overrides (port 1 could not be bound)."""
+    tmp = tmp_path_factory.mktemp("named")
+    template = tmp / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    config = tmp / "serve.yaml"
+    config.write_text(f"model: tiny-random\ndevice: cpu\ndtype: float32\nmax-batch: 4\nserved-model-name: tiny\n"
+                      f"chat-template: {template}\nlog-format: json\nlog-level: info\nhost: 127.0.0.1\nport: 1\n"
+                      f"bind: 127.0.0.1:{free_port()}\n")
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--config", str(config), "--port", str(port)], cwd=ROOT,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    serving = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            stderr.append(line)
+            if '"tandem: serving' in line:
+                serving.set()
+        serving.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert serving.wait(180) and proc.poll() is None, "".join(stderr)[-3000:]
+        yield f"http://127.0.0.1:{port}", stderr
+    finally:
+        stop_server(proc)
+
+
+def test_served_model_name_is_listed_echoed_and_the_real_name_still_accepted(named_server):
+    import httpx
+
+    url, _ = named_server
+    models = httpx.get(url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for name in ("tiny", "tiny-random"):
+        r = httpx.post(url + "/v1/chat/completions", json={**body, "model": name}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "model": "tiny-randomx"}, timeout=60)
+    assert r.status_code == 404 and "'tiny'" in r.json()["error"]["message"]
+
+
+def test_chat_template_replaces_the_tokenizers(named_server):
+    import httpx
+
+    from shared.models import load_tokenizer
+
+    url, _ = named_server
+    tok = load_tokenizer("tiny-random")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    ids = httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert ids == tok.encode("[system] Be brief.\n[user] hi\n[assistant] ", add_special_tokens=False)
+    own = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ids != own  # non-vacuity: the tokenizer's template renders otherwise
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)  # what a generate renders
+
+
+def test_json_logs_are_one_object_per_line_and_each_request_leaves_one(named_server):
+    import httpx
+
+    url, stderr = named_server
+    answer = httpx.post(url + "/v1/completions", json={"prompt": "Once upon", "max_tokens": 3, "temperature": 0},
+                        timeout=60).json()
+    deadline = time.monotonic() + 30  # the line is written before the answer is sent; stderr is read on a thread
+    while not any(answer["id"] in line for line in stderr) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    records = [json.loads(line) for line in list(stderr)]  # every line a JSON object: status lines too
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    serving = next(r for r in records if r["message"].startswith("tandem: serving"))
+    assert "context 2048 tokens: the model's limit, max_position_embeddings 2048" in serving["message"]
+    (line,) = [r for r in records if r.get("request_id") == answer["id"]]
+    assert line["logger"] == "tandem.requests" and line["model"] == "tiny"
+    assert (line["prompt_tokens"], line["output_tokens"], line["finish_reason"]) == (
+        answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"])
+    assert 0 < line["ttft_ms"] <= line["duration_ms"]

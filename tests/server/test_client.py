@@ -317,14 +317,15 @@ def test_ping_info_point_detect(client):
 def test_every_sampling_field_reaches_the_server(client, server):
     """The client's options are SamplingParams' fields: each one set arrives in the parsed request."""
     params = SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, top_k=5, seed=11,
-                            stop_token_ids=(3, 4), ignore_eos=True)
+                            stop_token_ids=(3, 4), ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.5,
+                            repetition_penalty=1.1, min_p=0.05, logit_bias={5: -100.0})
     default = SamplingParams()
     unset = [n for n in SAMPLING_FIELD_NAMES if getattr(params, n) == getattr(default, n)]
     assert not unset, f"give these fields a non-default value in this test: {unset}"
     options = {n: getattr(params, n) for n in SAMPLING_FIELD_NAMES}
     client.generate("x", request_id="all-sampling", **options)
     assert server.requests["all-sampling"].sampling == params
-    assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "grammar", "adapter", "images",
+    assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "top_logprobs", "grammar", "adapter", "images",
                                                               "skill", *P.SKILL_FIELDS}
 
 

@@ -254,7 +254,7 @@ _BAD_FIELDS = [
     ("prompt_token_ids", [], "bad_request"), ("prompt_token_ids", ["1"], "bad_request"),
     ("prompt_token_ids", [-1], "bad_request"), ("prompt_token_ids", [VOCAB], "bad_request"),
     ("prompt_token_ids", [1.0], "bad_request"), ("prompt_token_ids", [True], "bad_request"),
-    ("prompt_token_ids", [1] * ((1 << 17) + 1), "too_long"), ("prompt_token_ids", [3] * MAX_MODEL_LEN, "too_long"),
+    ("prompt_token_ids", [1] * ((1 << 17) + 1), "too_long"), ("prompt_token_ids", [3] * MAX_MODEL_LEN, "context_length_exceeded"),
     ("max_tokens", 0, "bad_request"), ("max_tokens", -2**63, "bad_request"), ("max_tokens", "8", "bad_request"),
     ("max_tokens", 1.5, "bad_request"), ("max_tokens", True, "bad_request"), ("max_tokens", [8], "bad_request"),
     ("temperature", -0.5, "bad_request"), ("temperature", "hot", "bad_request"), ("temperature", True, "bad_request"),

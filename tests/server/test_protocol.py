@@ -56,7 +56,7 @@ def decode(fr: list[bytes]) -> dict:
 def test_generate_defaults():
     r = parse(gen())
     assert r == GenerateRequest(id="r1", prompt="hello")
-    assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed) == (256, 0.0, 1.0, 0, None)
+    assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed) == (None, 0.0, 1.0, 0, None)
     assert (r.stop, r.stop_token_ids, r.ignore_eos, r.stream, r.logprobs, r.grammar) == ((), (), False, True, False, None)
     assert r.sampling == SamplingParams()
 
@@ -212,7 +212,7 @@ def test_sampling_fields_are_read_as_sampling_params_declares_them(f):
     assert getattr(parse(gen(**{f.name: None})).sampling, f.name) == f.default
     e = err(gen(**{f.name: "x"}))
     assert (e.code, e.message, e.id) == ("bad_request", f"{f.name} must be {f.must_be}, got str", "r1")
-    value = {int: 1 + (f.default or 0), float: 0.5, bool: not f.default, tuple: [1]}[f.type]
+    value = {int: 1 + (f.default or 0), float: 0.5, bool: not f.default, tuple: [1], dict: {7: 1.5}}[f.type]
     parsed = getattr(parse(gen(**{f.name: value})).sampling, f.name)
     assert parsed == (tuple(value) if f.type is tuple else value) and parsed != f.default
 
@@ -498,7 +498,7 @@ def test_fuzz_valid_messages_parse():
         m = _valid_generate(rng)
         r = parse(m)
         assert isinstance(r, GenerateRequest) and r.id == m["id"]
-        assert r.max_tokens == m.get("max_tokens", 256)
+        assert r.max_tokens == m.get("max_tokens")
         assert r.stop == tuple(m.get("stop", ()))
         assert r.stop_token_ids == tuple(m.get("stop_token_ids", ()))
         assert r.grammar == m.get("grammar")

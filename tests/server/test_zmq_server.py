@@ -284,15 +284,15 @@ def test_duplicate_id(live, conn):
 def test_too_long(live, conn):
     conn.generate("ctx", prompt_token_ids=[7] * MAX_MODEL_LEN, max_tokens=1)
     err = check_request(conn.request("ctx"))
-    assert err["type"] == "error" and err["code"] == "too_long", err
+    assert err["type"] == "error" and err["code"] == "context_length_exceeded", err
     conn.generate("fits", prompt_token_ids=[7] * (MAX_MODEL_LEN - 1), max_tokens=5)
     done = check_request(conn.request("fits"))  # the longest prompt that fits: one generated token
     assert done["type"] == "done" and done["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
     conn.generate("chars", prompt="a" * ((1 << 18) + 1))
     assert check_request(conn.request("chars"))["code"] == "too_long"
-    with Client(live.endpoint, timeout=30) as c, pytest.raises(TooLong) as e:
+    with Client(live.endpoint, timeout=30) as c, pytest.raises(TooLong) as e:  # its subclass
         c.generate(prompt_token_ids=[7] * (MAX_MODEL_LEN + 5))
-    assert e.value.code == "too_long"
+    assert e.value.code == "context_length_exceeded"
     conn.assert_quiet()
 
 

@@ -1,0 +1,222 @@
+"""The HTTP API's OpenAPI 3.1 document (``GET /openapi.json``) and the JSON types of each route's
+body, which ``common.read_json`` enforces: the document states what the validation checks.
+
+Built from the definitions the validation itself uses, not written a second time: the sampling
+fields from ``shared.sampling.SAMPLING_FIELDS`` (type, default, help; those the OpenAI routes
+pass through are ``openai.PASS_THROUGH``), the roles and the stop-string count from
+``frontend.protocol``, the caption lengths from ``frontend.skills``, the error statuses from
+``errors.STATUS``, and the routes from the application itself (a route without a description
+here is an error when the document is built).
+
+What a body may hold is checked in two layers, as documented: the field's JSON type here (a
+wrong type is a 400 naming it, before anything else reads the body), then ranges, sizes and
+shapes by the server's protocol (``frontend/protocol.py``: also a 400, or a 413 for sizes).
+Unknown fields are ignored, as OpenAI does.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from shared.sampling import SAMPLING_FIELDS
+
+from ..protocol import MAX_STOP, ROLES
+from ..skills import CAPTION_LENGTHS
+from .errors import STATUS, bad_request
+
+JSON_TYPE = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object"}
+WHAT = {"integer": "an integer", "number": "a number", "boolean": "a boolean", "string": "a string",
+        "array": "an array", "object": "an object"}
+
+
+def _t(kind: str, description: str = "", **more) -> dict[str, Any]:
+    return {"type": kind, **({"description": description} if description else {}), **more}
+
+
+def _sampling(name: str) -> dict[str, Any]:
+    f = next(f for f in SAMPLING_FIELDS if f.name == name)
+    if f.type is tuple:
+        return _t("array", f.help, items={"type": "integer", "minimum": 0})
+    return _t(JSON_TYPE[f.type], f.help, **({} if f.default is None else {"default": f.default}))
+
+
+@lru_cache(maxsize=1)
+def bodies() -> dict[str, dict[str, Any]]:
+    """Each POST route's body schema, by path."""
+    from .openai import MAX_N, PASS_THROUGH, ROLE_ALIASES  # (openai.py reads the body through common.py)
+
+    model = _t("string", "The served model's name (GET /v1/models); on the OpenAI routes also a LoRA adapter's.")
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    image_part = {"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"url": {"type": "string"}}}],
+                      "description": "A data: URL (nothing is fetched from the network); vision models only."}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": [*ROLES, *ROLE_ALIASES]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [text_part, image_part]}},
+                              {"type": "null"}]}}}
+    messages = _t("array", "The conversation, rendered with the model's chat template.", minItems=1, items=message)
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    openai_common = {
+        "model": model,
+        "max_tokens": _sampling("max_tokens"),
+        **{name: _sampling(name) for name in PASS_THROUGH},
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}],
+                 "description": "Stop strings (never part of the answer)."},
+        "stream": _t("boolean", "Server-sent events."),
+        "stream_options": _t("object", "With stream: include_usage (a boolean).",
+                             properties={"include_usage": {"type": "boolean"}}),
+        "n": _t("integer", f"Choices per request (1 to {MAX_N}); with seed, choice i samples as seed + i."),
+        "tools": _t("array", "Not supported: a request with tools is a 400 (tool_choice none is served)."),
+        "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}], "description": "Only \"none\" is served."},
+        "response_format": _t("object", "text, json_object, or json_schema with json_schema.schema.",
+                              required=["type"], properties={"type": {"enum": ["text", "json_object", "json_schema"]},
+                                          "json_schema": {"type": "object"}}),
+        "grammar": _t("object", "Tandem's grammar map (docs/PROTOCOL.md): kind point, box, regex or json_schema."),
+        "user": _t("string", "The client's session (a cluster routes by it)."),
+    }
+    settings = _t("object", "Moondream's {temperature, top_p, max_tokens, max_objects}.")
+    image_url = _t("string", "The image as a data: URL.")
+    return {
+        "/v1/chat/completions": _body(["messages"], messages=messages, **openai_common,
+                                      max_completion_tokens=_sampling("max_tokens"),
+                                      logprobs=_t("boolean", "The chosen tokens' log probabilities."),
+                                      top_logprobs=_t("integer", "With logprobs: the most likely alternatives of each token (0 to 20).")),
+        "/v1/completions": _body(["prompt"], prompt={"anyOf": [
+            {"type": "string"}, token_ids,
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}}],
+            "description": "A string or token ids (or an array of one of these)."}, **openai_common,
+            logprobs=_t("integer", "The chosen tokens' log probabilities and this many alternatives (0 to 20)."),
+            echo=_t("boolean", "Not supported."), suffix=_t("string", "Not supported."),
+            best_of=_t("integer", "Only 1.")),
+        "/v1/caption": _body([], model=model, image_url=image_url, settings=settings, stream=_t("boolean"),
+                             length=_t("string", "How long a caption.", enum=list(CAPTION_LENGTHS))),
+        "/v1/query": _body([], model=model, image_url=image_url, settings=settings, stream=_t("boolean"),
+                           question=_t("string"), reasoning=_t("boolean", "Moondream 2 only: reason first."),
+                           spatial_refs=_t("array", "Moondream 2 only: points and boxes the question refers to.")),
+        "/v1/point": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
+        "/v1/detect": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
+        "/tokenize": _body([], model=model, prompt=_t("string", "A plain prompt (no special tokens added)."),
+                           messages=messages,
+                           add_generation_prompt=_t("boolean", "End with the assistant's opening.", default=True)),
+        "/detokenize": _body(["tokens"], model=model, tokens={**token_ids, "minItems": 0}),
+    }
+
+
+def _body(required: list[str], **properties) -> dict[str, Any]:
+    """An object of these properties; an optional one may also be null (null is read as absent)."""
+    return {"type": "object", "required": required,
+            "properties": {name: prop if name in required else _nullable(prop) for name, prop in properties.items()}}
+
+
+def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
+    if "type" in prop:
+        return {**prop, "type": [prop["type"], "null"], **({"enum": [*prop["enum"], None]} if "enum" in prop else {})}
+    return {**prop, "anyOf": [*prop["anyOf"], {"type": "null"}]}
+
+
+EXAMPLES = {  # one request per text route, as a client sends it (the document's examples)
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16},
+    "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+    "/v1/query": {"question": "What is the capital of France?"},
+    "/tokenize": {"messages": [{"role": "user", "content": "Hello"}]},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+
+
+def check_body(path: str, body: dict[str, Any]) -> None:
+    """A 400 naming the first field whose JSON type is not the documented one (null: absent)."""
+    schema = bodies().get(path)
+    if schema is None:
+        return
+    for name, prop in schema["properties"].items():
+        value = body.get(name)
+        if value is not None and not _matches(value, prop):
+            what = " or ".join(dict.fromkeys(_phrase(kind, alt) for kind, alt in _alternatives(prop)))
+            raise bad_request(f"{name} must be {what}, got {WHAT[_json_type(value)]}")
+
+
+def _alternatives(prop: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The JSON types a property takes, each with the schema that says it (null left out: absent)."""
+    if "type" in prop:
+        kinds = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+        return [(kind, prop) for kind in kinds if kind != "null"]
+    return [a for alt in prop["anyOf"] for a in _alternatives(alt)]
+
+
+def _phrase(kind: str, prop: dict[str, Any]) -> str:
+    """``an integer``, ``a non-empty array of integers``: what the error message says a field must be."""
+    if kind != "array":
+        return WHAT[kind]
+    items = {"integer": " of integers", "string": " of strings"}.get(prop.get("items", {}).get("type"), "")
+    return ("a non-empty array" if prop.get("minItems") else "an array") + items
+
+
+def _matches(value: Any, prop: dict[str, Any]) -> bool:
+    kinds = {kind for kind, _ in _alternatives(prop)}
+    return _json_type(value) in kinds or (_json_type(value) == "integer" and "number" in kinds)
+
+
+def _json_type(v: Any) -> str:
+    """The JSON Schema type of a value ``json.loads`` gave (never None here: null is absent)."""
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}[type(v)]
+
+
+# --------------------------------------------------------------------------- the document
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "string"}}}}}
+ANY_JSON = {"type": "object"}
+# The statuses besides 200: a POST's are every protocol error's (errors.STATUS) and the HTTP layer's own
+# (401 API key, 404 model, 413 body size); a GET's only the API key's and a server bug's.
+REQUEST_ERRORS = sorted({401, 404, 413, *(status for status, _ in STATUS.values())})
+READ_ERRORS = (401, 500)
+PAGES = {"/metrics": "text/plain", "/": "text/html"}  # GET routes that do not answer JSON
+
+
+def document(app_routes: list[tuple[str, tuple[str, ...]]], is_open, version: str) -> dict[str, Any]:
+    """The OpenAPI document for ``app_routes`` (``(path, methods)`` as the app serves them);
+    ``is_open(path)``: the route needs no API key."""
+    paths: dict[str, Any] = {}
+    for path, methods in app_routes:
+        for method in methods:
+            paths.setdefault(path, {})[method.lower()] = _operation(path, method, is_open(path))
+    return {"openapi": "3.1.0", "info": {"title": "Tandem", "version": version,
+                                         "description": "OpenAI- and Moondream-compatible routes (docs/HTTP.md)."},
+            "paths": paths,
+            "components": {"schemas": {"Error": ERROR},
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+
+
+def _operation(path: str, method: str, open_: bool) -> dict[str, Any]:
+    error = {"description": "An error (docs/HTTP.md)", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Error"}}}}
+    op: dict[str, Any] = {"operationId": f"{method.lower()}{path.replace('/', '_')}"}
+    if method == "POST":
+        example = {"example": EXAMPLES[path]} if path in EXAMPLES else {}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": bodies()[path], **example}}}
+        ok = {"application/json": {"schema": ANY_JSON}}
+        if "stream" in bodies()[path]["properties"]:
+            ok["text/event-stream"] = {"schema": {"type": "string"}}
+        op["responses"] = {"200": {"description": "The answer", "content": ok},
+                           **{str(s): error for s in REQUEST_ERRORS}}
+    elif path == "/ready":
+        status = {"type": "object", "properties": {"status": {"type": "string"}, "reason": {"type": "string"}}}
+        op["responses"] = {"200": {"description": "Ready", "content": {"application/json": {"schema": status}}},
+                           "503": {"description": "Not ready, and why",
+                                   "content": {"application/json": {"schema": status}}},
+                           "500": error}
+    else:
+        kind = PAGES.get(path, "application/json")
+        op["responses"] = {"200": {"description": "The answer", "content": {kind: {"schema": (
+            ANY_JSON if kind == "application/json" else {"type": "string"})}}},
+            **{str(s): error for s in READ_ERRORS}}
+    if not open_:
+        op["security"] = [{"bearer": []}, {}]  # an API key when the server has one (--api-key)
+    return op
