@@ -228,10 +228,11 @@ def test_an_extra_eos_id_in_generation_config_stops_generation(tmp_path):
 @pytest.mark.slow  # a service: a worker process
 def test_generation_config_sampling_defaults_apply_where_the_request_is_silent(tmp_path):
     path = model_copy(tmp_path)
-    (path / "generation_config.json").write_text(json.dumps({"temperature": 1.3, "top_k": 40, "do_sample": True}))
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 1.3, "top_k": 40, "repetition_penalty": 1.2,
+                                                                "do_sample": True}))
     service = Service(ServiceConfig(model=str(path), device="cpu", max_batch=4, kv_pages=64, page_size=8))
     try:
-        assert service.model.sampling_defaults == {"temperature": 1.3, "top_k": 40}
+        assert service.model.sampling_defaults == {"temperature": 1.3, "top_k": 40, "repetition_penalty": 1.2}
         gate = Gate(service)
 
         def generate(**fields) -> tuple[SamplingParams, list[int]]:
@@ -243,8 +244,8 @@ def test_generation_config_sampling_defaults_apply_where_the_request_is_silent(t
             return req.params, req.token_ids
 
         silent, silent_ids = generate()
-        assert (silent.temperature, silent.top_k) == (1.3, 40)  # the model's defaults
-        same, same_ids = generate(temperature=1.3, top_k=40)
+        assert (silent.temperature, silent.top_k, silent.repetition_penalty) == (1.3, 40, 1.2)  # the model's
+        same, same_ids = generate(temperature=1.3, top_k=40, repetition_penalty=1.2)
         assert same_ids == silent_ids  # the defaults were really sampled with
         greedy, greedy_ids = generate(temperature=0.0)
         assert (greedy.temperature, greedy.top_k) == (0.0, 40)  # the request's own value wins, per field
