@@ -69,6 +69,7 @@ def reference():
 @pytest.mark.parametrize("device, dtype, quantization", [("cpu", None, "auto"), ("cpu", "float32", "auto"),
                                                          ("sim:1", None, "auto"), ("cpu", None, "int8"),
                                                          ("cpu", None, "int4")])
+@pytest.mark.slow
 def test_pipelined_equals_blocking(reference, device, dtype, quantization):
     """Default dtype (bf16 where the CPU has native bf16) and fp32; weights quantized at load."""
     reqs, stops = reference
@@ -90,6 +91,7 @@ def test_pipelined_equals_blocking(reference, device, dtype, quantization):
 CPU_LEVELS = [level.name for level in cpu_kernels.choosable_levels()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", CPU_LEVELS)
 def test_pipelined_equals_blocking_at_every_cpu_kernels_level(reference, level, monkeypatch):
     """bf16 on the CPU runs the fused kernels: at each ISA level (capped through TANDEM_CPU_LEVEL)
@@ -121,6 +123,7 @@ def test_non_vacuity_a_different_run_is_detected(reference):
     assert a != b
 
 
+@pytest.mark.slow
 def test_masks_are_respected(reference):
     reqs, _ = reference
     eng = make_engine()
@@ -311,6 +314,7 @@ def test_device_error_fails_requests_and_engine_keeps_serving():
     assert DeviceError  # the error type the host sees
 
 
+@pytest.mark.slow
 def test_default_model_answers_paris():
     """The embedded default model, converted from GGUF, greedy, with the chat template."""
     from frontend.server.tokenization import chat_prompt_ids

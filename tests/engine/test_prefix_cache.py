@@ -199,6 +199,7 @@ def test_page_pool_unit():
     assert pool.idle
 
 
+@pytest.mark.slow
 def test_cached_tokens_reach_the_client_through_both_processes():
     """done.usage.cached_tokens travels on the first token's ring row: 0 on a miss, the
     mapped pages on a hit, 0 with the cache off."""

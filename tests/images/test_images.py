@@ -137,6 +137,7 @@ def run_workload(svc: Service) -> tuple[list[list[int]], dict]:
     return [log.terminal[r.seq_id][1]["token_ids"] for r in reqs], log.terminal[reqs[-1].seq_id][1]["usage"]
 
 
+@pytest.mark.slow
 def test_pipelined_equals_blocking_on_a_mixed_image_workload(svc):
     before = svc.stats()
     pipelined, usage = run_workload(svc)
@@ -228,6 +229,7 @@ def test_cancel_at_every_phase_in_the_worker_frees_everything(svc):
     assert_idle(svc)
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_worker_with_images_in_flight():
     svc = make_service()
     try:
@@ -437,6 +439,7 @@ def test_prefix_cache_tells_images_apart(svc):
     assert_idle(svc)
 
 
+@pytest.mark.slow
 def test_a_long_prefill_launch_is_a_wait_not_a_hang():
     """A launch longer than the heartbeat timeout (an image prefill on a slow device, here a
     simulated 2.5 s step against a 1 s timeout) keeps the worker alive: it is waiting, not hung."""
@@ -515,6 +518,7 @@ def test_cancel_while_queued_in_the_pool_frees_everything():
         svc.close()
 
 
+@pytest.mark.slow
 def test_a_killed_pool_process_fails_its_request_and_the_next_request_gets_a_new_pool():
     before = set(multiprocessing.active_children())
     svc = make_service(image_workers=1)
@@ -563,6 +567,7 @@ def test_pool_children_run_at_nice_19_and_close_leaves_no_process_or_thread(svc)
     assert [t for t in threading.enumerate() if t not in threads_before] == []
 
 
+@pytest.mark.slow
 def test_close_while_images_are_prepared_ends_each_request_once_and_leaves_no_process():
     children_before = set(multiprocessing.active_children())
     svc = make_service(image_workers=2)

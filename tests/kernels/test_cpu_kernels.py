@@ -596,6 +596,7 @@ def test_a_function_the_level_lacks_is_absent_and_fails_loudly(kernels):
     assert not kernels.can_matmul(torch.zeros(32, 32, dtype=torch.bfloat16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,level", [(arch, level.name) for arch, levels in cpu_kernels.LEVELS.items()
                                         for level in levels])
 def test_every_level_compiles(tmp_path, arch, level):

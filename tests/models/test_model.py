@@ -105,6 +105,7 @@ def smollm2_path():
         unavailable(f"smollm2-135m weights not available here: {e!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, ATOL), (torch.float64, 1e-5)], ids=["fp32", "fp64"])
 def test_matches_transformers_smollm2(smollm2_path, dtype, atol):
     # In fp32 this 30-layer model sits near the noise floor: transformers' own
