@@ -73,6 +73,7 @@ class LaunchInputs:
     want_top: bool = False  # some row wants the most likely tokens' logprobs (top_logprobs)
     any_bias: bool = False  # some row has a logit_bias
     any_penalty: bool = False  # some row has a penalty: its sampled tokens are counted
+    any_min_tokens: bool = False  # some row has not reached its min_tokens: its stop ids are masked
     # Encode units of this launch, before its text forward (image_prefill.py): (host tile blocks,
     # FeatureHolder, first feature row of the run in its image, the image's feature rows, its
     # ImageInput.tiling) per run.
@@ -437,7 +438,8 @@ class ModelRunner:
                 if self.skills is not None:
                     logits = self.skills.suppress(logits, rows)
                 tokens, flags, logprobs, top = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter,
-                                                      inp.want_logprobs, inp.any_bias, inp.any_penalty, inp.want_top)
+                                                      inp.want_logprobs, inp.any_bias, inp.any_penalty, inp.want_top,
+                                                      inp.any_min_tokens)
                 values = None
                 if self.skills is not None:  # the phase decides what is emitted; values stay on the device
                     tokens, flags, values = self.skills.advance(self.moondream.region, hidden, rows, tokens, flags)

@@ -9,7 +9,8 @@ those three numbers, used through the Gumbel-max trick
 tokens whatever its batch mates, its batch row, the timing, or pipelined vs
 blocking mode. Requests without a seed get one drawn at admission.
 
-The logits are adjusted in vLLM's order: ``logit_bias`` (added), then the
+The logits are adjusted in vLLM's order: ``logit_bias`` (added), ``min_tokens``
+(a row's stop ids masked until its position reaches ``RowParams.stops_from``), then the
 penalties (``repetition_penalty`` over the prompt's and the generated tokens,
 ``frequency_penalty`` and ``presence_penalty`` over the generated ones), then
 greedy argmax or temperature, ``min_p``, top-k, top-p and the Gumbel draw.
@@ -74,12 +75,12 @@ class RowParams:
 
     def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
         self._pinned = torch.device(device).type == "cuda"
-        stops_end = 2 + MAX_STOP_IDS
+        stops_end = _INTS + MAX_STOP_IDS
         self.ints = torch.zeros(max_rows, stops_end + MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
         self.floats = torch.zeros(max_rows, _FLOATS + MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
-        self.ints[:, 2:] = NO_TOKEN
-        self.top_k, self.seed = self.ints[:, 0], self.ints[:, 1]
-        self.stop_ids, self.bias_ids = self.ints[:, 2:stops_end], self.ints[:, stops_end:]
+        self.ints[:, _INTS:] = NO_TOKEN
+        self.top_k, self.seed, self.stops_from = self.ints[:, :_INTS].unbind(1)
+        self.stop_ids, self.bias_ids = self.ints[:, _INTS:stops_end], self.ints[:, stops_end:]
         (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
          self.repetition_penalty) = self.floats[:, :_FLOATS].unbind(1)
         self.bias_values = self.floats[:, _FLOATS:]
@@ -94,7 +95,8 @@ class RowParams:
         assert len(stops) <= MAX_STOP_IDS, "checked by the model's EOS ids and SamplingParams.validate"
         stops += [NO_TOKEN] * (MAX_STOP_IDS - len(stops))
         pad = [NO_TOKEN] * (MAX_LOGIT_BIAS - len(p.logit_bias))
-        ints = torch.tensor([int(p.top_k), int(seed) & 0x7FFFFFFFFFFFFFFF, *stops, *p.logit_bias, *pad],
+        stops_from = len(prompt_ids) + p.min_tokens  # the first position a stop id may be sampled at
+        ints = torch.tensor([int(p.top_k), int(seed) & 0x7FFFFFFFFFFFFFFF, stops_from, *stops, *p.logit_bias, *pad],
                             dtype=torch.int64)
         floats = torch.tensor([float(p.temperature), float(p.top_p), float(p.min_p), float(p.presence_penalty),
                                float(p.frequency_penalty), float(p.repetition_penalty), *p.logit_bias.values(),
@@ -114,6 +116,7 @@ class RowParams:
         self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
+_INTS = 3  # top_k, seed, stops_from; then the stop ids and the logit_bias ids
 _FLOATS = 6  # temperature, top_p, min_p, presence, frequency, repetition; then the logit_bias values
 
 
@@ -136,19 +139,22 @@ def sample(
     any_bias: bool = False,
     any_penalty: bool = False,
     want_top: bool = False,
+    any_min_tokens: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """Sample one token per logits row. Returns (token ids, flags, logprobs or None, top or None):
     ``top`` is (ids, logprobs) [R, MAX_TOP_LOGPROBS] of the most likely tokens, most likely first.
 
-    ``any_random`` / ``any_filter`` / ``any_bias`` / ``any_penalty`` are host-known
+    ``any_random`` / ``any_filter`` / ``any_bias`` / ``any_penalty`` / ``any_min_tokens`` are host-known
     batch properties (some row has temperature > 0 / min-p, top-k or top-p /
-    a logit bias / a penalty) so plain greedy batches skip the noise, the sort and
-    the [rows, vocab] gathers entirely.
+    a logit bias / a penalty / not yet its min_tokens) so plain greedy batches skip the noise,
+    the sort and the [rows, vocab] gathers entirely.
     """
     logits = logits.float()
     raw = logits
     if any_bias:
         logits = apply_logit_bias(logits, params.bias_ids[rows], params.bias_values[rows])
+    if any_min_tokens:
+        logits = mask_early_stops(logits, params.stop_ids[rows], positions < params.stops_from[rows])
     if any_penalty:
         logits = apply_penalties(logits, params.counts[rows], params.in_prompt[rows], params.presence_penalty[rows],
                                  params.frequency_penalty[rows], params.repetition_penalty[rows])
@@ -179,6 +185,13 @@ def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tens
     """Add each row's biases [R, MAX_LOGIT_BIAS] to its tokens ``ids`` (NO_TOKEN entries add nothing)."""
     used = ids >= 0
     return logits.scatter_add(1, torch.where(used, ids, 0), torch.where(used, values, 0.0))
+
+
+def mask_early_stops(logits: torch.Tensor, stop_ids: torch.Tensor, early: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_tokens: the rows still ``early`` [R] cannot sample their stop ids [R, MAX_STOP_IDS]
+    (EOS unless ignore_eos, and stop_token_ids; NO_TOKEN entries mask nothing)."""
+    masked = (stop_ids >= 0) & early[:, None]
+    return logits.scatter_add(1, torch.where(masked, stop_ids, 0), torch.where(masked, float("-inf"), 0.0))
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, presence: torch.Tensor,

@@ -103,8 +103,8 @@ class Gate:
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
         kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
                   on_event=on_event, user_data=user_data, adapter=msg.adapter)
-        sampling = self.sampling(msg)
         try:
+            sampling = self.sampling(msg)  # the model's defaults may conflict with the request (min_tokens)
             if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
                 return service.submit_images(list(msg.images), self._image_renderer(msg), sampling, **kw)
             return service.submit(ids, sampling, **kw)
