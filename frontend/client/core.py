@@ -402,7 +402,7 @@ class ClientBase:
         ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
         max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p,
-        logit_bias, logprobs, top_logprobs, grammar, images (paths, bytes or PIL images, placed by
+        logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, logprobs, top_logprobs, grammar, images (paths, bytes or PIL images, placed by
         ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
         server's defaults apply: max_tokens the rest of the context, temperature 0 = greedy, top_p 1,
         top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
