@@ -116,7 +116,8 @@ class RowParams:
         seen = torch.zeros(0, dtype=torch.int64)
         if p.penalized:  # the prompt's distinct tokens in order, then pads repeating the first
             distinct = torch.tensor(list(dict.fromkeys(int(t) for t in prompt_ids)), dtype=torch.int64)
-            seen = torch.cat([distinct, distinct[:1].expand(self.seen_ids.shape[1] - len(distinct))])
+            first = distinct[:1] if len(distinct) else torch.zeros(1, dtype=torch.int64)
+            seen = torch.cat([distinct, first.expand(self.seen_ids.shape[1] - len(distinct))])
         if self._pinned:
             ints, floats, seen = ints.pin_memory(), floats.pin_memory(), seen.pin_memory()
         self.ints[row].copy_(ints, non_blocking=self._pinned)
