@@ -294,7 +294,8 @@ class Server:
                      "adapters": list(self.service.adapters),
                      "vision": self.service.model.vision, "family": self.service.model.family.name,
                      "sampling_defaults": self.service.model.sampling_defaults,
-                     "served_model_name": served_name(self.service.config)}
+                     "served_model_name": served_name(self.service.config),
+                     "chat_template": self.service.config.chat_template}  # --chat-template's text, or None
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}
