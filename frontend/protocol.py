@@ -60,6 +60,8 @@ __all__ = [
     "ClientMessage",
     "parse_client_message",
     "prompt_field",
+    "MAX_CHOICES",
+    "choice_request",
     "parse_prompt",
     "parse_token_ids",
     "encode_chunk",
@@ -202,6 +204,26 @@ class InfoRequest:
 
 
 ClientMessage = Union[GenerateRequest, CancelRequest, PingRequest, InfoRequest]
+
+
+MAX_CHOICES = 16  # choices of one request (OpenAI's n): each is a request of its own, its KV reserved
+
+
+def choice_request(msg: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """Choice ``i`` (0-based) of a request asked for several times (OpenAI's ``n``): one request per
+    choice, the same fields but the id ``ID-i`` (choice 0 keeps ``ID``) and, with a seed, seed + i
+    (modulo 2**64, within the seed's range), so that each choice is reproducible on its own."""
+    out = dict(msg)
+    if not 0 <= i < MAX_CHOICES:
+        raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
+    if i and out.get("id") is not None:
+        out["id"] = f"{out['id']}-{i}"
+        if len(out["id"]) > MAX_ID_CHARS:
+            raise ValueError(f"id: with n choices, an id takes at most {MAX_ID_CHARS - 3} characters")
+    if i and out.get("seed") is not None:
+        seed = out["seed"] + i
+        out["seed"] = seed - (1 << 64) if seed >= 1 << 64 else seed
+    return out
 
 
 def prompt_field(msg: Mapping[str, Any]) -> str:

@@ -25,12 +25,12 @@ from typing import Any
 
 from shared.sampling import SAMPLING_FIELDS
 
+from ..protocol import MAX_CHOICES
 from .errors import bad_request
 
 PASS, READ, NO_EFFECT, REFUSED = "passed to the sampler", "read by the route", "no effect", "refused"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 BOTH = (CHAT, COMPLETIONS)
-MAX_N = 16  # choices per request (n): each is a sequence of the batch, its KV reserved at admission
 MAX_REQUEST_ID_CHARS = 100  # the protocol's ids hold 128 characters: the answer's prefix and a choice's suffix
 
 
@@ -87,7 +87,7 @@ FIELDS: tuple[Field, ...] = (
     Field("stream", READ, _t("boolean", "Server-sent events.")),
     Field("stream_options", READ, _t("object", "With stream: include_usage (a boolean).",
                                      properties={"include_usage": {"type": "boolean"}})),
-    Field("n", READ, _t("integer", f"Choices per request (1 to {MAX_N}); with seed, choice i samples as seed + i.")),
+    Field("n", READ, _t("integer", f"Choices per request (1 to {MAX_CHOICES}); with seed, choice i samples as seed + i.")),
     Field("logprobs", READ, _t("boolean", "The chosen tokens' log probabilities."), (CHAT,)),
     Field("top_logprobs", READ, _t("integer", "With logprobs: each token's most likely alternatives (0 to 20)."),
           (CHAT,)),

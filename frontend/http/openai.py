@@ -32,11 +32,12 @@ from starlette.responses import JSONResponse
 
 from shared.sampling import MAX_TOP_LOGPROBS
 
+from ..protocol import MAX_CHOICES, choice_request
 from .bridge import Call
 from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
                      session_of, sse, sse_response, terminal_or_raise, unless_gone)
 from .errors import HttpError, bad_request
-from .fields import CHAT, COMPLETIONS, MAX_N, MAX_REQUEST_ID_CHARS, PASS_THROUGH, refuse_unsupported
+from .fields import CHAT, COMPLETIONS, MAX_REQUEST_ID_CHARS, PASS_THROUGH, refuse_unsupported
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where the model has none
 ROLE_ALIASES = {"developer": "system"}
@@ -255,8 +256,8 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
     stream = bool(field(body, "stream", bool, "a boolean"))
     n = field(body, "n", int, "an integer")
     n = 1 if n is None else n
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {n}")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}")
     as_ids = bool(field(body, "return_tokens_as_token_ids", bool, "a boolean"))
     shapes = [shape(i, as_ids) for i in range(n)]
     meta = {"id": f"{shape.prefix}-{_request_id(body)}", "created": int(time.time()), "model": model}
@@ -273,8 +274,8 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
         batches = [calls[0].batches()]
         first = await first_event(request, batches[0])
         for i in range(1, n):
-            calls.append(ctx.bridge.generate({**_choice_fields(fields, i), "stream": stream}, session=session,
-                                             rid=f"{meta['id']}-{i}"))
+            choice = choice_request({**fields, "id": meta["id"], "stream": stream}, i)
+            calls.append(ctx.bridge.generate(choice, session=session, rid=choice.pop("id")))
             batches.append(calls[i].batches())
         if stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -299,14 +300,6 @@ def _request_id(body: dict) -> str:
     if not 1 <= len(rid) <= MAX_REQUEST_ID_CHARS:
         raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
     return rid
-
-
-def _choice_fields(fields: dict, i: int) -> dict:
-    """Choice i's request: with a seed, its own reproducible stream (the request with seed + i)."""
-    if fields.get("seed") is None:
-        return fields
-    seed = fields["seed"] + i
-    return {**fields, "seed": seed - (1 << 64) if seed >= 1 << 64 else seed}
 
 
 async def _terminal(batches: AsyncIterator[list], first: list | None) -> dict:

@@ -266,6 +266,9 @@ def test_n_choices_share_the_prompt_and_each_has_its_own_seeded_stream(live, oai
     for i, text in enumerate(texts):
         alone = oai.chat.completions.create(**{**kw, "seed": 11 + i})
         assert alone.choices[0].message.content == text, i
+    with Client(live.endpoint) as zc:  # the ZeroMQ client's n: the same choices
+        zmq = zc.choices(messages=messages, n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    assert [c.text for c in zmq] == texts
     streamed = {i: "" for i in range(3)}
     finished = set()
     usage = None
