@@ -15,7 +15,7 @@ import msgpack
 import zmq
 
 from frontend.client.errors import ConnectionClosed, DuplicateId, RequestTimeout, TandemError
-from frontend.protocol import (DEFAULT_MAX_OBJECTS, MAX_CHOICES, MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME,
+from frontend.protocol import (CHAT_TEMPLATE_FIELDS, DEFAULT_MAX_OBJECTS, MAX_CHOICES, MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME,
                                choice_request, prompt_field)
 from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
@@ -28,7 +28,7 @@ LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a la
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
 GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
-                    | {"images", "skill"} | frozenset(SKILL_FIELDS))
+                    | {"images", "skill"} | frozenset(SKILL_FIELDS) | frozenset(CHAT_TEMPLATE_FIELDS))
 
 
 @dataclass

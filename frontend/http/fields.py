@@ -141,13 +141,15 @@ FIELDS: tuple[Field, ...] = (
     _refused("bad_words", "array", "Use logit_bias or a grammar.", ([],), items={"type": "string"}),
     _refused("add_special_tokens", "boolean", "Prompts are tokenized without special tokens: the chat template "
                                               "or the prompt has them.", (False,)),
-    _refused("add_generation_prompt", "boolean", "The chat template always ends with the assistant's opening.",
-             (True,), (CHAT,)),
-    _refused("continue_final_message", "boolean", "The chat template always opens a new assistant message.",
-             (False,), (CHAT,)),
+    Field("add_generation_prompt", READ, _t("boolean", "End the rendered chat with the assistant's opening "
+                                                       "(vLLM's; default true).", default=True), (CHAT,)),
+    Field("continue_final_message", READ, _t("boolean", "Continue the final (assistant) message instead of opening "
+                                                        "a new one; needs add_generation_prompt: false (vLLM's).",
+                                             default=False), (CHAT,)),
+    Field("chat_template_kwargs", READ, _t("object", "Variables for the chat template (e.g. enable_thinking), "
+                                                     "not its own arguments (vLLM's)."), (CHAT,)),
     _refused("chat_template", "string", "The server's chat template (--chat-template) renders every request.",
              routes=(CHAT,)),
-    _refused("chat_template_kwargs", "object", "The template renders with its own variables only.", ({},), (CHAT,)),
     _refused("documents", "array", "The template renders messages only.", routes=(CHAT,)),
     _refused("mm_processor_kwargs", "object", "Images are prepared as the model's processor does.",
              routes=(CHAT,)),

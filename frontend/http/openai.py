@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 
 from shared.sampling import MAX_TOP_LOGPROBS
 
-from ..protocol import MAX_CHOICES, choice_request
+from ..protocol import CHAT_TEMPLATE_FIELDS, MAX_CHOICES, choice_request
 from .bridge import Call
 from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
                      session_of, sse, sse_response, terminal_or_raise, unless_gone)
@@ -57,7 +57,7 @@ async def chat_completions(ctx: Context, request: Request):
     refuse_unsupported(CHAT, body)
     images: list[bytes] = []
     fields = {"messages": chat_messages(ctx, body.get("messages"), images), **_sampling(ctx, body, chat=True),
-              **adapter_field(ctx, model)}
+              **adapter_field(ctx, model), **{f: body[f] for f in CHAT_TEMPLATE_FIELDS if body.get(f) is not None}}
     if images:
         fields["images"] = images
     return await _respond(ctx, request, body, model, fields, _ChatShape)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from ..protocol import MAX_STOP, ROLES
+from ..protocol import CHAT_TEMPLATE_FIELDS, MAX_STOP, ROLES
 from ..skills import CAPTION_LENGTHS
 from .errors import STATUS, bad_request
 from .fields import CHAT, COMPLETIONS, route_fields
@@ -71,8 +71,7 @@ def bodies() -> dict[str, dict[str, Any]]:
         "/v1/point": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
         "/v1/detect": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
         "/tokenize": _body([], model=model, prompt=_t("string", "A plain prompt (no special tokens added)."),
-                           messages=messages,
-                           add_generation_prompt=_t("boolean", "End with the assistant's opening.", default=True)),
+                           messages=messages, **{name: openai[CHAT][name] for name in CHAT_TEMPLATE_FIELDS}),
         "/detokenize": _body(["tokens"], model=model, tokens={**token_ids, "minItems": 0}),
     }
 

@@ -134,13 +134,13 @@ class Gate:
         if msg.prompt_token_ids is not None:
             return list(msg.prompt_token_ids)
         if msg.messages is not None:
-            return chat_prompt_ids(tok, msg.messages)
+            return chat_prompt_ids(tok, msg.messages, **msg.template_options)
         return text_prompt_ids(tok, msg.prompt)
 
     def _image_renderer(self, msg: P.GenerateRequest) -> Callable:
         tok, params = self.service.tokenizer, self.service.image_params
         if msg.messages is not None:
-            return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params)
+            return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params, **msg.template_options)
         return lambda images: image_prompt_ids(tok, msg.prompt, images, params)
 
 

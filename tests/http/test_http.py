@@ -469,6 +469,29 @@ def test_vllms_structured_outputs_request_id_and_token_ids(oai):
                for t in [c.token, *(a.token for a in c.top_logprobs)]) and len(tokens) == 3
 
 
+def test_the_chat_templates_options_render_as_transformers_does(raw, oai, tokenizer):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs (vLLM's) reach the template:
+    /tokenize's ids and a chat completion's prompt_tokens are transformers' apply_chat_template's."""
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
+    for options in [{}, {"add_generation_prompt": False},
+                    {"add_generation_prompt": False, "continue_final_message": True},
+                    {"chat_template_kwargs": {"unused_by_this_template": 1}}]:
+        template = {"add_generation_prompt": True, **options.get("chat_template_kwargs", {}),
+                    **{k: v for k, v in options.items() if k != "chat_template_kwargs"}}
+        want = tokenizer.apply_chat_template(messages, tokenize=True, **template)["input_ids"]
+        got = raw.post("/tokenize", json={"messages": messages, **options}).json()["tokens"]
+        r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=options)
+        assert got == want and r.usage.prompt_tokens == len(want), options
+    continued = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert continued.endswith("Once upon")  # non-vacuity: the final message is left open
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+    assert e.value.body["message"].startswith("continue_final_message needs add_generation_prompt: false")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=messages, extra_body={"chat_template_kwargs": {"tools": 1}})
+    assert e.value.body["message"].startswith("chat_template_kwargs.tools is not a template variable")
+
+
 REFUSED = [f for f in FIELDS if f.fate == REFUSED_FATE]
 UNSUPPORTED_VALUE = {"boolean": lambda a: not a[0] if a else True, "integer": lambda a: 7, "number": lambda a: 0.5,
                      "string": lambda a: "x", "array": lambda a: [1], "object": lambda a: {"x": 1},
