@@ -118,8 +118,8 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
                                  "truncation", "max_length", "return_tensors", "return_dict",
                                  "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
-_GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS,
-                              *MODEL_FIELDS, *SKILL_FIELDS, *CHAT_TEMPLATE_FIELDS})
+_GENERATE_FIELDS = frozenset({"type", "id", "images", "truncate_prompt_tokens", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES,
+                              *OUTPUT_FIELDS, *MODEL_FIELDS, *SKILL_FIELDS, *CHAT_TEMPLATE_FIELDS})
 _PART_TYPES = ("text", "image")  # the parts of a message's content given as a list
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 
@@ -193,6 +193,7 @@ class GenerateRequest:
     # messages only: apply_chat_template's options (add_generation_prompt, continue_final_message, and the
     # chat_template_kwargs as template variables)
     template_options: dict[str, Any] = field(default_factory=dict)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's left truncation)
 
     def __getattr__(self, name: str) -> Any:  # only called for names not found otherwise
         if name in SAMPLING_FIELD_NAMES:
@@ -502,6 +503,13 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     images = _parse_images(ctx, msg.get("images"), prompt)
     adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
     template_options = _template_options(ctx, msg, "messages" in prompt)
+    truncate = msg.get("truncate_prompt_tokens")
+    if truncate is not None:
+        if not _is_int(truncate) or truncate < 1:
+            raise ctx.bad(f"truncate_prompt_tokens must be an integer >= 1, got {_short(truncate)}")
+        if images or "skill" in prompt:
+            raise ctx.bad("truncate_prompt_tokens cannot be combined with images or a skill (their tokens "
+                          "would be cut)")
     sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
     given = [f for f in SKILL_FIELDS if f in msg]
     if "skill" in prompt:
@@ -513,6 +521,7 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream,
                            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
                            grammar=grammar, images=images, adapter=adapter, template_options=template_options,
+                           truncate_prompt_tokens=truncate,
                            explicit=frozenset(f for f in SAMPLING_FIELD_NAMES if msg.get(f) is not None))
 
 

@@ -28,7 +28,8 @@ LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a la
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
 GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
-                    | {"images", "skill"} | frozenset(SKILL_FIELDS) | frozenset(CHAT_TEMPLATE_FIELDS))
+                    | {"images", "skill"} | frozenset(SKILL_FIELDS) | frozenset(CHAT_TEMPLATE_FIELDS)
+                    | {"truncate_prompt_tokens"})
 
 
 @dataclass

@@ -134,8 +134,8 @@ FIELDS: tuple[Field, ...] = (
     _refused("length_penalty", "number", "Beam search only.", (1.0,)),
     _refused("spaces_between_special_tokens", "boolean", "Special tokens' text is the tokenizer's decode "
                                                          "(as vLLM's fast tokenizers).", (True,)),
-    _refused("truncate_prompt_tokens", "integer", "Prompts are never truncated (a prompt over the context is a "
-                                                  "400 context_length_exceeded)."),
+    Field("truncate_prompt_tokens", READ, _t("integer", "Keep only the prompt's last k tokens (vLLM's; k >= 1; "
+                                                        "not with images).")),
     _refused("prompt_logprobs", "integer", "No prompt logprobs."),
     _refused("allowed_token_ids", "array", "Use logit_bias or a grammar.", items={"type": "integer"}),
     _refused("bad_words", "array", "Use logit_bias or a grammar.", ([],), items={"type": "string"}),

@@ -105,6 +105,8 @@ def _sampling(ctx: Context, body: dict[str, Any], chat: bool) -> dict[str, Any]:
     grammar = _STRUCTURED_GRAMMAR[given[0]](body[given[0]]) if given else None
     if grammar is not None:
         out["grammar"] = grammar
+    if body.get("truncate_prompt_tokens") is not None:
+        out["truncate_prompt_tokens"] = body["truncate_prompt_tokens"]  # the server checks it
     so = field(body, "stream_options", dict, "an object")
     if so is not None and not body.get("stream"):
         raise bad_request("stream_options is only allowed with stream: true")

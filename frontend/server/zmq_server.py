@@ -132,10 +132,12 @@ class Gate:
     def _prompt_ids(self, msg: P.GenerateRequest) -> list[int]:
         tok = self.service.tokenizer
         if msg.prompt_token_ids is not None:
-            return list(msg.prompt_token_ids)
-        if msg.messages is not None:
-            return chat_prompt_ids(tok, msg.messages, **msg.template_options)
-        return text_prompt_ids(tok, msg.prompt)
+            ids = list(msg.prompt_token_ids)
+        elif msg.messages is not None:
+            ids = chat_prompt_ids(tok, msg.messages, **msg.template_options)
+        else:
+            ids = text_prompt_ids(tok, msg.prompt)
+        return ids[-msg.truncate_prompt_tokens:] if msg.truncate_prompt_tokens else ids
 
     def _image_renderer(self, msg: P.GenerateRequest) -> Callable:
         tok, params = self.service.tokenizer, self.service.image_params

@@ -492,6 +492,21 @@ def test_the_chat_templates_options_render_as_transformers_does(raw, oai, tokeni
     assert e.value.body["message"].startswith("chat_template_kwargs.tools is not a template variable")
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(live, oai):
+    prompt = list(range(6000, 6030))
+    with Client(live.endpoint) as zc:
+        tail = zc.generate(prompt_token_ids=prompt[-7:], max_tokens=6, temperature=0)
+        whole = zc.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                               extra_body={"truncate_prompt_tokens": 7})
+    assert r.usage.prompt_tokens == 7 and r.choices[0].text == tail.text != whole.text
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="Hi", extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["message"].startswith("truncate_prompt_tokens must be an integer >= 1")
+
+
 REFUSED = [f for f in FIELDS if f.fate == REFUSED_FATE]
 UNSUPPORTED_VALUE = {"boolean": lambda a: not a[0] if a else True, "integer": lambda a: 7, "number": lambda a: 0.5,
                      "string": lambda a: "x", "array": lambda a: [1], "object": lambda a: {"x": 1},

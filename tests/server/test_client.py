@@ -348,7 +348,8 @@ def test_every_sampling_field_reaches_the_server(client, server):
     client.generate("x", request_id="all-sampling", **options)
     assert server.requests["all-sampling"].sampling == params
     assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "top_logprobs", "grammar", "adapter", "images",
-                                                              "skill", *P.SKILL_FIELDS, *P.CHAT_TEMPLATE_FIELDS}
+                                                              "skill", *P.SKILL_FIELDS, *P.CHAT_TEMPLATE_FIELDS,
+                                                              "truncate_prompt_tokens"}
 
 
 def test_every_error_code_has_its_exception_class():

@@ -565,3 +565,14 @@ def test_chat_template_options_reach_the_template():
     text = tok.decode(chat_prompt_ids(tok, r.messages, **r.template_options))
     assert text == "![user] hi\n[assistant] Once"  # continued: nothing after the final message
     assert tok.decode(chat_prompt_ids(tok, messages)) == "[user] hi\n[assistant] Once\n[assistant] "  # the defaults
+
+
+def test_truncate_prompt_tokens():
+    assert parse(gen(truncate_prompt_tokens=3)).truncate_prompt_tokens == 3
+    assert parse(gen()).truncate_prompt_tokens is None
+    for value, says in [(0, "truncate_prompt_tokens must be an integer >= 1, got 0"),
+                        (True, "truncate_prompt_tokens must be an integer >= 1, got True"),
+                        (-1, "truncate_prompt_tokens must be an integer >= 1, got -1")]:
+        assert err(gen(truncate_prompt_tokens=value)).message == says
+    e = err(gen(prompt="<image>", images=[b"x"], truncate_prompt_tokens=2))
+    assert e.message.startswith("truncate_prompt_tokens cannot be combined with images")
