@@ -126,7 +126,9 @@ FIELDS: tuple[Field, ...] = (
     Field("guided_regex", READ, _t("string", "vLLM's: the answer matches this regular expression.")),
     Field("guided_choice", READ, _t("array", "vLLM's: the answer is one of these strings.", items={"type": "string"},
                                     minItems=1)),
-    Field("structured_outputs", READ, _t("object", "vLLM's: one of json, regex, choice or json_object.")),
+    Field("guided_grammar", READ, _t("string", "vLLM's: the answer follows this EBNF grammar (xgrammar's, from "
+                                               "rule root).")),
+    Field("structured_outputs", READ, _t("object", "vLLM's: one of json, regex, choice, grammar or json_object.")),
     Field("return_tokens_as_token_ids", READ, _t("boolean", "With logprobs: tokens as \"token_id:ID\".")),
     Field("request_id", READ, _t("string", f"The answer's id is the route's prefix and this (1 to "
                                            f"{MAX_REQUEST_ID_CHARS} characters), as vLLM's.")),
@@ -154,8 +156,6 @@ FIELDS: tuple[Field, ...] = (
     _refused("mm_processor_kwargs", "object", "Images are prepared as the model's processor does.",
              routes=(CHAT,)),
     _refused("include_reasoning", "boolean", "No reasoning parser: the answer is all content.", (True,), (CHAT,)),
-    _refused("guided_grammar", "string", "No context-free grammars (guided_json, guided_regex, guided_choice "
-                                         "are served).", routes=BOTH),
     _refused("structural_tag", "string", "No structural tags.", routes=(CHAT,)),
     _refused("guided_decoding_backend", "string", "One backend (xgrammar)."),
     _refused("guided_whitespace_pattern", "string", "JSON whitespace is the grammar's own."),

@@ -8,7 +8,7 @@ in silence) is ``fields.FIELDS``. What this module checks is only the HTTP shape
 the protocol does not have: message content parts, ``stop`` as a string, ``n``,
 ``tools``/``tool_choice``, the completions ``prompt`` forms, and the one way a
 request asks for structured output (``response_format``, ``grammar``, vLLM's
-``guided_json``/``guided_regex``/``guided_choice``/``structured_outputs``: each
+``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``/``structured_outputs``: each
 becomes the protocol's grammar map; its parsed result comes back as
 ``choices[i].output``). Unknown fields are ignored, as OpenAI does.
 
@@ -42,7 +42,8 @@ from .fields import CHAT, COMPLETIONS, MAX_REQUEST_ID_CHARS, PASS_THROUGH, refus
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where the model has none
 ROLE_ALIASES = {"developer": "system"}
 # The ways to ask for structured output, one per request: each gives the protocol's grammar map.
-STRUCTURED = ("response_format", "grammar", "guided_json", "guided_regex", "guided_choice", "structured_outputs")
+STRUCTURED = ("response_format", "grammar", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs")
 
 
 def models(ctx: Context) -> JSONResponse:
@@ -158,6 +159,12 @@ def _json_schema(schema: Any, name: str) -> dict[str, Any]:
     return {"kind": "json_schema", "schema": schema}
 
 
+def _ebnf(grammar: Any, name: str) -> dict[str, Any]:
+    if not isinstance(grammar, str):
+        raise bad_request(f"{name} must be a string (an EBNF grammar whose start rule is root)")
+    return {"kind": "ebnf", "grammar": grammar}
+
+
 def _regex(pattern: Any, name: str) -> dict[str, Any]:
     if not isinstance(pattern, str):
         raise bad_request(f"{name} must be a string (a regular expression)")
@@ -175,15 +182,16 @@ def _choice(choices: Any, name: str) -> dict[str, Any]:
 
 
 def _structured_outputs(so: dict) -> dict[str, Any]:
-    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, json_object; the rest refused."""
-    kinds = {"json": _json_schema, "regex": _regex, "choice": _choice, "json_object": _json_object}
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object; the rest refused."""
+    kinds = {"json": _json_schema, "regex": _regex, "choice": _choice, "json_object": _json_object,
+             "grammar": _ebnf}
     given = [k for k, v in so.items() if v is not None and v is not False]
     for k in given:
         if k not in kinds:
-            raise bad_request(f"structured_outputs.{k} is not supported by this server (json, regex, choice or "
-                              "json_object are)")
+            raise bad_request(f"structured_outputs.{k} is not supported by this server (json, regex, choice, "
+                              "grammar or json_object are)")
     if len(given) != 1:
-        raise bad_request(f"structured_outputs must give one of json, regex, choice or json_object, got "
+        raise bad_request(f"structured_outputs must give one of json, regex, choice, grammar or json_object, got "
                           f"{', '.join(given) or 'none'}")
     return kinds[given[0]](so[given[0]], f"structured_outputs.{given[0]}")
 
@@ -200,6 +208,7 @@ _STRUCTURED_GRAMMAR = {
     "guided_json": lambda v: _json_schema(v, "guided_json"),
     "guided_regex": lambda v: _regex(v, "guided_regex"),
     "guided_choice": lambda v: _choice(v, "guided_choice"),
+    "guided_grammar": lambda v: _ebnf(v, "guided_grammar"),
     "structured_outputs": _structured_outputs,
 }
 

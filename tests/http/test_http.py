@@ -448,6 +448,10 @@ def test_vllms_structured_outputs_request_id_and_token_ids(oai):
     r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=16, temperature=0,
                                     extra_body=dict(guided_regex="[0-9]{3}-[a-c]{2}"))
     assert re.fullmatch("[0-9]{3}-[a-c]{2}", r.choices[0].message.content)
+    ebnf = 'root ::= word " " word\nword ::= "red" | "green" | "blue"'
+    for extra in [dict(guided_grammar=ebnf), dict(structured_outputs={"grammar": ebnf})]:
+        r = oai.completions.create(model=MODEL, prompt="Colors:", max_tokens=16, temperature=0, extra_body=extra)
+        assert re.fullmatch("(red|green|blue) (red|green|blue)", r.choices[0].text), extra
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
     for extra in [dict(guided_json=schema), dict(guided_json=json.dumps(schema)),
@@ -459,8 +463,8 @@ def test_vllms_structured_outputs_request_id_and_token_ids(oai):
                                     extra_body=dict(guided_regex="a"))
     assert e.value.body["message"].startswith("guided_regex: one way to ask for structured output")
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=MSG, extra_body=dict(structured_outputs={"grammar": "x"}))
-    assert e.value.body["message"].startswith("structured_outputs.grammar is not supported")
+        oai.chat.completions.create(model=MODEL, messages=MSG, extra_body=dict(structured_outputs={"structural_tag": "x"}))
+    assert e.value.body["message"].startswith("structured_outputs.structural_tag is not supported")
     r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2,
                                     extra_body=dict(request_id="trace-7", return_tokens_as_token_ids=True))
     assert r.id == "chatcmpl-trace-7"
