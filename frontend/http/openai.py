@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 import uuid
@@ -394,6 +395,18 @@ async def _stream(ctx: Context, calls: list[Call], batches: list[AsyncIterator[l
     yield b"data: [DONE]\n\n"
 
 
+def json_value(value: Any) -> Any:
+    """A parsed JSON value as JSON can write it again: a number too large for a float (``1e999``, read as
+    infinity) becomes null, as JavaScript's JSON.stringify writes it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_value(v) for v in value]
+    return value
+
+
 def _usage(dones: list[dict]) -> dict[str, int]:
     """One prompt, every choice's completion."""
     prompt = dones[0]["usage"]["prompt_tokens"]
@@ -439,7 +452,7 @@ class _Shape:
     def _end_fields(self, done: dict, logprobs: dict | None) -> dict:
         out: dict[str, Any] = {"finish_reason": done["finish_reason"], "logprobs": logprobs}
         if "output" in done:
-            out["output"] = done["output"]  # the grammar's parsed result (a Tandem extra)
+            out["output"] = json_value(done["output"])  # the grammar's parsed result (a Tandem extra)
         return out
 
     def all_logprobs(self, ctx: Context, done: dict) -> dict | None:

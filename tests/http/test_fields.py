@@ -1,5 +1,6 @@
 """The OpenAI routes' field table (``frontend/http/fields.py``) is what the OpenAPI document and
-docs/HTTP.md say, and its refusals name the field (no server: the live checks are in test_http.py)."""
+docs/HTTP.md say, and its refusals name the field; a grammar's parsed output can be written as JSON
+(no server: the live checks are in test_http.py)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import pytest
 from frontend.http.errors import HttpError
 from frontend.http.fields import BOTH, CHAT, COMPLETIONS, FIELDS, NO_EFFECT, PASS, PASS_THROUGH, REFUSED, \
     refuse_unsupported
+from frontend.http.openai import json_value
 from frontend.http.openapi import bodies
 from shared.sampling import SAMPLING_FIELD_NAMES
 
@@ -71,3 +73,10 @@ def test_refusals_name_the_field(body, says):
                                        "prompt_logprobs": None}])
 def test_accepted_values_and_nulls_pass(body):
     refuse_unsupported(CHAT, body)
+
+
+def test_a_parsed_output_is_written_back_as_json_even_with_numbers_beyond_a_float():
+    parsed = json.loads('{"a": [1e999, -1e999, 2.5], "b": {"c": 1e999, "d": "x"}}')
+    assert parsed["a"][0] == float("inf")  # non-vacuity: Python reads them as infinities
+    assert json.loads(json.dumps(json_value(parsed), allow_nan=False)) == \
+        {"a": [None, None, 2.5], "b": {"c": None, "d": "x"}}
