@@ -229,6 +229,7 @@ def test_the_engine_penalizes_its_own_generated_tokens():
     assert len(set(pen)) > len(set(plain)) and banned not in pen
 
 
+@pytest.mark.slow
 def test_the_engines_seen_width_bound_changes_no_token(monkeypatch):
     """A sampling call reads each row's seen tokens up to a host-known bound (the largest position it
     samples). The same workload with the whole table read every time gives the same tokens."""
