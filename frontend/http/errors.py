@@ -17,7 +17,7 @@ STATUS = {
     "overloaded": (503, "server_overloaded"),
     "worker_failed": (503, "server_error"),
     "internal": (500, "server_error"),
-    "duplicate_id": (400, "invalid_request_error"),  # a request_id of a request still running
+    "duplicate_id": (500, "server_error"),  # the HTTP frontend's own ids: a bug if it happens
     "unsupported_version": (500, "server_error"),
 }
 

@@ -31,7 +31,7 @@ from .errors import bad_request
 PASS, READ, NO_EFFECT, REFUSED = "passed to the sampler", "read by the route", "no effect", "refused"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 BOTH = (CHAT, COMPLETIONS)
-MAX_REQUEST_ID_CHARS = 100  # the protocol's ids hold 128 characters: the answer's prefix and a choice's suffix
+MAX_REQUEST_ID_CHARS = 100  # the protocol's ids hold 128 characters: the answer's prefix, a unique suffix, a choice's
 
 
 @dataclass(frozen=True)

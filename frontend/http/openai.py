@@ -273,11 +273,14 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
     as_ids = bool(field(body, "return_tokens_as_token_ids", bool, "a boolean"))
     shapes = [shape(i, as_ids) for i in range(n)]
     meta = {"id": f"{shape.prefix}-{_request_id(body)}", "created": int(time.time()), "model": model}
+    # The protocol's id: the answer's, unique however often a client sends its request_id (the
+    # server's log line names it with a suffix of its own then, as vLLM does internally).
+    rid = meta["id"] if body.get("request_id") is None else f"{meta['id']}-{uuid.uuid4().hex[:8]}"
     session = session_of(request, body)
     # Each choice is one request of the protocol. The first streams (between the processes, whatever the
     # client asked) and the others start at its first token: its prompt's KV pages are in the prefix
     # cache by then, so they map them instead of computing them again.
-    calls = [ctx.bridge.generate({**fields, "stream": stream or n > 1}, session=session, rid=meta["id"])]
+    calls = [ctx.bridge.generate({**fields, "stream": stream or n > 1}, session=session, rid=rid)]
     try:
         if n == 1 and not stream:
             done = await run_to_end(request, calls[0])
@@ -286,7 +289,7 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
         batches = [calls[0].batches()]
         first = await first_event(request, batches[0])
         for i in range(1, n):
-            choice = choice_request({**fields, "id": meta["id"], "stream": stream}, i)
+            choice = choice_request({**fields, "id": rid, "stream": stream}, i)
             calls.append(ctx.bridge.generate(choice, session=session, rid=choice.pop("id")))
             batches.append(calls[i].batches())
         if stream:

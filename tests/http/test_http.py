@@ -511,6 +511,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(live, oai):
     assert e.value.body["message"].startswith("truncate_prompt_tokens must be an integer >= 1")
 
 
+def test_a_request_id_may_be_sent_again_while_its_first_request_runs(live, raw):
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 1000, "ignore_eos": True, "stream": True,
+            "request_id": "twice"}
+    with raw.stream("POST", "/v1/chat/completions", json=body) as first:
+        line = next(first.iter_lines())
+        assert first.status_code == 200 and json.loads(line[len("data: "):])["id"] == "chatcmpl-twice"
+        again = raw.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert again.status_code == 200 and again.json()["id"] == "chatcmpl-twice", again.text
+        assert again.json()["choices"][0]["finish_reason"] == "length"  # its own answer, not the first's
+    live.wait_idle()  # the first was cancelled when its client left
+
+
 REFUSED = [f for f in FIELDS if f.fate == REFUSED_FATE]
 UNSUPPORTED_VALUE = {"boolean": lambda a: not a[0] if a else True, "integer": lambda a: 7, "number": lambda a: 0.5,
                      "string": lambda a: "x", "array": lambda a: [1], "object": lambda a: {"x": 1},
