@@ -200,41 +200,63 @@ class DirectServer:
 
 
 def hop(serve_args: list[str], streams: list[int], requests: int, max_tokens: int, repeats: int, workdir: Path,
-        env: dict) -> list:
+        env: dict, variants: dict[str, dict[str, str]]) -> list:
+    """One row per (cluster variant, streams): ``variants`` maps a name to the environment it adds
+    to the cluster's (Ray reads its Serve settings from it); each variant's cluster runs beside the
+    one direct server, alone (started, measured, stopped in turn)."""
     direct = DirectServer(serve_args, workdir / "serve.log", env)
-    cluster = LocalCluster(["--replicas", "1", *serve_args], workdir / "cluster-1.log", env)
     try:
-        cluster.wait_ready(1)
         model = json.loads(_get(f"{direct.url}/v1/models"))["data"][0]["id"]
         rows = []
-        for target in (direct, cluster):  # warm both paths (connections, the ingress's first tokenization)
-            asyncio.run(run_level("", 2, make_work(4, (16, 16), (4, 4), 1), True, True, 120, http=(target.url, model)))
-        for n in streams:
-            work = make_work(max(requests, n * 2), (32, 32), (max_tokens, max_tokens), 7)
-            runs: dict[str, list] = {"serve": [], "cluster": []}
-            cpu: list[dict[str, float]] = []
-            for _ in range(repeats):  # alternated, so a change in the machine's load hits both alike
-                for name, target in (("serve", direct), ("cluster", cluster)):
-                    before = cluster.cpu_seconds_by_role()
-                    level = asyncio.run(run_level("", n, work, True, True, 300, http=(target.url, model)))
-                    assert level["errors"] == 0, level["error_samples"]
-                    runs[name].append(level)
-                    if target is cluster:
-                        after = cluster.cpu_seconds_by_role()
-                        cpu.append({role: (after[role] - before[role]) / level["wall_s"] for role in after})
-            row = {"streams": n}
-            for name, levels in runs.items():
-                row[name] = {"ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] for lv in levels),
-                             "tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels)}
-            row["tokens_per_s_ratio"] = round(row["cluster"]["tokens_per_s"] / row["serve"]["tokens_per_s"], 3)
-            row["ttft_p50_extra_ms"] = round(row["cluster"]["ttft_p50_ms"] - row["serve"]["ttft_p50_ms"], 2)
-            row["cluster_cpu_per_wall_s"] = {role: round(statistics.median(c[role] for c in cpu), 2)
-                                             for role in CPU_ROLES}
-            rows.append(row)
+        for variant, extra in variants.items():
+            cluster = LocalCluster(["--replicas", "1", *serve_args], workdir / f"cluster-{len(rows)}.log",
+                                   {**env, **extra})
+            try:
+                cluster.wait_ready(1)
+                rows += [{"variant": variant, "env": extra, **row} for row in
+                         _hop_levels(direct, cluster, model, streams, requests, max_tokens, repeats)]
+            finally:
+                cluster.stop()
         return rows
     finally:
-        cluster.stop()
         direct.stop()
+
+
+def _hop_levels(direct: DirectServer, cluster: LocalCluster, model: str, streams: list[int], requests: int,
+                max_tokens: int, repeats: int) -> list:
+    for target in (direct, cluster):  # warm both paths (connections, the ingress's first tokenization)
+        asyncio.run(run_level("", 2, make_work(4, (16, 16), (4, 4), 1), True, True, 120, http=(target.url, model)))
+    rows = []
+    for n in streams:
+        work = make_work(max(requests, n * 2), (32, 32), (max_tokens, max_tokens), 7)
+        runs: dict[str, list] = {"serve": [], "cluster": []}
+        cpu: list[dict[str, float]] = []  # per run: CPU seconds of each role
+        walls, tokens = [], []
+        for _ in range(repeats):  # alternated, so a change in the machine's load hits both alike
+            for name, target in (("serve", direct), ("cluster", cluster)):
+                before = cluster.cpu_seconds_by_role()
+                level = asyncio.run(run_level("", n, work, True, True, 300, http=(target.url, model)))
+                assert level["errors"] == 0, level["error_samples"]
+                runs[name].append(level)
+                if target is cluster:
+                    after = cluster.cpu_seconds_by_role()
+                    cpu.append({role: after[role] - before[role] for role in after})
+                    walls.append(level["wall_s"])
+                    tokens.append(level["output_tokens"])
+        row = {"streams": n}
+        for name, levels in runs.items():
+            row[name] = {"ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] for lv in levels),
+                         "tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels)}
+        row["tokens_per_s_ratio"] = round(row["cluster"]["tokens_per_s"] / row["serve"]["tokens_per_s"], 3)
+        row["ttft_p50_extra_ms"] = round(row["cluster"]["ttft_p50_ms"] - row["serve"]["ttft_p50_ms"], 2)
+        # where the cluster's CPU went: per second of its runs, and per output token (the figure the machine's
+        # load moves least: a starved process is slower, not busier)
+        row["cluster_cpu_per_wall_s"] = {role: round(statistics.median(c[role] / w for c, w in zip(cpu, walls)), 2)
+                                         for role in CPU_ROLES}
+        row["cluster_cpu_ms_per_token"] = {role: round(statistics.median(1e3 * c[role] / t for c, t in
+                                                                         zip(cpu, tokens)), 3) for role in CPU_ROLES}
+        rows.append(row)
+    return rows
 
 
 def affinity(serve_args: list[str], sessions: int, turns: int, workdir: Path, env: dict) -> dict:
@@ -280,6 +302,14 @@ async def _conversations(url: str, sessions: int, turns: int) -> dict[str, list[
     return served
 
 
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, assignments = text.partition(":")
+    pairs = [a.partition("=") for a in assignments.split(",") if a]
+    if not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise click.BadParameter(f"{text!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]", param_hint="--variant")
+    return name, {k: v for k, _, v in pairs}
+
+
 def _get(url: str) -> str:
     import httpx
 
@@ -297,8 +327,13 @@ def _get(url: str) -> str:
 @click.option("--turns", default=4, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="OMP_NUM_THREADS of every process (the same for all).")
 @click.option("--part", type=click.Choice(["both", "hop", "affinity"]), default="both", show_default=True)
+@click.option("--variant", "variants", multiple=True, metavar="NAME:VAR=VALUE,...",
+              help="The hop: also a cluster with these environment variables (Ray's Serve settings), e.g. "
+                   "serve-defaults:RAY_SERVE_USE_GRPC_BY_DEFAULT=0; repeatable. The cluster as configured is "
+                   "measured first.")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_command(model, device, streams, requests, max_tokens, repeats, sessions, turns, threads, part, as_json):
+def cluster_command(model, device, streams, requests, max_tokens, repeats, sessions, turns, threads, part, variants,
+                    as_json):
     """The Ray hop's cost (tandem cluster --replicas 1 against tandem serve) and the prefix cache hit rate of
     multi-turn sessions with the affinity router against Serve's default over 2 replicas.
 
@@ -314,7 +349,7 @@ def cluster_command(model, device, streams, requests, max_tokens, repeats, sessi
     with tempfile.TemporaryDirectory(prefix="tandem-bench-cluster-") as tmp:
         if part in ("both", "hop"):
             result["hop"] = hop(serve_args, [int(s) for s in streams.split(",")], requests, max_tokens, repeats,
-                                Path(tmp), env)
+                                Path(tmp), env, {"as configured": {}, **dict(map(_variant, variants))})
         if part in ("both", "affinity"):
             result["affinity"] = affinity(serve_args, sessions, turns, Path(tmp), env)
     result["load_after"] = os.getloadavg()
