@@ -12,9 +12,13 @@ child processes, HTTP on loopback, every process with the same
    completions, ``ignore_eos``) loads the direct server, then the cluster,
    with the same requests, ``--repeats`` times alternately: the medians of
    TTFT p50 and output tokens/s of each, and the cluster's over the direct
-   server's; and where the cluster's CPU went during its runs (seconds per
-   process role: Serve's HTTP proxy, the ingress, the replica's actor, its
-   ``tandem serve``, the worker).
+   server's; and where the cluster's CPU went during its runs (per second and
+   per output token, by process role: Serve's HTTP proxy, the ingress, the
+   replica's actor, its ``tandem serve``, the worker). ``--variant
+   NAME:VAR=VALUE,...`` measures another cluster too, with those environment
+   variables (Ray's Serve settings, e.g. Ray's defaults in place of
+   ``frontend.cluster.HOP_ENV``), after the first and beside the same direct
+   server: a before/after within one run.
 2. **Affinity.** ``tandem cluster --replicas 2`` with the affinity router,
    then with Serve's default router (``--router ray``): ``--sessions``
    sessions of ``--turns`` turns (each session its own system prompt and
