@@ -19,6 +19,12 @@ child processes, HTTP on loopback, every process with the same
    variables (Ray's Serve settings, e.g. Ray's defaults in place of
    ``frontend.cluster.HOP_ENV``), after the first and beside the same direct
    server: a before/after within one run.
+   ``--part latency``: where one request's time goes on the way, from the
+   medians of ``--latency-requests`` sequential requests to each server,
+   alternated: ``GET /v1/models`` (the ingress answers it: Serve's proxy and
+   the ingress), ``GET /metrics`` (the ingress asks a replica: one handle
+   call, the replica's actor, its ``tandem serve``'s ``info``) and a
+   one-token chat completion (the whole path); the cluster's extra for each.
 2. **Affinity.** ``tandem cluster --replicas 2`` with the affinity router,
    then with Serve's default router (``--router ray``): ``--sessions``
    sessions of ``--turns`` turns (each session its own system prompt and
@@ -263,6 +269,55 @@ def _hop_levels(direct: DirectServer, cluster: LocalCluster, model: str, streams
     return rows
 
 
+LATENCY_CASES = {  # what each request crosses in the cluster (module docstring)
+    "GET /v1/models": ("GET", "/v1/models", None),
+    "GET /metrics": ("GET", "/metrics", None),
+    "chat, 1 token": ("POST", "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "time river stone light " * 8}], "max_tokens": 1}),
+}
+
+
+def latency(serve_args: list[str], requests: int, rounds: int, workdir: Path, env: dict,
+            variants: dict[str, dict[str, str]]) -> list:
+    """One row per (cluster variant, case), as ``hop``'s."""
+    direct = DirectServer(serve_args, workdir / "serve.log", env)
+    try:
+        rows = []
+        for variant, extra in variants.items():
+            cluster = LocalCluster(["--replicas", "1", *serve_args], workdir / f"cluster-latency-{len(rows)}.log",
+                                   {**env, **extra})
+            try:
+                cluster.wait_ready(1)
+                rows += [{"variant": variant, "env": extra, **row}
+                         for row in _latency_cases(direct.url, cluster.url, requests, rounds)]
+            finally:
+                cluster.stop()
+        return rows
+    finally:
+        direct.stop()
+
+
+def _latency_cases(direct_url: str, cluster_url: str, requests: int, rounds: int) -> list:
+    import httpx
+
+    ms: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):  # alternated, so a change in the machine's load hits both alike
+        for name, url in (("serve", direct_url), ("cluster", cluster_url)):
+            with httpx.Client(base_url=url, timeout=60) as client:
+                for case, (method, path, body) in LATENCY_CASES.items():
+                    client.request(method, path, json=body).raise_for_status()  # warm
+                    for _ in range(requests):
+                        start = time.perf_counter()
+                        client.request(method, path, json=body).raise_for_status()
+                        ms.setdefault((case, name), []).append(1e3 * (time.perf_counter() - start))
+    rows = []
+    for case in LATENCY_CASES:
+        serve_ms, cluster_ms = (statistics.median(ms[(case, n)]) for n in ("serve", "cluster"))
+        rows.append({"case": case, "serve_ms": round(serve_ms, 2), "cluster_ms": round(cluster_ms, 2),
+                     "extra_ms": round(cluster_ms - serve_ms, 2)})
+    return rows
+
+
 def affinity(serve_args: list[str], sessions: int, turns: int, workdir: Path, env: dict) -> dict:
     out = {}
     for router in ("affinity", "ray"):
@@ -326,18 +381,22 @@ def _get(url: str) -> str:
 @click.option("--streams", default="1,16", show_default=True, help="Concurrency levels of the hop's cost.")
 @click.option("--requests", default=32, show_default=True, help="Requests per level (at least 2 per stream).")
 @click.option("--max-tokens", default=64, show_default=True)
-@click.option("--repeats", default=3, show_default=True, help="Runs of each level per server (medians reported).")
+@click.option("--repeats", default=3, show_default=True,
+              help="Runs of each level per server (the hop), or rounds (latency); medians reported.")
 @click.option("--sessions", default=8, show_default=True)
 @click.option("--turns", default=4, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="OMP_NUM_THREADS of every process (the same for all).")
-@click.option("--part", type=click.Choice(["both", "hop", "affinity"]), default="both", show_default=True)
+@click.option("--latency-requests", default=15, show_default=True,
+              help="--part latency: sequential requests per case, server and round (medians reported).")
+@click.option("--part", type=click.Choice(["both", "hop", "latency", "affinity"]), default="both", show_default=True,
+              help="both: hop and affinity.")
 @click.option("--variant", "variants", multiple=True, metavar="NAME:VAR=VALUE,...",
-              help="The hop: also a cluster with these environment variables (Ray's Serve settings), e.g. "
+              help="The hop and latency: also a cluster with these environment variables (Ray's Serve settings), e.g. "
                    "serve-defaults:RAY_SERVE_USE_GRPC_BY_DEFAULT=0; repeatable. The cluster as configured is "
                    "measured first.")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_command(model, device, streams, requests, max_tokens, repeats, sessions, turns, threads, part, variants,
-                    as_json):
+def cluster_command(model, device, streams, requests, max_tokens, repeats, sessions, turns, threads, latency_requests,
+                    part, variants, as_json):
     """The Ray hop's cost (tandem cluster --replicas 1 against tandem serve) and the prefix cache hit rate of
     multi-turn sessions with the affinity router against Serve's default over 2 replicas.
 
@@ -350,10 +409,13 @@ def cluster_command(model, device, streams, requests, max_tokens, repeats, sessi
     result = {"model": model, "device": device, "threads": threads, "load_before": os.getloadavg(),
               "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
               "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    variants = {"as configured": {}, **dict(map(_variant, variants))}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-cluster-") as tmp:
         if part in ("both", "hop"):
             result["hop"] = hop(serve_args, [int(s) for s in streams.split(",")], requests, max_tokens, repeats,
-                                Path(tmp), env, {"as configured": {}, **dict(map(_variant, variants))})
+                                Path(tmp), env, variants)
+        if part == "latency":
+            result["latency"] = latency(serve_args, latency_requests, repeats, Path(tmp), env, variants)
         if part in ("both", "affinity"):
             result["affinity"] = affinity(serve_args, sessions, turns, Path(tmp), env)
     result["load_after"] = os.getloadavg()
