@@ -226,7 +226,11 @@ def cluster(tmp_path_factory):
                       "--max-batch", str(BURST_ROOM), "--kv-pages", str(BURST_ROOM * CONTEXT_PAGES),
                       "--drain-timeout", "2", "--not-ready-grace", "3", "--metrics-compat", "vllm"], log)
     try:
-        yield c.wait_ready(2, timeout=240)
+        c.wait_ready(2, timeout=240)
+        # both workers answer; the ingress's router hears of a replica from Serve a moment after its
+        # constructor returns: every test starts once sessionless traffic has reached both
+        _sessionless_until_answered_by(c, set(c.replicas()))
+        yield c
     finally:
         c.kill()  # a no-op unless a test failed: the SIGTERM test stops it cleanly
 
