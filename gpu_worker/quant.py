@@ -20,6 +20,7 @@ refuses bf16).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,6 +210,16 @@ class QuantKernels:
     def __init__(self, kernels: CpuKernels):
         self.source, self.level = kernels, kernels.level
         self._linear, self._gather = kernels.function("wlinear"), kernels.function("wgather")
+        bf16_dot = kernels.function("wlinear_bf16_dot")
+        bf16_dot.restype = ctypes.c_int
+        # At this level bf16 activations multiply the weights rounded to bf16 (vdpbf16ps: the products
+        # exact, the sums float32); float32 activations always multiply the float32 expansion.
+        self.bf16_dot = bool(bf16_dot())
+
+    def multiplied_weight(self, w: "QWeight", x_dtype: torch.dtype) -> torch.Tensor:
+        """The float32 weight [N, K] that :meth:`linear` multiplies activations of ``x_dtype`` by."""
+        dense = w.dequantize()
+        return dense.bfloat16().float() if self.bf16_dot and x_dtype == torch.bfloat16 else dense
 
     def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:
         """y [M, ldy]'s first N columns (a view) = x [M, K] @ w^T + bias (float32 or None)."""
