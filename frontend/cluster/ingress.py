@@ -23,7 +23,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import RayActorError
 
-from gpu_worker.page_pool import chain
+from shared.page_names import chain
 from shared.config import EngineConfig
 from shared.families import native_skills
 from shared.models import load_tokenizer

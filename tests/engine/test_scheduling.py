@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.allocator import Allocator, FreeList
-from gpu_worker.page_pool import chain
+from shared.page_names import chain
 from gpu_worker.sampler import FLAG_STOP, RowParams, _filter, apply_bitmask, sample
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import Sequence
