@@ -5,7 +5,9 @@ Where the weights come from:
 
 - **GGUF files as they are** (:func:`from_gguf`): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are
   repacked once at load into the kernel's two formats, never through float32 (a Q4_K_M file
-  mixes Q4_K and Q6_K). The expanded weights are bit for bit ``gguf.quants.dequantize``'s.
+  mixes Q4_K and Q6_K). The expanded weights are bit for bit ``gguf.quants.dequantize``'s (where a
+  level has bf16 dot products, bf16 activations multiply them rounded to bf16:
+  :meth:`QuantKernels.multiplied_weight`).
 - **Checkpoints quantized at load** (:func:`quantize`), in groups of 32, 64 or 128 along K, a
   scale and an offset per group (its min and max mapped to the ends of the range). Measured on
   SmolLM2-135M (teacher-forced top-1 against float32): int8 per output channel, symmetric, kept

@@ -18,15 +18,18 @@
  * Each expanded weight is bit for bit GGUF's own dequantization in float32 (scale * q is exact:
  * an fp16 scale times a small integer fits float32's 24 bits; the offset is added with one
  * rounding, as `d * q + m` does), so against a float32 matmul over the dequantized weights only
- * the order of the sums differs.
+ * the order of the sums differs. Except at the levels with bf16 dot products (BF16_DOT below),
+ * where bf16 activations multiply that weight rounded to bf16 (gpu_worker/quant.py's
+ * QuantKernels.multiplied_weight says which weight a level multiplies).
  *
  * Shape of the work: threads split the output columns into blocks of NB rows of W. Against up
  * to MB rows of x (decode) a block's weights are expanded in registers as they stream by; against
  * more, once into a float32 buffer (L1/L2-resident) that each group of MB rows then reads. Either
  * way MB x NB accumulators stay in registers, 32 k per step. Batch invariance:
- * y[m][n] is one float32 accumulation over K in VW-wide lanes, in k order, then the lanes summed
- * in a fixed tree, whatever M, whichever block or thread: a row's result does not depend on the
- * rows computed with it (the engine's pipelined and blocking schedules batch rows differently).
+ * y[m][n] is one float32 accumulation over K in VW-wide lanes (pairs of k in each lane with bf16
+ * dot products), in k order, then the lanes summed in a fixed tree, whatever M, whichever block or
+ * thread: a row's result does not depend on the rows computed with it (the engine's pipelined and
+ * blocking schedules batch rows differently).
  */
 #include "quant.h"
 #include "vec.h"
