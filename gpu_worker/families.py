@@ -74,6 +74,7 @@ WORKER_FAMILIES = {
     "qwen3": WorkerFamily(_llama, llama_fields={"qk_norm": True}),
     "idefics3": WorkerFamily(_idefics3),
     "moondream": WorkerFamily(_moondream, quantizable=False),
+    "moondream3": WorkerFamily(_moondream, quantizable=False),
 }
 
 

@@ -440,7 +440,7 @@ class ModelRunner:
                                                       inp.want_logprobs, inp.any_bias, inp.any_penalty, inp.want_top)
                 values = None
                 if self.skills is not None:  # the phase decides what is emitted; values stay on the device
-                    tokens, flags, values = self.skills.advance(self.moondream.region, hidden, rows, tokens, flags)
+                    tokens, flags, values = self.skills.advance(self.moondream, hidden, rows, tokens, flags)
                 self.pending.index_copy_(0, rows, tokens)
                 if inp.any_penalty:  # before the next step's sampling, in either mode (sampler.py)
                     self.params.count(rows, tokens)

@@ -277,5 +277,14 @@ def test_an_openai_request_without_temperature_leaves_it_to_the_model_default():
 
 
 def test_an_architecture_belongs_to_one_family_at_most():
-    architectures = [a for f in FAMILIES.values() for a in f.architectures]
-    assert len(architectures) == len(set(architectures))
+    """Unless the families sharing it tell their configs apart by model_type (HfMoondream: 2 and 3)."""
+    pairs = [(a, t) for f in FAMILIES.values() for a in f.architectures for t in f.model_types]
+    assert len(pairs) == len(set(pairs))
+    for f in FAMILIES.values():
+        for a in f.architectures:
+            for t in f.model_types:
+                assert family_of({"architectures": [a], "model_type": t}) is f, (a, t)
+    assert family_of({"architectures": ["HfMoondream"], "model_type": "moondream3"}).name == "moondream3"
+    assert family_of({"architectures": ["HfMoondream"], "model_type": "moondream1"}).name == "moondream"
+    with pytest.raises(UnsupportedModel):
+        family_of({"architectures": ["HfMoondream"], "model_type": "moondream9"})
