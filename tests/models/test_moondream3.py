@@ -190,3 +190,143 @@ def test_bf16_pipelined_equals_blocking(checkpoints, encode):
     finally:
         for engine in engines.values():
             engine.close()
+
+
+# ---- every door -----------------------------------------------------------------------------------
+
+def png(name: str) -> bytes:
+    import io
+
+    from PIL import Image
+
+    from shared.moondream_random import make_image
+    h, w, salt = EXPECTED3["images"][name]
+    buf = io.BytesIO()
+    Image.fromarray(make_image(h, w, salt)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def skill_of(case):
+    keys = {"caption": ("length",), "query": ("question", "reasoning", "spatial_refs"),
+            "point": ("object", "max_objects"), "detect": ("object", "max_objects")}[case["skill"]]
+    return {"skill": case["skill"], **{k: case[k] for k in keys if k in case}}
+
+
+def expected_done(case):
+    """The fixture case as a skill's ``done`` fields (boxes clamped to [0, 1], as Photon returns them)."""
+    if case["skill"] == "point":
+        return {"output": {"points": case["points"]}}
+    if case["skill"] == "detect":
+        return {"output": {"objects": [{k: min(max(v, 0.0), 1.0) for k, v in o.items()} for o in case["objects"]]}}
+    if case.get("reasoning"):
+        return {"token_ids": case["token_ids"], "reasoning": {"token_ids": case["reasoning_token_ids"],
+                                                              "grounding": case["grounding"]}}
+    return {"token_ids": case["token_ids"]}
+
+
+def done_fields(done: dict, case) -> dict:
+    want = expected_done(case)
+    got = {k: done.get(k) for k in want}
+    if "reasoning" in want:
+        got["reasoning"] = {k: done["reasoning"][k] for k in want["reasoning"]}
+    return got
+
+
+@pytest.mark.parametrize("name", ["plain", "eos"])
+def test_serve_answers_every_case_over_zeromq_http_and_the_clients(checkpoints, name):
+    """``tandem serve`` on a dev checkpoint: every fixture case as a ZeroMQ ``generate`` with
+    ``skill`` (a raw DEALER socket), all in flight at once, answers as the reference; ``info`` says
+    moondream3; max_objects above 500 is a bad_request naming it and the server serves on; the
+    Python client and the unmodified ``moondream`` client over HTTP take the same path."""
+    import threading
+
+    import httpx
+    import moondream
+    import msgpack
+    import zmq
+    from PIL import Image
+
+    from frontend.client import Client
+    from frontend.http import HttpListener
+    from frontend.server.service import Service, ServiceConfig
+    from frontend.server.zmq_server import Server
+    from shared.moondream_random import make_image
+    path, cases = checkpoints[name]
+    svc = Service(ServiceConfig(model=str(path), device="cpu", dtype="float32", max_batch=32, max_model_len=1024))
+    server = Server(svc, "tcp://127.0.0.1:*")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    http = HttpListener(server, "127.0.0.1", 0).start() if name == "plain" else None
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(server.endpoint)
+    try:
+        def send(id_, **fields):
+            sock.send_multipart([b"TANDEM1", msgpack.packb({"type": "generate", "id": id_, "stream": False,
+                                                            **fields}, use_bin_type=True)])
+
+        def answers(n) -> dict:
+            out = {}
+            while len(out) < n:
+                assert sock.poll(300_000), "no answer"
+                msg = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+                if msg["type"] in ("done", "error"):
+                    out[msg["id"]] = msg
+            return out
+
+        for i, case in enumerate(cases):
+            sampling = {"max_tokens": case["max_tokens"], "temperature": 0.0} if "max_tokens" in case else {}
+            send(str(i), **({"images": [png(case["image"])]} if "image" in case else {}), **sampling,
+                 **skill_of(case))
+        got = answers(len(cases))
+        for i, case in enumerate(cases):
+            assert got[str(i)]["type"] == "done", got[str(i)]
+            assert done_fields(got[str(i)], case) == expected_done(case), case_id(case)
+        send("big", images=[png("md3dev-a.png")], skill="point", object="car", max_objects=501)
+        err = answers(1)["big"]
+        assert err["type"] == "error" and err["code"] == "bad_request" and "max_objects" in err["message"]
+        point = next(c for c in cases if c["skill"] == "point")
+        detect = next(c for c in cases if c["skill"] == "detect" and c["image"] == point["image"])
+        with Client(server.endpoint, timeout=300) as client:
+            assert client.info()["family"] == "moondream3"
+            assert client.point(png(point["image"]), point["object"], max_objects=8) == expected_done(point)["output"]
+        if http is None:
+            return
+        url = "data:image/png;base64," + __import__("base64").b64encode(png(detect["image"])).decode()
+        r = httpx.post(http.url + "/v1/detect", json={"image_url": url, "object": detect["object"],
+                                                      "settings": {"max_objects": 8}}, timeout=300)
+        assert r.json()["objects"] == expected_done(detect)["output"]["objects"]
+        # The moondream client (it sends JPEG, so the pixels and the answers differ a little).
+        md = moondream.vl(endpoint=http.url + "/v1")
+        img = Image.fromarray(make_image(*EXPECTED3["images"][point["image"]]))
+        points = md.point(img, "red car", settings={"max_objects": 3})["points"]
+        assert 1 <= len(points) <= 3 and all(0 <= p["x"] <= 1 and 0 <= p["y"] <= 1 for p in points)
+        objects = md.detect(img, "red car", settings={"max_objects": 2})["objects"]
+        assert 1 <= len(objects) <= 2 and all(0 <= o["x_min"] <= o["x_max"] <= 1 for o in objects)
+        assert isinstance(md.query(img, "What is this?", settings={"max_tokens": 4})["answer"], str)
+        caption = md.caption(img, length="short", stream=True, settings={"max_tokens": 4, "temperature": 0})
+        assert "".join(caption["caption"]) == ""  # the stand-in tokenizer has no text for these ids
+    finally:
+        sock.close(0)
+        if http is not None:
+            http.stop()
+        server.stop()
+        thread.join(60)
+        svc.close()
+
+
+def test_cli_generate_skill(checkpoints, tmp_path):
+    """``tandem generate OBJECT --skill detect --image FILE --json`` on a Moondream 3 directory."""
+    import json
+
+    from click.testing import CliRunner
+
+    from frontend.cli.main import main as cli
+    path, cases = checkpoints["plain"]
+    detect = next(c for c in cases if c["skill"] == "detect")
+    image = tmp_path / "image.png"
+    image.write_bytes(png(detect["image"]))
+    result = CliRunner().invoke(cli, ["generate", detect["object"], "--skill", "detect", "--max-objects", "8",
+                                      "--image", str(image), "--model", str(path), "--device", "cpu",
+                                      "--dtype", "float32", "--max-batch", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["output"] == expected_done(detect)["output"]
