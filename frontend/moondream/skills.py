@@ -105,6 +105,17 @@ def plan(request: dict[str, Any], encode: Callable[[str], list[int]], has_image:
     return Plan(skill, ids, DECIDE, (3 if detect else 2) * n + 1, limit=n, detect=detect)
 
 
+def chat_query(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """An image chat (OpenAI's messages with an image part) as Moondream's query skill: one user
+    message, its text the question. Moondream's prompt has no place for a system message or earlier
+    turns: they are refused, never dropped silently."""
+    if len(messages) != 1 or messages[0].get("role") != "user":
+        raise SkillError("messages: a Moondream model answers one user message about its image (the query skill)")
+    content = messages[0].get("content")
+    parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content if p.get("type") == "text"]
+    return {"skill": "query", "question": " ".join(t.strip() for t in parts if t and t.strip())}
+
+
 def _clamp(box: dict[str, float]) -> dict[str, float]:
     return {k: min(max(v, 0.0), 1.0) for k, v in box.items()}
 

@@ -305,6 +305,19 @@ def test_serve_answers_every_case_over_zeromq_http_and_the_clients(checkpoints, 
         assert isinstance(md.query(img, "What is this?", settings={"max_tokens": 4})["answer"], str)
         caption = md.caption(img, length="short", stream=True, settings={"max_tokens": 4, "temperature": 0})
         assert "".join(caption["caption"]) == ""  # the stand-in tokenizer has no text for these ids
+        # OpenAI chat with an image: the query skill. The stand-in tokenizer decodes the reference's ids to
+        # nothing, so the usage tells: its 24 tokens, ended by the limit (the reference never stops early).
+        query = next(c for c in cases if c["skill"] == "query" and c.get("image") == detect["image"]
+                     and not c.get("reasoning") and not c.get("spatial_refs"))
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": query["question"]}]
+        body = {"model": svc.info["model"], "max_tokens": query["max_tokens"], "temperature": 0,
+                "messages": [{"role": "user", "content": content}]}
+        r = httpx.post(http.url + "/v1/chat/completions", json=body, timeout=300).json()
+        assert r["usage"]["completion_tokens"] == len(query["token_ids"]) == 24
+        assert r["choices"][0]["finish_reason"] == "length"
+        two = {**body, "messages": [{"role": "system", "content": "Be brief."}, *body["messages"]]}
+        r = httpx.post(http.url + "/v1/chat/completions", json=two, timeout=300)
+        assert r.status_code == 400 and "messages" in r.text
     finally:
         sock.close(0)
         if http is not None:
