@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -194,10 +195,13 @@ class ModelRunner:
                                "--quantization none serves the dequantized weights")
         quant_kernels = quant.QuantKernels(kernels) if quantized else None
         if llama is None:  # the family's model, and its image encoder if it takes images
-            loaded = families.load(path, self.dtype, dev, config.max_model_len, quant_kernels, gguf=quantized == "gguf")
+            at_load = (quantized, config.quantization_group) if quantized in ("int8", "int4") else None
+            loaded = families.load(path, self.dtype, dev, config.max_model_len, quant_kernels, gguf=quantized == "gguf",
+                                   quantize=at_load)
             llama, vision, image_params = loaded.model, loaded.vision, loaded.image_params
-        if quantized in ("int8", "int4"):
-            quantize_linears(llama, quantized, config.quantization_group, quant_kernels)
+        if quantized in ("int8", "int4"):  # a model that knows which of its weights to quantize says so
+            quantize = getattr(llama, "quantize_weights", None) or partial(quantize_linears, llama)
+            quantize(quantized, config.quantization_group, quant_kernels)
         self.model = llama.eval()
         self.config = llama.config
         if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)

@@ -100,11 +100,30 @@ class QkvProj(nn.Module):
 
 
 class Experts(nn.Module):
-    """One 3-D weight stack [experts, out, in] (the checkpoint's ``mlp.fc1.weight``), no bias."""
+    """One 3-D weight stack [experts, out, in] (the checkpoint's ``mlp.fc1.weight``), no bias; or,
+    quantized, one weight-only quantized linear per expert (``quant.QuantLinear``)."""
 
     def __init__(self, experts: int, out: int, inner: int, **kw):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out, inner, **kw))
+        self.quantized: nn.ModuleList | None = None
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] through expert ``expert`` -> [n, out]."""
+        if self.quantized is not None:
+            return self.quantized[expert](x)
+        return F.linear(x, self.weight[expert])
+
+    def quantize(self, method: str, group: int, kernels, weight=None) -> None:
+        """Hold the experts in ``method`` (int8, int4) in groups of ``group``, one at a time:
+        ``weight(e)`` gives expert e's float weight [out, in] (default: this stack's), so a model
+        drawn in memory never holds the float stack."""
+        from .quant import QuantLinear, quantize
+        n = self.weight.shape[0]
+        weight = weight or (lambda e: self.weight[e])
+        self.quantized = nn.ModuleList(QuantLinear([quantize(weight(e), method, group)], None, kernels)
+                                       for e in range(n))
+        del self.weight
 
 
 class MoeMlp(nn.Module):
@@ -128,7 +147,7 @@ class MoeMlp(nn.Module):
     def forward(self, x: torch.Tensor, alone: torch.Tensor) -> torch.Tensor:
         """x [T, dim], alone [T] bool (the token is the only one of its sequence in this forward)."""
         T, C = x.shape
-        k, n_experts = self.top_k, self.fc1.weight.shape[0]
+        k, n_experts = self.top_k, self.router.out_features
         top_logits, experts = torch.topk(self.router(x), k, dim=-1)  # sorted, descending
         weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
         flat = experts.flatten()  # pair i = (token i // k, its i % k-th expert)
@@ -139,8 +158,8 @@ class MoeMlp(nn.Module):
         start = 0
         for e, n in enumerate(counts):
             if n:
-                a, g = F.linear(rows[start:start + n], self.fc1.weight[e]).chunk(2, dim=-1)
-                out[start:start + n] = F.linear(F.gelu(a) * (g + 1), self.fc2.weight[e])
+                a, g = self.fc1(e, rows[start:start + n]).chunk(2, dim=-1)
+                out[start:start + n] = self.fc2(e, F.gelu(a) * (g + 1))
                 start += n
         y = torch.empty_like(out).index_copy_(0, order, out).view(T, k, C) * weights[..., None]
         sum_order = torch.where(alone[:, None], torch.arange(k, device=x.device), experts.argsort(dim=-1))
@@ -499,10 +518,29 @@ class Moondream(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # -- construction -------------------------------------------------------------
+    def quantize_weights(self, method: str, group: int, kernels) -> None:
+        """``--quantization int8|int4`` (a CPU; Moondream 3): the text blocks' linears and experts held in
+        ``method`` (``quant.py``); the router, ``wte``, ``lm_head``, the vision encoder and the region
+        heads stay float (a point is the argmax over 1024 bins of a region head). Experts quantized
+        while loading (``quantize=`` of the constructors) are left as they are."""
+        if not self.spec.moondream3:
+            raise ValueError(f"--quantization {method} is not supported for Moondream 2 yet")
+        from .gguf_weights import quantize_linears
+        blocks = self.text.blocks
+        quantize_linears(nn.ModuleList([b.attn for b in blocks] + [b.mlp for b in blocks if not b.moe]), method,
+                         group, kernels)
+        for block in blocks:
+            for experts in (block.mlp.fc1, block.mlp.fc2) if block.moe else ():
+                if experts.quantized is None:
+                    experts.quantize(method, group, kernels)
+
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu", max_model_len: int | None = None) -> "Moondream":
-        """Load ``model.safetensors`` (moondream2 layout, any float dtype on disk) and config.json."""
+                        device: torch.device | str = "cpu", max_model_len: int | None = None,
+                        quantize: tuple | None = None) -> "Moondream":
+        """Load ``model.safetensors`` (moondream2 / moondream3 layout, any float dtype on disk) and
+        config.json; ``quantize`` (method, group, ``QuantKernels``): the experts quantized as they
+        are read, one stack at a time (Moondream 3's 9.27 B would not fit in float32)."""
         index = checkpoint_index(Path(path))
         model = cls(MoondreamConfig.from_dir(path), dtype=dtype, device="meta", max_model_len=max_model_len,
                     region_ln="model.region.ln.weight" in index)
@@ -517,25 +555,33 @@ class Moondream(nn.Module):
                 raise ValueError(f"{path}: model.{name} has shape {tuple(t.shape)}, the config says {shape}")
             return t
 
-        return model._assign(get, device)
+        return model._assign(get, device, quantize)
 
     @classmethod
     def random(cls, config: MoondreamConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", max_model_len: int | None = None) -> "Moondream":
+               device: torch.device | str = "cpu", max_model_len: int | None = None,
+               quantize: tuple | None = None) -> "Moondream":
         """Random weights at the scales of ``shared.moondream_random``'s recipe, drawn by torch on
         ``device`` (a GPU draws moondream2's 1.9 B in about a second; no checkpoint is written).
-        Deterministic for a seed on one kind of device; not the recipe's numpy values."""
+        Deterministic for a seed on one kind of device; not the recipe's numpy values. ``quantize``:
+        as ``from_pretrained``'s (random-moondream3 on a CPU)."""
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return scaled(name, shape, torch.randn(shape, generator=gen, device=device))
 
         model = cls(config, dtype=dtype, device="meta", max_model_len=max_model_len, region_ln=config.moondream3)
-        return model._assign(get, device)
+        return model._assign(get, device, quantize)
 
-    def _assign(self, get, device) -> "Moondream":
+    def _assign(self, get, device, quantize: tuple | None = None) -> "Moondream":
         """Replace this meta-device model's parameters by ``get(name, shape)``, one tensor at a
-        time (the peak memory is the model plus one tensor in the source dtype)."""
+        time (the peak memory is the model plus one tensor in the source dtype); with ``quantize``
+        (method, group, kernels) the expert stacks are quantized expert by expert first."""
+        for name, module in self.named_modules() if quantize is not None else ():
+            if isinstance(module, Experts):
+                stack = get(name + ".weight", tuple(module.weight.shape))
+                module.quantize(*quantize, weight=lambda e, stack=stack: stack[e])
+                del stack
         state = {name: get(name, tuple(p.shape)).to(device=device, dtype=p.dtype)
                  for name, p in self.named_parameters()}
         self.load_state_dict(state, assign=True)

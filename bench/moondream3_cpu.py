@@ -1,0 +1,118 @@
+"""Moondream 3 on a CPU, quantized: caption, point and detect end to end, with TTFT and tokens/s.
+
+    python -m bench.moondream3_cpu                                   (random-moondream3, int4)
+    python -m bench.moondream3_cpu --quantization int8 --group 64 --json
+    python -m bench.moondream3_cpu --model ./moondream3-preview
+
+``random-moondream3`` (moondream3-preview's 9.27 B-parameter shapes) is drawn in memory and its
+expert stacks quantized one at a time as they are drawn (``Moondream.random(quantize=...)``:
+9.27 B float32 values would not fit); the engine then quantizes the text blocks' other linears
+(``Moondream.quantize_weights``). A directory is loaded by the engine with ``--quantization``.
+
+What is timed (one stream, the byte-level stand-in tokenizer, a 378 × 378 image: one crop plus the
+global one):
+- caption TTFT: submit to the first token (encode + the 730 + 5 prefill + the first sample);
+- caption decode: ``--tokens`` tokens (eos ignored), committed tokens per second after the first;
+- point and detect: up to ``--objects`` objects (what the random model answers), their wall time.
+Memory: the process's peak resident set (``ru_maxrss``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+import torch
+
+from bench.moondream import detect_request, image_input, progress
+from frontend.moondream import prompts
+from gpu_worker import cpu_kernels
+from gpu_worker.engine import Engine
+from gpu_worker.moondream import Moondream
+from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, SkillTask
+from gpu_worker.quant import QuantKernels, QuantLinear
+from shared.config import EngineConfig
+from shared.models import builtin
+from shared.moondream_config import MoondreamConfig
+from shared.moondream_random import byte_tokenizer
+from shared.sampling import SamplingParams
+
+PREFIX = 730
+
+
+def first_token_s(engine, request) -> tuple[object, float]:
+    """Submit and tick until the first token: (sequence, seconds)."""
+    prompt, params, images, task = request
+    t0 = time.perf_counter()
+    seq = engine.submit(prompt, params, images=images, task=task)
+    while not seq.output_ids and not seq.finalized:
+        engine.tick()
+    return seq, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="random-moondream3")
+    ap.add_argument("--quantization", default="int4", choices=["int8", "int4"])
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--objects", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    model = None
+    spec = builtin(a.model)
+    if spec is not None and spec.random_config is not None:
+        kernels = QuantKernels(cpu_kernels.load())
+        model = Moondream.random(MoondreamConfig.from_dict(spec.random_config), max_model_len=1024,
+                                 quantize=(a.quantization, a.group, kernels))
+        progress(f"{a.model}: drawn with its experts in {a.quantization} in {time.perf_counter() - t0:.0f} s")
+    engine = Engine(EngineConfig(model=a.model, device="cpu", quantization=a.quantization,
+                                 quantization_group=a.group, max_batch=4, max_model_len=1024, prefill_budget=1024),
+                    llama=model)
+    model = engine.runner.moondream
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    out: dict = {"model": a.model, "quantization": f"{a.quantization}/{a.group}", "threads": torch.get_num_threads(),
+                 "params": model.num_params() + sum(m.in_features * m.out_features for m in quantized),
+                 "quantized_gib": sum(m.nbytes for m in quantized) / 2**30, "ready_s": time.perf_counter() - t0}
+    progress(f"engine ready in {out['ready_s']:.0f} s; caption")
+    tok = byte_tokenizer()
+    encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+
+    caption = ([0] * PREFIX + prompts.caption_ids("short"),
+               SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True), [image_input((1, 1), 1)],
+               SkillTask(ANSWER_FIRST, limit=a.tokens))
+    seq, ttft = first_token_s(engine, caption)
+    t1 = time.perf_counter()
+    engine.run_until_idle()
+    decode_s = time.perf_counter() - t1
+    out["caption"] = {"ttft_s": ttft, "tokens": len(seq.output_ids),
+                      "decode_tokens_per_s": (len(seq.output_ids) - 1) / decode_s, "token_ids": seq.output_ids}
+    progress(f"caption: TTFT {ttft:.1f} s, {out['caption']['decode_tokens_per_s']:.2f} tokens/s; point, detect")
+    for skill in ("point", "detect"):  # the same image: its encoding comes from the encoder cache
+        if skill == "detect":
+            request = detect_request(1, a.objects, encode)
+        else:
+            request = ([0] * PREFIX + prompts.point_ids(encode, "cat"),
+                       SamplingParams(temperature=0.0, max_tokens=2 * a.objects + 1), [image_input((1, 1), 1)],
+                       SkillTask(DECIDE, limit=a.objects))
+        t1 = time.perf_counter()
+        seq = engine.submit(request[0], request[1], images=request[2], task=request[3])
+        engine.run_until_idle()
+        found = prompts.parse_objects(seq.output_ids, seq.output_values, skill == "detect")
+        out[skill] = {"wall_s": time.perf_counter() - t1, "objects": found, "steps": len(seq.output_ids)}
+        progress(f"{skill}: {len(found)} objects in {out[skill]['wall_s']:.1f} s")
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    engine.close()
+    print(json.dumps(out, indent=1) if a.json else out)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
