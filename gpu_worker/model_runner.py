@@ -253,7 +253,8 @@ class ModelRunner:
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
         self.slots = [SlotBuffers(device, max_rows) for _ in range(NUM_SLOTS)]
-        self.use_graphs = config.cuda_graphs and device.is_cuda
+        # A model whose forward reads values back to the host (Moondream 3's expert counts) is never captured.
+        self.use_graphs = config.cuda_graphs and device.is_cuda and getattr(self.model, "graph_capturable", True)
         self.graphs: dict[tuple[int, int, int, str | None], "_DecodeGraph"] = {}
         self.graph_capture_s = 0.0  # wall time spent capturing them (warm-up and new buckets)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None

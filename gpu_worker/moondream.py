@@ -514,6 +514,11 @@ class Moondream(nn.Module):
         hidden = self.hidden_states(x, batch, kv, prefix_index)[logits_indices]
         return self.logits(hidden), hidden
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Moondream 3's expert dispatch brings its row counts to the host: no CUDA graph holds it."""
+        return not self.spec.moondream3
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
