@@ -114,15 +114,17 @@ class Experts(nn.Module):
             return self.quantized[expert](x)
         return F.linear(x, self.weight[expert])
 
-    def quantize(self, method: str, group: int, kernels, weight=None) -> None:
-        """Hold the experts in ``method`` (int8, int4) in groups of ``group``, one at a time:
-        ``weight(e)`` gives expert e's float weight [out, in] (default: this stack's), so a model
-        drawn in memory never holds the float stack."""
+    def quantize(self, method: str, group: int, kernels, stack: torch.Tensor | None = None) -> None:
+        """Hold the experts in ``method`` (int8, int4) in groups of ``group``: ``stack`` [experts,
+        out, in] (default: this module's; a loader passes each stack as it reads it, so the float
+        stacks are never all held). The whole stack is quantized at once and each expert's linear
+        is a view of it: per-expert temporaries would fragment the heap (tens of GB for 9 B)."""
         from .quant import QuantLinear, quantize
-        n = self.weight.shape[0]
-        weight = weight or (lambda e: self.weight[e])
-        self.quantized = nn.ModuleList(QuantLinear([quantize(weight(e), method, group)], None, kernels)
-                                       for e in range(n))
+        stack = self.weight if stack is None else stack
+        E, N, K = stack.shape
+        whole = quantize(stack.reshape(E * N, K), method, group)
+        self.quantized = nn.ModuleList(QuantLinear([whole.rows(slice(e * N, (e + 1) * N))], None, kernels)
+                                       for e in range(E))
         del self.weight
 
 
@@ -584,9 +586,7 @@ class Moondream(nn.Module):
         (method, group, kernels) the expert stacks are quantized expert by expert first."""
         for name, module in self.named_modules() if quantize is not None else ():
             if isinstance(module, Experts):
-                stack = get(name + ".weight", tuple(module.weight.shape))
-                module.quantize(*quantize, weight=lambda e, stack=stack: stack[e])
-                del stack
+                module.quantize(*quantize, stack=get(name + ".weight", tuple(module.weight.shape)))
         state = {name: get(name, tuple(p.shape)).to(device=device, dtype=p.dtype)
                  for name, p in self.named_parameters()}
         self.load_state_dict(state, assign=True)
