@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -79,7 +80,8 @@ def main(argv=None) -> dict:
     model = engine.runner.moondream
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     out: dict = {"model": a.model, "quantization": f"{a.quantization}/{a.group}", "threads": torch.get_num_threads(),
-                 "params": model.num_params() + sum(m.in_features * m.out_features for m in quantized),
+                 "params": model.num_params() + sum(m.in_features * m.out_features + (0 if m.bias is None else
+                                                                                      m.bias.numel()) for m in quantized),
                  "quantized_gib": sum(m.nbytes for m in quantized) / 2**30, "ready_s": time.perf_counter() - t0}
     progress(f"engine ready in {out['ready_s']:.0f} s; caption")
     tok = byte_tokenizer()
@@ -109,6 +111,7 @@ def main(argv=None) -> dict:
         out[skill] = {"wall_s": time.perf_counter() - t1, "objects": found, "steps": len(seq.output_ids)}
         progress(f"{skill}: {len(found)} objects in {out[skill]['wall_s']:.1f} s")
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    out["load_average"] = os.getloadavg()  # this machine's other tenants: the figures scale with it
     engine.close()
     print(json.dumps(out, indent=1) if a.json else out)
     return out

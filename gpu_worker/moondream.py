@@ -67,7 +67,7 @@ class Tau(nn.Module):
     """Moondream 3's tau attention (MOONDREAM3.md §1): q and v of head h scaled by
     ``tanh(gelu(qkv) @ w[h]) + 1 + (sigmoid(alpha[h] · ln(p + 1)) − 0.5)`` at absolute position p,
     before the rotary (so the V cache holds scaled values); k untouched. Written as the reference
-    writes it, step for step, so float32 results keep its bits."""
+    writes it, op for op (the order of the float32 roundings is its own)."""
 
     def __init__(self, n_heads: int, qkv_dim: int, gelu_kind: str, **kw):
         super().__init__()
