@@ -3,6 +3,7 @@
     python -m bench.moondream3_cpu                                   (random-moondream3, int4)
     python -m bench.moondream3_cpu --quantization int8 --group 64 --json
     python -m bench.moondream3_cpu --model ./moondream3-preview
+    python -m bench.moondream3_cpu --quality          (int8 and int4 against the float32 fixture)
 
 ``random-moondream3`` (moondream3-preview's 9.27 B-parameter shapes) is drawn in memory and its
 expert stacks quantized one at a time as they are drawn (``Moondream.random(quantize=...)``:
@@ -15,6 +16,10 @@ global one):
 - caption decode: ``--tokens`` tokens (eos ignored), committed tokens per second after the first;
 - point and detect: up to ``--objects`` objects (what the random model answers), their wall time.
 Memory: the process's peak resident set (``ru_maxrss``).
+
+``--quality``: every point and detect case of the reference's fixture on its four dev checkpoints
+(``tests/data/moondream3_dev_expected.json``: the float32 answers), through the engine at int8 and
+int4: per case, whether it has the same number of objects and the largest coordinate difference.
 """
 from __future__ import annotations
 
@@ -53,6 +58,37 @@ def first_token_s(engine, request) -> tuple[object, float]:
     return seq, time.perf_counter() - t0
 
 
+def quality(methods=("int8", "int4"), group: int = 32) -> dict:
+    """{method: {checkpoint/case: [objects, float32's objects, largest |difference|]}} (see the docstring)."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.moondream_fixture import case_id, encoder, engine_answer, engine_request, md3_checkpoints
+    from shared.moondream_config import MOONDREAM3_RULES
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tandem-md3-quality-") as tmp:
+        checkpoints = md3_checkpoints(Path(tmp))
+        encode = encoder(checkpoints["plain"][0])
+        for method in methods:
+            rows = out[method] = {}
+            for name, (path, cases) in checkpoints.items():
+                cases = [c for c in cases if c["skill"] in ("point", "detect")]
+                engine = Engine(EngineConfig(model=str(path), device="cpu", quantization=method, quantization_group=group,
+                                             max_batch=8, max_model_len=1024))
+                seqs = [engine.submit(p, sp, images=im, task=t)
+                        for p, sp, im, t in (engine_request(c, encode, rules=MOONDREAM3_RULES) for c in cases)]
+                engine.run_until_idle()
+                engine.close()
+                for case, seq in zip(cases, seqs):
+                    key = "points" if case["skill"] == "point" else "objects"
+                    got, want = engine_answer(case, seq)[key], case[key]
+                    diff = max((abs(a[k] - b[k]) for a, b in zip(got, want) for k in a), default=0.0)
+                    rows[f"{name}/{case_id(case)}"] = [len(got), len(want), diff]
+            within = sum(g == w and d <= 1 / 512 for g, w, d in rows.values())
+            progress(f"{method}: {within} of {len(rows)} cases within 1/512 of float32")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random-moondream3")
@@ -61,11 +97,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--objects", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quality", action="store_true", help="int8 and int4 against the dev checkpoints' float32 answers")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.quality:
+        out = quality(group=a.group)
+        print(json.dumps(out, indent=1) if a.json else out)
+        return out
     t0 = time.perf_counter()
     model = None
     spec = builtin(a.model)
