@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
     out["caption"] = {"ttft_s": ttft, "tokens": len(seq.output_ids),
                       "decode_tokens_per_s": (len(seq.output_ids) - 1) / decode_s, "token_ids": seq.output_ids}
     progress(f"caption: TTFT {ttft:.1f} s, {out['caption']['decode_tokens_per_s']:.2f} tokens/s; point, detect")
-    for skill in ("point", "detect"):  # the same image: its encoding comes from the encoder cache
+    for skill in ("point", "detect"):  # the same image: its block's KV pages from the prefix cache
         if skill == "detect":
             request = detect_request(1, a.objects, encode)
         else:
