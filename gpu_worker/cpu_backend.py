@@ -5,7 +5,8 @@
   (:func:`onednn_packs_bf16`); fp32 and CUDA keep aten's matmul;
 - the decoder layers through the fused CPU kernels (:func:`fused_layers`): five kernel calls and four
   matmuls per layer from Python, or every layer in one C call from a table of the weights' addresses
-  (:func:`layer_table`) when all of them are packed for those kernels.
+  (:func:`layer_table`) when every linear is one the kernels run (packed for their AMX matmul, or
+  weight-only quantized: ``gpu_worker/quant.py``).
 
 Invariants: the fused layers compute the eager layers' math (tests/kernels/test_cpu_kernels.py); a
 linear neither matmul takes stays a plain ``nn.Linear`` (a path the CPU cannot run is never chosen).
@@ -21,6 +22,7 @@ import torch.nn as nn
 from gpu_worker.batch import Batch
 from gpu_worker.cpu_kernels import CpuKernels
 from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.quant import FORMATS, QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +139,36 @@ def fused_layers(model: nn.Module, x: torch.Tensor, batch: Batch, kv: PagedKVCac
     return h
 
 
+# kernels/layers.c's table: per layer 3 norm weights, then 4 linears of LINEAR_WIDTH int64 each: a
+# parts' count and MAX_PARTS records of (format, data, scale, offset, group, rows, bias).
+FMT_AMX = 3  # a weight packed for the AMX matmul (quant.FORMATS are the others)
+MAX_PARTS, PART_WIDTH = 3, 7
+LINEAR_WIDTH = 1 + MAX_PARTS * PART_WIDTH
+
+
+def _linear_record(linear: nn.Module, kernels: CpuKernels) -> list[int] | None:
+    """One linear's entry in the table, or None where ``layers.c`` cannot run it (a plain or LoRA-
+    wrapped ``nn.Linear``, a matmul of other kernels, more parts than the table holds)."""
+    if type(linear) is PackedLinear and linear.kernels is kernels:
+        parts = [[FMT_AMX, linear.packed.data_ptr(), 0, 0, 0, linear.out_features, _address(linear.bias)]]
+    elif type(linear) is QuantLinear and linear.kernels.source is kernels and len(linear.parts) <= MAX_PARTS:
+        parts, at = [], 0
+        for p in linear.parts:
+            bias = 0 if linear.bias is None else linear.bias.data_ptr() + 4 * at  # float32 columns at..
+            parts.append([FORMATS[p.fmt], p.data.data_ptr(), _address(p.scale), _address(p.offset), p.group,
+                          p.shape[0], bias])
+            at += p.shape[0]
+    else:
+        return None
+    record = [len(parts), *(v for part in parts for v in part)]
+    return record + [0] * (LINEAR_WIDTH - len(record))
+
+
 def layer_table(model: nn.Module, kernels: CpuKernels) -> torch.Tensor | None:
-    """The addresses ``CpuKernels.layers`` reads, per layer (see ``layers_bf16``); None unless every
-    layer's linears are packed for ``kernels``' matmul (not with LoRA's wrapped linears, or below
-    level amx). Built once and kept while the layers' linears and norm weights stay the same objects
-    (checking that takes ~40 µs a forward; building it, ~1 ms)."""
+    """The table ``CpuKernels.layers`` reads (see ``kernels/layers.c``); None unless every layer's
+    linears are ones it runs: packed for ``kernels``' AMX matmul or weight-only quantized
+    (:class:`~gpu_worker.quant.QuantLinear`) over them. Built once and kept while the layers' linears
+    and norm weights stay the same objects (checking that takes ~40 µs a forward; building it, ~1 ms)."""
     if getattr(kernels, "layers", None) is None:
         return None
     # Per layer: its two norm weights and four linears, then the final norm's weight. Read through
@@ -158,15 +185,14 @@ def layer_table(model: nn.Module, kernels: CpuKernels) -> torch.Tensor | None:
     if cached is not None and cached[0] is kernels and len(cached[1]) == len(parts) \
             and all(a is b for a, b in zip(cached[1], parts)):
         return cached[2]
-    table = None
-    linears = [m for i, m in enumerate(parts) if i % 6 >= 2]
-    if all(type(m) is PackedLinear and m.kernels is kernels for m in linears):
-        rows = []
-        for i in range(len(model.layers)):
-            norm_in, norm_post, qkv, o, gate_up, down, after = parts[6 * i:6 * i + 7]
-            rows.append([norm_in.data_ptr(), norm_post.data_ptr(), qkv.packed.data_ptr(), _address(qkv.bias),
-                         o.packed.data_ptr(), gate_up.packed.data_ptr(), _address(gate_up.bias),
-                         down.packed.data_ptr(), _address(down.bias), after.data_ptr()])
-        table = torch.tensor(rows, dtype=torch.int64)
+    rows = []
+    for i in range(len(model.layers)):
+        norm_in, norm_post, qkv, o, gate_up, down, after = parts[6 * i:6 * i + 7]
+        linears = [_linear_record(m, kernels) for m in (qkv, o, gate_up, down)]
+        if any(r is None for r in linears):
+            rows = None
+            break
+        rows.append([norm_in.data_ptr(), norm_post.data_ptr(), after.data_ptr(), *(v for r in linears for v in r)])
+    table = None if rows is None else torch.tensor(rows, dtype=torch.int64)
     model._layer_table = (kernels, parts, table)
     return table

@@ -184,6 +184,8 @@ _PER_DTYPE = {
     "rope_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int),
     "attention": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_int),
     "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
+    "layers": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
+               _P, _P, _P, _P, _P, _P, _P, ctypes.c_int),
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # bf16 only: moondream.c's (every level) and amx.c's (level amx).
@@ -193,8 +195,6 @@ _BF16_ONLY = {
     "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
     "full_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
     "paged_attention_amx_bf16": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
-    "layers_bf16": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
-                    _P, _P, _P, _P, _P, _P, _P, ctypes.c_int),
 }
 # quant.c's weight-only linears (every level; gpu_worker/quant.py calls them).
 _C = ctypes.c_int
@@ -254,9 +254,9 @@ class CpuKernels:
                sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                seq_of_token: torch.Tensor, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                eps: float) -> torch.Tensor:
-        """Every decoder layer in one call (``layers_bf16``): x [T, hidden] bf16 updated in place as the
-        residual stream; ``weights`` the int64 [layers, 10] addresses of ``cpu_backend.layer_table``; the
-        caches k, v [layers, pages, page_size, kv_heads, head_dim]. -> norm(x) after the last layer."""
+        """Every decoder layer in one call (``kernels/layers.c``): x [T, hidden] updated in place as the
+        residual stream; ``weights`` the int64 table of ``cpu_backend.layer_table``; the caches k, v
+        [layers, pages, page_size, kv_heads, head_dim]. -> norm(x) after the last layer."""
         T, hidden = x.shape
         page_size = k.shape[2]
         max_len = block_tables.shape[1] * page_size
@@ -268,7 +268,7 @@ class CpuKernels:
         proj = torch.empty_like(x)
         gate_up = torch.empty((T, 2 * intermediate), dtype=x.dtype)
         act = torch.empty((T, intermediate), dtype=x.dtype)
-        self._fn["layers_bf16"](x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(),
+        self._fn["layers", x.dtype](x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(),
                                 v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                 slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
                                 seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden, intermediate, eps,

@@ -207,7 +207,7 @@ class QuantKernels:
     """``kernels/quant.c``'s ``wlinear`` and ``wgather``, from the CPU kernels' library."""
 
     def __init__(self, kernels: CpuKernels):
-        self.level = kernels.level
+        self.source, self.level = kernels, kernels.level
         self._linear, self._gather = kernels.function("wlinear"), kernels.function("wgather")
 
     def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:

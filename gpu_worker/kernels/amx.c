@@ -1,16 +1,14 @@
 /* The AMX kernels (level amx; compiled empty elsewhere): the bf16 matmul, Moondream's attention on
- * tiles, and Llama's every layer in one call.
+ * tiles (layers.c runs Llama's layers on this matmul).
  *
  *   linear_bf16          y = x @ W^T (+ bias) on AMX tiles, each row's result independent of the batch
  *                        (linear_gelu_bf16: then gelu_tanh, on the float32 sum)
  *   full_attention_bf16  Moondream's vision encoder's attention, each crop alone
  *   paged_attention_amx_bf16  Moondream's text attention over the paged cache
- *   layers_bf16          every Llama decoder layer, fused.c's kernels and these matmuls, in one call
  *
  * Linux grants AMX's tile state per process on request (arch_prctl(ARCH_REQ_XCOMP_PERM)):
  * gpu_worker/cpu_kernels.py asks before it picks this level.
  */
-#include "fused.h"
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VW == 16
@@ -426,37 +424,4 @@ void paged_attention_amx_bf16(const bf16 *q, const bf16 *k_cache, const bf16 *v_
     }
 }
 
-/* All decoder layers of Llama._fused_layers in one call: the same kernels in the same order, so
- * the result is bit for bit the Python loop's, without its ~270 Python calls a step and the GIL
- * taken back after each (the engine's compute thread then shares the GIL with the host thread
- * for a whole forward's worth of small waits). Each of the layers' four linears packed for
- * linear_bf16. weights [layers][10]: input norm, post-attention norm, qkv, qkv bias, o, gate_up,
- * gate_up bias, down, down bias, the next layer's input norm (the final norm after the last);
- * a bias may be NULL. x [T, hidden] is the residual stream (updated in place); h [T,
- * hidden] gets norm(x) after the last layer. Buffers: qkv [T, (H + 2 Hkv) D], q and o [T, H D],
- * proj [T, hidden], gu [T, 2 inter], act [T, inter]; att_scratch as attention's. */
-void layers_bf16(bf16 *x, bf16 *h, const int64_t *weights, int64_t n_layers, bf16 *k_cache, bf16 *v_cache,
-                 int64_t layer_stride, const float *cos_table, const float *sin_table, const int64_t *pos,
-                 const int64_t *slots, const int64_t *tables, int64_t table_width, int64_t page_size,
-                 const int64_t *seq, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t hidden,
-                 int64_t inter, float eps, int64_t max_len, bf16 *qkv, bf16 *q, bf16 *o, bf16 *proj, bf16 *gu,
-                 bf16 *act, float *att_scratch, int nthreads) {
-    const int64_t qkv_width = (heads + 2 * kv_heads) * D;
-#define W(i, k) ((const bf16 *)(intptr_t)weights[(i) * 10 + (k)])
-    add_rmsnorm_bf16(x, NULL, W(0, 0), h, tokens, hidden, eps, nthreads);
-    for (int64_t i = 0; i < n_layers; i++) {
-        bf16 *kc = k_cache + i * layer_stride, *vc = v_cache + i * layer_stride;
-        linear_bf16(h, W(i, 2), W(i, 3), qkv, tokens, hidden, qkv_width, nthreads);
-        rope_kv_bf16(qkv, cos_table, sin_table, pos, slots, kc, vc, q, tokens, heads, kv_heads, D, nthreads);
-        attention_bf16(q, kc, vc, tables, table_width, page_size, seq, pos, o, tokens, heads, kv_heads, D, max_len,
-                       att_scratch, nthreads);
-        linear_bf16(o, W(i, 4), NULL, proj, tokens, heads * D, hidden, nthreads);
-        add_rmsnorm_bf16(x, proj, W(i, 1), h, tokens, hidden, eps, nthreads);
-        linear_bf16(h, W(i, 5), W(i, 6), gu, tokens, hidden, 2 * inter, nthreads);
-        silu_mul_bf16(gu, act, tokens, inter, nthreads);
-        linear_bf16(act, W(i, 7), W(i, 8), proj, tokens, inter, hidden, nthreads);
-        add_rmsnorm_bf16(x, proj, W(i, 9), h, tokens, hidden, eps, nthreads);
-    }
-#undef W
-}
 #endif

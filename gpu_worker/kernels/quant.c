@@ -28,12 +28,11 @@
  * in a fixed tree, whatever M, whichever block or thread: a row's result does not depend on the
  * rows computed with it (the engine's pipelined and blocking schedules batch rows differently).
  */
+#include "quant.h"
 #include "vec.h"
 
 #define NB 4                     /* rows of W per block */
 #define MB (VW == 16 ? 4 : 2)   /* rows of x per block: MB * NB accumulators (AVX2 has 16 registers) */
-
-enum { FMT_Q8 = 0, FMT_Q4 = 1, FMT_BF16 = 2 };
 
 #define STEP 32         /* k per step: a q4 group's bytes hold 32 weights */
 #define CHUNKS (STEP / VW)

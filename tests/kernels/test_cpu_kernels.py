@@ -245,13 +245,9 @@ def test_a_prompt_chunked_or_whole_gives_the_same_bits(kernels, cfg, packed):
     assert torch.equal(whole.k, chunked.k) and torch.equal(whole.v, chunked.v)
 
 
-def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
-    """``layers_bf16`` (every decoder layer in one C call) against ``fused_layers``' Python loop over
-    the same kernels: the same logits and caches, bit for bit, over a prefill and decode steps; a
-    model whose linears are not all packed for the AMX matmul keeps the Python loop."""
-    amx(kernels)
-    model = Llama.random(TINY32, seed=7, dtype=torch.bfloat16)
-    pack_linears(model, kernels)
+def _one_call_equals_python_loop(model, kernels, dtype):
+    """The model's forward with every layer in one C call against ``fused_layers``' Python loop over
+    the same kernels: the same logits and caches, bit for bit, over a prefill and decode steps."""
     assert layer_table(model, kernels) is not None  # non-vacuity: the one-call path runs below
 
     class PythonLoop:  # the same kernels without the one-call loop
@@ -261,7 +257,7 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
             return getattr(kernels, name)
 
     g = torch.Generator().manual_seed(8)
-    caches = [PagedKVCache.from_config(TINY32, 12, 4, torch.bfloat16, "cpu") for _ in range(2)]
+    caches = [PagedKVCache.from_config(TINY32, 12, 4, dtype, "cpu") for _ in range(2)]
     tables = [list(range(1, 6)), list(range(6, 11))]
     steps = [([(0, 9, tables[0]), (0, 5, tables[1])], torch.randint(0, 96, (14,), generator=g))]
     steps += [([(9 + i, 1, tables[0]), (5 + i, 1, tables[1])], torch.randint(0, 96, (2,), generator=g)) for i in range(3)]
@@ -273,8 +269,52 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
                 out.append(_forward(model, kv, chunks, ids))
             assert torch.equal(out[0], out[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[0].k.abs().sum() > 0
+
+
+def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
+    """AMX-packed linears: every layer in one C call is the Python loop bit for bit; a model whose
+    linears are not all packed for the AMX matmul keeps the Python loop."""
+    amx(kernels)
+    model = Llama.random(TINY32, seed=7, dtype=torch.bfloat16)
+    pack_linears(model, kernels)
+    _one_call_equals_python_loop(model, kernels, torch.bfloat16)
     model.layers[1].mlp.down_proj = torch.nn.Linear(TINY32.intermediate_size, TINY32.hidden_size, dtype=torch.bfloat16)
     assert layer_table(model, kernels) is None  # e.g. LoRA's wrapped linears
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels, dtype):
+    """Weight-only quantized linears at every level, activations float32 and bf16: every layer in one
+    C call is the Python loop bit for bit, with a fused qkv of three formats (a Q4_K_M file mixes
+    them) and a bias read from each part's columns; a linear with more parts than the table holds
+    keeps the Python loop."""
+    from gpu_worker.quant import QuantKernels, QuantLinear, quantize
+
+    model = Llama.random(TINY32, seed=7, dtype=dtype)
+    qk = QuantKernels(kernels)
+    H, Hkv, D = TINY32.num_attention_heads, TINY32.num_key_value_heads, TINY32.head_dim
+    g = torch.Generator().manual_seed(9)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w = attn.qkv_proj.weight.detach().float()
+        q, k, v = w.split([H * D, Hkv * D, Hkv * D])
+        bias = torch.randn(w.shape[0], generator=g)
+        attn.qkv_proj = QuantLinear([quantize(q, "int4", 32), quantize(k, "int8", 32, symmetric=True),
+                                     quantize(v, "int8", 64)], bias, qk)
+        attn.qkv_proj.parts[2] = type(attn.qkv_proj.parts[2])("bf16", v.bfloat16(), None, None, 0, tuple(v.shape))
+        attn.o_proj = QuantLinear([quantize(attn.o_proj.weight.detach(), "int8", 32)], None, qk)
+        mlp.gate_up_proj = QuantLinear([quantize(mlp.gate_up_proj.weight.detach(), "int4", 64)], None, qk)
+        mlp.down_proj = QuantLinear([quantize(mlp.down_proj.weight.detach(), "int4", 32)], torch.randn(
+            TINY32.hidden_size, generator=g), qk)
+    assert [p.fmt for p in model.layers[0].self_attn.qkv_proj.parts] == ["q4", "q8", "bf16"]
+    _one_call_equals_python_loop(model, kernels, dtype)
+    halves = v.split(Hkv * D // 2)
+    model.layers[1].self_attn.qkv_proj = QuantLinear(  # four parts: more than the table holds
+        [quantize(q, "int4", 32), quantize(k, "int8", 32), quantize(halves[0], "int4", 32),
+         quantize(halves[1], "int8", 32)], None, qk)
+    assert len(model.layers[1].self_attn.qkv_proj.parts) == 4
+    assert layer_table(model, kernels) is None
 
 
 @pytest.mark.parametrize("n,k,bias", [(96, 64, True), (128, 1536, False), (40, 72, True), (4304, 1000, False),
