@@ -4,6 +4,7 @@
     python -m bench.moondream3_cpu --quantization int8 --group 64 --json
     python -m bench.moondream3_cpu --model ./moondream3-preview
     python -m bench.moondream3_cpu --quality          (int8 and int4 against the float32 fixture)
+    python -m bench.moondream3_cpu --moe-layer        (one MoE layer at the real shape: routing's share)
 
 ``random-moondream3`` (moondream3-preview's 9.27 B-parameter shapes) is drawn in memory and its
 expert stacks quantized one at a time as they are drawn (``Moondream.random(quantize=...)``:
@@ -58,6 +59,48 @@ def first_token_s(engine, request) -> tuple[object, float]:
     return seq, time.perf_counter() - t0
 
 
+def moe_layer(method: str, group: int, tokens=(1, 32, 735), repeats: int = 5) -> dict:
+    """One MoE layer at moondream3's shape (2048 → 64 experts, top-8, inner 1024), experts in
+    ``method``: {tokens: {"layer_ms", "routing_ms", "routing_share"}} (medians). Routing is the
+    router, top-k, softmax, the sort of the (token, expert) pairs and the counts to the host."""
+    import statistics
+
+    from gpu_worker.moondream import MoeMlp
+    from shared.moondream_config import MoeConfig
+    moe, dim = MoeConfig(), 2048
+    layer = MoeMlp(dim, moe)
+    g = torch.Generator().manual_seed(0)
+    for p in layer.parameters():
+        p.data = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+    layer.requires_grad_(False)
+    if method != "float32":
+        kernels = QuantKernels(cpu_kernels.load())
+        for experts in (layer.fc1, layer.fc2):
+            experts.quantize(method, group, kernels)
+
+    def routing(x):
+        top_logits, experts = torch.topk(layer.router(x), moe.experts_per_token, dim=-1)
+        torch.nn.functional.softmax(top_logits, dim=-1, dtype=torch.float32)
+        torch.argsort(experts.flatten(), stable=True)
+        return torch.bincount(experts.flatten(), minlength=moe.num_experts).tolist()
+
+    out = {}
+    for n in tokens:
+        x = torch.randn(n, dim, generator=g)
+        alone = torch.full((n,), n == 1)
+        times = {"layer": [], "routing": []}
+        for i in range(repeats + 1):  # the first is a warm-up
+            for name, fn, args in (("layer", layer, (x, alone)), ("routing", routing, (x,))):
+                t0 = time.perf_counter()
+                fn(*args)
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+        layer_ms, routing_ms = (1e3 * statistics.median(times[k]) for k in ("layer", "routing"))
+        out[str(n)] = {"layer_ms": layer_ms, "routing_ms": routing_ms, "routing_share": routing_ms / layer_ms}
+        progress(f"{n} tokens: {layer_ms:.1f} ms per MoE layer, routing {routing_ms:.2f} ms ({routing_ms / layer_ms:.0%})")
+    return out
+
+
 def quality(methods=("int8", "int4"), group: int = 32) -> dict:
     """{method: {checkpoint/case: [objects, float32's objects, largest |difference|]}} (see the docstring)."""
     import tempfile
@@ -98,13 +141,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--objects", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quality", action="store_true", help="int8 and int4 against the dev checkpoints' float32 answers")
+    ap.add_argument("--moe-layer", action="store_true", help="one MoE layer at the real shape: routing's share")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.quality:
-        out = quality(group=a.group)
+    if a.quality or a.moe_layer:
+        out = quality(group=a.group) if a.quality else {
+            "quantization": f"{a.quantization}/{a.group}", "threads": torch.get_num_threads(),
+            "tokens": moe_layer(a.quantization, a.group), "load_average": os.getloadavg()}
         print(json.dumps(out, indent=1) if a.json else out)
         return out
     t0 = time.perf_counter()
