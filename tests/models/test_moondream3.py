@@ -420,3 +420,18 @@ def test_random_moondream3_quantizes_its_experts_as_it_draws_them():
         assert seq.error is None and len(objects) <= 2 and seq.output_ids[-1] == 0
     finally:
         engine.close()
+
+
+def test_bench_moondream3_cpu_runs_end_to_end(capsys):
+    """``python -m bench.moondream3_cpu`` (here on tiny-random-moondream3 at int4): caption, point
+    and detect answer, and the parameter count includes the quantized linears (the float model's)."""
+    import json
+
+    from bench import moondream3_cpu
+    from shared.models import resolve_model
+    kernels_or_skip()
+    out = moondream3_cpu.main(["--model", "tiny-random-moondream3", "--tokens", "3", "--objects", "1", "--json"])
+    assert json.loads(capsys.readouterr().out)["params"] == out["params"]
+    assert out["caption"]["tokens"] == 3 and out["caption"]["ttft_s"] > 0
+    assert all(len(out[skill]["objects"]) <= 1 for skill in ("point", "detect"))
+    assert out["params"] == Moondream.from_pretrained(resolve_model("tiny-random-moondream3")).num_params()
