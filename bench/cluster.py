@@ -12,9 +12,19 @@ child processes, HTTP on loopback, every process with the same
    completions, ``ignore_eos``) loads the direct server, then the cluster,
    with the same requests, ``--repeats`` times alternately: the medians of
    TTFT p50 and output tokens/s of each, and the cluster's over the direct
-   server's; and where the cluster's CPU went during its runs (seconds per
-   process role: Serve's HTTP proxy, the ingress, the replica's actor, its
-   ``tandem serve``, the worker).
+   server's; and where the cluster's CPU went during its runs (per second and
+   per output token, by process role: Serve's HTTP proxy, the ingress, the
+   replica's actor, its ``tandem serve``, the worker). ``--variant
+   NAME:VAR=VALUE,...`` measures another cluster too, with those environment
+   variables (Ray's Serve settings, e.g. Ray's defaults in place of
+   ``frontend.cluster.HOP_ENV``), after the first and beside the same direct
+   server: a before/after within one run.
+   ``--part latency``: where one request's time goes on the way, from the
+   medians of ``--latency-requests`` sequential requests to each server,
+   alternated: ``GET /v1/models`` (the ingress answers it: Serve's proxy and
+   the ingress), ``GET /metrics`` (the ingress asks a replica: one handle
+   call, the replica's actor, its ``tandem serve``'s ``info``) and a
+   one-token chat completion (the whole path); the cluster's extra for each.
 2. **Affinity.** ``tandem cluster --replicas 2`` with the affinity router,
    then with Serve's default router (``--router ray``): ``--sessions``
    sessions of ``--turns`` turns (each session its own system prompt and
@@ -200,41 +210,112 @@ class DirectServer:
 
 
 def hop(serve_args: list[str], streams: list[int], requests: int, max_tokens: int, repeats: int, workdir: Path,
-        env: dict) -> list:
+        env: dict, variants: dict[str, dict[str, str]]) -> list:
+    """One row per (cluster variant, streams): ``variants`` maps a name to the environment it adds
+    to the cluster's (Ray reads its Serve settings from it); each variant's cluster runs beside the
+    one direct server, alone (started, measured, stopped in turn)."""
     direct = DirectServer(serve_args, workdir / "serve.log", env)
-    cluster = LocalCluster(["--replicas", "1", *serve_args], workdir / "cluster-1.log", env)
     try:
-        cluster.wait_ready(1)
         model = json.loads(_get(f"{direct.url}/v1/models"))["data"][0]["id"]
         rows = []
-        for target in (direct, cluster):  # warm both paths (connections, the ingress's first tokenization)
-            asyncio.run(run_level("", 2, make_work(4, (16, 16), (4, 4), 1), True, True, 120, http=(target.url, model)))
-        for n in streams:
-            work = make_work(max(requests, n * 2), (32, 32), (max_tokens, max_tokens), 7)
-            runs: dict[str, list] = {"serve": [], "cluster": []}
-            cpu: list[dict[str, float]] = []
-            for _ in range(repeats):  # alternated, so a change in the machine's load hits both alike
-                for name, target in (("serve", direct), ("cluster", cluster)):
-                    before = cluster.cpu_seconds_by_role()
-                    level = asyncio.run(run_level("", n, work, True, True, 300, http=(target.url, model)))
-                    assert level["errors"] == 0, level["error_samples"]
-                    runs[name].append(level)
-                    if target is cluster:
-                        after = cluster.cpu_seconds_by_role()
-                        cpu.append({role: (after[role] - before[role]) / level["wall_s"] for role in after})
-            row = {"streams": n}
-            for name, levels in runs.items():
-                row[name] = {"ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] for lv in levels),
-                             "tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels)}
-            row["tokens_per_s_ratio"] = round(row["cluster"]["tokens_per_s"] / row["serve"]["tokens_per_s"], 3)
-            row["ttft_p50_extra_ms"] = round(row["cluster"]["ttft_p50_ms"] - row["serve"]["ttft_p50_ms"], 2)
-            row["cluster_cpu_per_wall_s"] = {role: round(statistics.median(c[role] for c in cpu), 2)
-                                             for role in CPU_ROLES}
-            rows.append(row)
+        for variant, extra in variants.items():
+            cluster = LocalCluster(["--replicas", "1", *serve_args], workdir / f"cluster-{len(rows)}.log",
+                                   {**env, **extra})
+            try:
+                cluster.wait_ready(1)
+                rows += [{"variant": variant, "env": extra, **row} for row in
+                         _hop_levels(direct, cluster, model, streams, requests, max_tokens, repeats)]
+            finally:
+                cluster.stop()
         return rows
     finally:
-        cluster.stop()
         direct.stop()
+
+
+def _hop_levels(direct: DirectServer, cluster: LocalCluster, model: str, streams: list[int], requests: int,
+                max_tokens: int, repeats: int) -> list:
+    for target in (direct, cluster):  # warm both paths (connections, the ingress's first tokenization)
+        asyncio.run(run_level("", 2, make_work(4, (16, 16), (4, 4), 1), True, True, 120, http=(target.url, model)))
+    rows = []
+    for n in streams:
+        work = make_work(max(requests, n * 2), (32, 32), (max_tokens, max_tokens), 7)
+        runs: dict[str, list] = {"serve": [], "cluster": []}
+        cpu: list[dict[str, float]] = []  # per run: CPU seconds of each role
+        walls, tokens = [], []
+        for _ in range(repeats):  # alternated, so a change in the machine's load hits both alike
+            for name, target in (("serve", direct), ("cluster", cluster)):
+                before = cluster.cpu_seconds_by_role()
+                level = asyncio.run(run_level("", n, work, True, True, 300, http=(target.url, model)))
+                assert level["errors"] == 0, level["error_samples"]
+                runs[name].append(level)
+                if target is cluster:
+                    after = cluster.cpu_seconds_by_role()
+                    cpu.append({role: after[role] - before[role] for role in after})
+                    walls.append(level["wall_s"])
+                    tokens.append(level["output_tokens"])
+        row = {"streams": n}
+        for name, levels in runs.items():
+            row[name] = {"ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] for lv in levels),
+                         "tokens_per_s": statistics.median(lv["output_tokens_per_s"] for lv in levels)}
+        row["tokens_per_s_ratio"] = round(row["cluster"]["tokens_per_s"] / row["serve"]["tokens_per_s"], 3)
+        row["ttft_p50_extra_ms"] = round(row["cluster"]["ttft_p50_ms"] - row["serve"]["ttft_p50_ms"], 2)
+        # where the cluster's CPU went: per second of its runs, and per output token (the figure the machine's
+        # load moves least: a starved process is slower, not busier)
+        row["cluster_cpu_per_wall_s"] = {role: round(statistics.median(c[role] / w for c, w in zip(cpu, walls)), 2)
+                                         for role in CPU_ROLES}
+        row["cluster_cpu_ms_per_token"] = {role: round(statistics.median(1e3 * c[role] / t for c, t in
+                                                                         zip(cpu, tokens)), 3) for role in CPU_ROLES}
+        rows.append(row)
+    return rows
+
+
+LATENCY_CASES = {  # what each request crosses in the cluster (module docstring)
+    "GET /v1/models": ("GET", "/v1/models", None),
+    "GET /metrics": ("GET", "/metrics", None),
+    "chat, 1 token": ("POST", "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "time river stone light " * 8}], "max_tokens": 1}),
+}
+
+
+def latency(serve_args: list[str], requests: int, rounds: int, workdir: Path, env: dict,
+            variants: dict[str, dict[str, str]]) -> list:
+    """One row per (cluster variant, case), as ``hop``'s."""
+    direct = DirectServer(serve_args, workdir / "serve.log", env)
+    try:
+        rows = []
+        for variant, extra in variants.items():
+            cluster = LocalCluster(["--replicas", "1", *serve_args], workdir / f"cluster-latency-{len(rows)}.log",
+                                   {**env, **extra})
+            try:
+                cluster.wait_ready(1)
+                rows += [{"variant": variant, "env": extra, **row}
+                         for row in _latency_cases(direct.url, cluster.url, requests, rounds)]
+            finally:
+                cluster.stop()
+        return rows
+    finally:
+        direct.stop()
+
+
+def _latency_cases(direct_url: str, cluster_url: str, requests: int, rounds: int) -> list:
+    import httpx
+
+    ms: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):  # alternated, so a change in the machine's load hits both alike
+        for name, url in (("serve", direct_url), ("cluster", cluster_url)):
+            with httpx.Client(base_url=url, timeout=60) as client:
+                for case, (method, path, body) in LATENCY_CASES.items():
+                    client.request(method, path, json=body).raise_for_status()  # warm
+                    for _ in range(requests):
+                        start = time.perf_counter()
+                        client.request(method, path, json=body).raise_for_status()
+                        ms.setdefault((case, name), []).append(1e3 * (time.perf_counter() - start))
+    rows = []
+    for case in LATENCY_CASES:
+        serve_ms, cluster_ms = (statistics.median(ms[(case, n)]) for n in ("serve", "cluster"))
+        rows.append({"case": case, "serve_ms": round(serve_ms, 2), "cluster_ms": round(cluster_ms, 2),
+                     "extra_ms": round(cluster_ms - serve_ms, 2)})
+    return rows
 
 
 def affinity(serve_args: list[str], sessions: int, turns: int, workdir: Path, env: dict) -> dict:
@@ -280,6 +361,14 @@ async def _conversations(url: str, sessions: int, turns: int) -> dict[str, list[
     return served
 
 
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, assignments = text.partition(":")
+    pairs = [a.partition("=") for a in assignments.split(",") if a]
+    if not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise click.BadParameter(f"{text!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]", param_hint="--variant")
+    return name, {k: v for k, _, v in pairs}
+
+
 def _get(url: str) -> str:
     import httpx
 
@@ -292,13 +381,22 @@ def _get(url: str) -> str:
 @click.option("--streams", default="1,16", show_default=True, help="Concurrency levels of the hop's cost.")
 @click.option("--requests", default=32, show_default=True, help="Requests per level (at least 2 per stream).")
 @click.option("--max-tokens", default=64, show_default=True)
-@click.option("--repeats", default=3, show_default=True, help="Runs of each level per server (medians reported).")
+@click.option("--repeats", default=3, show_default=True,
+              help="Runs of each level per server (the hop), or rounds (latency); medians reported.")
 @click.option("--sessions", default=8, show_default=True)
 @click.option("--turns", default=4, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="OMP_NUM_THREADS of every process (the same for all).")
-@click.option("--part", type=click.Choice(["both", "hop", "affinity"]), default="both", show_default=True)
+@click.option("--latency-requests", default=15, show_default=True,
+              help="--part latency: sequential requests per case, server and round (medians reported).")
+@click.option("--part", type=click.Choice(["both", "hop", "latency", "affinity"]), default="both", show_default=True,
+              help="both: hop and affinity.")
+@click.option("--variant", "variants", multiple=True, metavar="NAME:VAR=VALUE,...",
+              help="The hop and latency: also a cluster with these environment variables (Ray's Serve settings), e.g. "
+                   "serve-defaults:RAY_SERVE_USE_GRPC_BY_DEFAULT=0; repeatable. The cluster as configured is "
+                   "measured first.")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_command(model, device, streams, requests, max_tokens, repeats, sessions, turns, threads, part, as_json):
+def cluster_command(model, device, streams, requests, max_tokens, repeats, sessions, turns, threads, latency_requests,
+                    part, variants, as_json):
     """The Ray hop's cost (tandem cluster --replicas 1 against tandem serve) and the prefix cache hit rate of
     multi-turn sessions with the affinity router against Serve's default over 2 replicas.
 
@@ -311,10 +409,13 @@ def cluster_command(model, device, streams, requests, max_tokens, repeats, sessi
     result = {"model": model, "device": device, "threads": threads, "load_before": os.getloadavg(),
               "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
               "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    variants = {"as configured": {}, **dict(map(_variant, variants))}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-cluster-") as tmp:
         if part in ("both", "hop"):
             result["hop"] = hop(serve_args, [int(s) for s in streams.split(",")], requests, max_tokens, repeats,
-                                Path(tmp), env)
+                                Path(tmp), env, variants)
+        if part == "latency":
+            result["latency"] = latency(serve_args, latency_requests, repeats, Path(tmp), env, variants)
         if part in ("both", "affinity"):
             result["affinity"] = affinity(serve_args, sessions, turns, Path(tmp), env)
     result["load_after"] = os.getloadavg()

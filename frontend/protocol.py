@@ -60,6 +60,10 @@ __all__ = [
     "ClientMessage",
     "parse_client_message",
     "prompt_field",
+    "template_options",
+    "CHAT_TEMPLATE_FIELDS",
+    "MAX_CHOICES",
+    "choice_request",
     "parse_prompt",
     "parse_token_ids",
     "encode_chunk",
@@ -106,9 +110,16 @@ SKILL_SAMPLING = {"temperature": 0.5, "top_p": 0.3}
 DEFAULT_MAX_OBJECTS = 50
 MAX_GRAMMAR_OBJECTS = 100  # the most items a point/box grammar (frontend/grammars) takes
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "top_logprobs", "grammar")  # optional, besides the sampling fields
+# How the chat template renders messages (vLLM's names; only with messages).
+CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+# apply_chat_template's own arguments: not variables a request may set through chat_template_kwargs
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                 "truncation", "max_length", "return_tensors", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MODEL_FIELDS = ("adapter",)  # optional: which weights answer (a LoRA adapter's name; nil = the base model)
-_GENERATE_FIELDS = frozenset({"type", "id", "images", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES, *OUTPUT_FIELDS,
-                              *MODEL_FIELDS, *SKILL_FIELDS})
+_GENERATE_FIELDS = frozenset({"type", "id", "images", "truncate_prompt_tokens", *PROMPT_FIELDS, *SAMPLING_FIELD_NAMES,
+                              *OUTPUT_FIELDS, *MODEL_FIELDS, *SKILL_FIELDS, *CHAT_TEMPLATE_FIELDS})
 _PART_TYPES = ("text", "image")  # the parts of a message's content given as a list
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 
@@ -179,6 +190,10 @@ class GenerateRequest:
     adapter: str | None = None  # a LoRA adapter the server was started with; None = the base model
     skill: dict[str, Any] | None = None  # {"skill": name, and its own fields as given}
     explicit: frozenset = frozenset()  # the sampling fields the message gave (a skill has its own defaults)
+    # messages only: apply_chat_template's options (add_generation_prompt, continue_final_message, and the
+    # chat_template_kwargs as template variables)
+    template_options: dict[str, Any] = field(default_factory=dict)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's left truncation)
 
     def __getattr__(self, name: str) -> Any:  # only called for names not found otherwise
         if name in SAMPLING_FIELD_NAMES:
@@ -202,6 +217,26 @@ class InfoRequest:
 
 
 ClientMessage = Union[GenerateRequest, CancelRequest, PingRequest, InfoRequest]
+
+
+MAX_CHOICES = 16  # choices of one request (OpenAI's n): each is a request of its own, its KV reserved
+
+
+def choice_request(msg: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """Choice ``i`` (0-based) of a request asked for several times (OpenAI's ``n``): one request per
+    choice, the same fields but the id ``ID-i`` (choice 0 keeps ``ID``) and, with a seed, seed + i
+    (modulo 2**64, within the seed's range), so that each choice is reproducible on its own."""
+    out = dict(msg)
+    if not 0 <= i < MAX_CHOICES:
+        raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
+    if i and out.get("id") is not None:
+        out["id"] = f"{out['id']}-{i}"
+        if len(out["id"]) > MAX_ID_CHARS:
+            raise ValueError(f"id: with n choices, an id takes at most {MAX_ID_CHARS - 3} characters")
+    if i and out.get("seed") is not None:
+        seed = out["seed"] + i
+        out["seed"] = seed - (1 << 64) if seed >= 1 << 64 else seed
+    return out
 
 
 def prompt_field(msg: Mapping[str, Any]) -> str:
@@ -467,6 +502,14 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
     grammar = _parse_grammar(ctx, msg.get("grammar"))
     images = _parse_images(ctx, msg.get("images"), prompt)
     adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
+    template_options = _template_options(ctx, msg, "messages" in prompt)
+    truncate = msg.get("truncate_prompt_tokens")
+    if truncate is not None:
+        if not _is_int(truncate) or truncate < 1:
+            raise ctx.bad(f"truncate_prompt_tokens must be an integer >= 1, got {_short(truncate)}")
+        if images or "skill" in prompt:
+            raise ctx.bad("truncate_prompt_tokens cannot be combined with images or a skill (their tokens "
+                          "would be cut)")
     sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
     given = [f for f in SKILL_FIELDS if f in msg]
     if "skill" in prompt:
@@ -477,7 +520,8 @@ def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
         raise ctx.bad(f"{given[0]} is a skill field: send it with skill")
     return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream,
                            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
-                           grammar=grammar, images=images, adapter=adapter,
+                           grammar=grammar, images=images, adapter=adapter, template_options=template_options,
+                           truncate_prompt_tokens=truncate,
                            explicit=frozenset(f for f in SAMPLING_FIELD_NAMES if msg.get(f) is not None))
 
 
@@ -524,6 +568,36 @@ def parse_prompt(name: str, value: object, limits: Limits | None = None) -> Any:
     (``ProtocolError`` naming the field): for what renders prompts outside a generate (HTTP ``/tokenize``)."""
     parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids}[name]
     return parse(_Ctx(), value, limits or DEFAULT_LIMITS)
+
+
+def template_options(msg: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat template's options a map gives (``CHAT_TEMPLATE_FIELDS``), checked as a generate's
+    (``ProtocolError`` naming the field): for HTTP ``/tokenize``."""
+    return _template_options(_Ctx(), msg, True)
+
+
+def _template_options(ctx: _Ctx, msg: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments (vLLM's rules: continuing the final message opens no
+    new one; the kwargs are template variables, not its own arguments)."""
+    given = [f for f in CHAT_TEMPLATE_FIELDS if msg.get(f) is not None]
+    if not given:
+        return {}
+    if not chat:
+        raise ctx.bad(f"{given[0]} renders chat messages: send it with messages")
+    add = _opt_bool(ctx, msg, "add_generation_prompt", True)
+    continued = _opt_bool(ctx, msg, "continue_final_message", False)
+    if add and continued:
+        raise ctx.bad("continue_final_message needs add_generation_prompt: false (the final message is "
+                      "continued, no new one is opened)")
+    variables = msg.get("chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise ctx.bad(f"chat_template_kwargs must be a map, got {_tname(variables)}")
+    _check_keys(ctx, variables, "chat_template_kwargs")
+    taken = sorted(set(variables) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ctx.bad(f"chat_template_kwargs.{taken[0]} is not a template variable (send it as a field of "
+                      "its own, if it is one)")
+    return {**variables, "add_generation_prompt": add, "continue_final_message": continued}
 
 
 def parse_token_ids(value: object, name: str, limits: Limits | None = None) -> list[int]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shared.arith import ceil_div
+from shared.page_names import ROOT, chain
 
-from .page_pool import ROOT, PagePool, chain
+from .page_pool import PagePool
 
 if TYPE_CHECKING:
     import numpy as np

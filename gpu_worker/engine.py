@@ -369,6 +369,8 @@ class Engine:
             want_top=any(s.top_logprobs for s in sample_seqs),
             any_bias=any(p.logit_bias for p in params),
             any_penalty=any(p.penalized for p in params),
+            seen_width=max(sample_pos, default=0) or None,  # a row has seen at most the tokens before it
+            any_min_tokens=any(pos < s.prompt_len + s.params.min_tokens for s, pos in zip(sample_seqs, sample_pos)),
             token_lora=token_lora_slots(plan) if self.lora_slots is not None else None,
             **(launch.images.inputs() if launch.images else {}),
         )

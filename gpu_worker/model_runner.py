@@ -74,6 +74,8 @@ class LaunchInputs:
     want_top: bool = False  # some row wants the most likely tokens' logprobs (top_logprobs)
     any_bias: bool = False  # some row has a logit_bias
     any_penalty: bool = False  # some row has a penalty: its sampled tokens are counted
+    any_min_tokens: bool = False  # some row has not reached its min_tokens: its stop ids are masked
+    seen_width: int | None = None  # with penalties: the most tokens a row has seen (its position: a bound)
     # Encode units of this launch, before its text forward (image_prefill.py): (host tile blocks,
     # FeatureHolder, first feature row of the run in its image, the image's feature rows, its
     # ImageInput.tiling) per run.
@@ -248,7 +250,7 @@ class ModelRunner:
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
         self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)
         self.pending[max_rows] = 0
-        self.params = RowParams(max_rows + 1, self.vocab_size, dev)
+        self.params = RowParams(max_rows + 1, self.vocab_size, dev, self.max_model_len)
         # Host copy of every row's page table, written at admission, so a decode
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
@@ -442,7 +444,8 @@ class ModelRunner:
                 if self.skills is not None:
                     logits = self.skills.suppress(logits, rows)
                 tokens, flags, logprobs, top = sample(logits, rows, pos, self.params, inp.any_random, inp.any_filter,
-                                                      inp.want_logprobs, inp.any_bias, inp.any_penalty, inp.want_top)
+                                                      inp.want_logprobs, inp.any_bias, inp.any_penalty, inp.want_top,
+                                                      inp.any_min_tokens, inp.seen_width)
                 values = None
                 if self.skills is not None:  # the phase decides what is emitted; values stay on the device
                     tokens, flags, values = self.skills.advance(self.moondream, hidden, rows, tokens, flags)

@@ -1,9 +1,10 @@
 """The KV page pool: pages shared by refcount, with the prefix cache of full pages (docs/DESIGN.md §4.8).
 
-A full page is named by a chained hash: the hash of its parent page's hash,
-its token ids and a salt (what else decides its KV: an adapter, image
-hashes). Two requests whose prompts begin with the same tokens therefore name
-the same leading pages, and the second maps them instead of computing them.
+A full page is named by a chained hash (``shared/page_names.py``): the hash
+of its parent page's hash, its token ids and a salt (what else decides its KV:
+an adapter, image hashes). Two requests whose prompts begin with the same
+tokens therefore name the same leading pages, and the second maps them
+instead of computing them.
 
 Every page is in exactly one state:
 - free: on the free list, holds nothing;
@@ -21,33 +22,9 @@ Invariants (checked here, proved by tests/engine/test_prefix_cache.py):
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import numpy as np
-
-ROOT = b"tandem-prefix-v1"
-
-
-def page_hash(parent: bytes, tokens, salt: bytes = b"") -> bytes:
-    """The name of a full page: its parent's name, its token ids and the salt."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(np.asarray(tokens, dtype=np.int32).tobytes())
-    h.update(salt)
-    return h.digest()
-
-
-def chain(tokens, page_size: int, num_pages: int, salt: bytes = b"", parent: bytes = ROOT,
-          page_salts: list[bytes] | None = None) -> list[bytes]:
-    """Names of the first ``num_pages`` full pages of ``tokens``; ``page_salts[i]`` is
-    added to page i's salt (the hashes of the images that begin in it)."""
-    out = []
-    for i in range(num_pages):
-        extra = page_salts[i] if page_salts else b""
-        parent = page_hash(parent, tokens[i * page_size:(i + 1) * page_size], salt + extra)
-        out.append(parent)
-    return out
-
 
 class PagePool:
     """KV pages 1..num_pages-1 (page 0 is a scratch page for padded rows, never handed out)."""

@@ -5,7 +5,9 @@ Where the weights come from:
 
 - **GGUF files as they are** (:func:`from_gguf`): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are
   repacked once at load into the kernel's two formats, never through float32 (a Q4_K_M file
-  mixes Q4_K and Q6_K). The expanded weights are bit for bit ``gguf.quants.dequantize``'s.
+  mixes Q4_K and Q6_K). The expanded weights are bit for bit ``gguf.quants.dequantize``'s (where a
+  level has bf16 dot products, bf16 activations multiply them rounded to bf16:
+  :meth:`QuantKernels.multiplied_weight`).
 - **Checkpoints quantized at load** (:func:`quantize`), in groups of 32, 64 or 128 along K, a
   scale and an offset per group (its min and max mapped to the ends of the range). Measured on
   SmolLM2-135M (teacher-forced top-1 against float32): int8 per output channel, symmetric, kept
@@ -20,6 +22,7 @@ refuses bf16).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,6 +212,16 @@ class QuantKernels:
     def __init__(self, kernels: CpuKernels):
         self.source, self.level = kernels, kernels.level
         self._linear, self._gather = kernels.function("wlinear"), kernels.function("wgather")
+        bf16_dot = kernels.function("wlinear_bf16_dot")
+        bf16_dot.restype = ctypes.c_int
+        # At this level bf16 activations multiply the weights rounded to bf16 (vdpbf16ps: the products
+        # exact, the sums float32); float32 activations always multiply the float32 expansion.
+        self.bf16_dot = bool(bf16_dot())
+
+    def multiplied_weight(self, w: "QWeight", x_dtype: torch.dtype) -> torch.Tensor:
+        """The float32 weight [N, K] that :meth:`linear` multiplies activations of ``x_dtype`` by."""
+        dense = w.dequantize()
+        return dense.bfloat16().float() if self.bf16_dot and x_dtype == torch.bfloat16 else dense
 
     def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:
         """y [M, ldy]'s first N columns (a view) = x [M, K] @ w^T + bias (float32 or None)."""

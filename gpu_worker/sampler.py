@@ -9,7 +9,8 @@ those three numbers, used through the Gumbel-max trick
 tokens whatever its batch mates, its batch row, the timing, or pipelined vs
 blocking mode. Requests without a seed get one drawn at admission.
 
-The logits are adjusted in vLLM's order: ``logit_bias`` (added), then the
+The logits are adjusted in vLLM's order: ``logit_bias`` (added), ``min_tokens``
+(a row's stop ids masked until its position reaches ``RowParams.stops_from``), then the
 penalties (``repetition_penalty`` over the prompt's and the generated tokens,
 ``frequency_penalty`` and ``presence_penalty`` over the generated ones), then
 greedy argmax or temperature, ``min_p``, top-k, top-p and the Gumbel draw.
@@ -18,12 +19,19 @@ default "raw" logprobs): the sampled token's, and on request the
 ``MAX_TOP_LOGPROBS`` most likely tokens with theirs (the frontend keeps as many
 as each request asked for).
 
-Penalties read a per-row count of each generated token (``RowParams.counts``,
-[rows, vocab] on the device). The sampling call that emits a row's token adds
-it there (``RowParams.count``), on the compute stream, before the next step's
-sampling is enqueued: pipelined or blocking, step t+1 sees step t's token. A
-penalized row's counts are reset at admission (and its prompt tokens marked);
-other rows' counts are stale and never matter (their penalties are neutral).
+Penalties touch only the tokens a row has seen: its prompt's and those it
+generated, listed once each in ``RowParams.seen_ids`` ([rows, width], in order
+of first appearance, padded with the row's first token), with their counts in
+the output read from ``RowParams.counts`` ([rows, vocab], looked up, never
+scanned). A sampling call gathers those logits, adjusts them and scatters them
+back: its cost grows with the tokens seen (at most the position being sampled,
+a host-known bound), not with the vocabulary. The pads repeat a listed token,
+so they write back the same value. The sampling call that emits a row's token
+counts it (``RowParams.count``: its count, and its place in the list when new),
+on the compute stream, before the next step's sampling is enqueued: pipelined
+or blocking, step t+1 sees step t's token. A penalized row's tables are reset
+at admission (its prompt's tokens listed and marked); other rows' are stale and
+never matter (their penalties are neutral).
 """
 from __future__ import annotations
 
@@ -72,14 +80,15 @@ class RowParams:
     to drain (the forward in flight), a pipeline bubble at every admission.
     """
 
-    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, vocab: int, device: torch.device, max_len: int | None = None) -> None:
+        """``max_len``: the context (prompt + output), which bounds the tokens a row sees."""
         self._pinned = torch.device(device).type == "cuda"
-        stops_end = 2 + MAX_STOP_IDS
+        stops_end = _INTS + MAX_STOP_IDS
         self.ints = torch.zeros(max_rows, stops_end + MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
         self.floats = torch.zeros(max_rows, _FLOATS + MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
-        self.ints[:, 2:] = NO_TOKEN
-        self.top_k, self.seed = self.ints[:, 0], self.ints[:, 1]
-        self.stop_ids, self.bias_ids = self.ints[:, 2:stops_end], self.ints[:, stops_end:]
+        self.ints[:, _INTS:] = NO_TOKEN
+        self.top_k, self.seed, self.stops_from = self.ints[:, :_INTS].unbind(1)
+        self.stop_ids, self.bias_ids = self.ints[:, _INTS:stops_end], self.ints[:, stops_end:]
         (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
          self.repetition_penalty) = self.floats[:, :_FLOATS].unbind(1)
         self.bias_values = self.floats[:, _FLOATS:]
@@ -87,6 +96,10 @@ class RowParams:
         self.repetition_penalty.fill_(1.0)
         self.counts = torch.zeros(max_rows, vocab, dtype=torch.int32, device=device)  # generated tokens
         self.in_prompt = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
+        # The tokens each row has seen, once each (a zombie step may see one past the context)
+        width = vocab if max_len is None else min(vocab, max_len + 2)
+        self.seen_ids = torch.zeros(max_rows, width, dtype=torch.int64, device=device)
+        self.seen_len = torch.zeros(max_rows, dtype=torch.int64, device=device)
 
     def set_row(self, row: int, p: SamplingParams, seed: int, eos_ids: tuple[int, ...],
                 prompt_ids: list[int] = ()) -> None:
@@ -94,26 +107,45 @@ class RowParams:
         assert len(stops) <= MAX_STOP_IDS, "checked by the model's EOS ids and SamplingParams.validate"
         stops += [NO_TOKEN] * (MAX_STOP_IDS - len(stops))
         pad = [NO_TOKEN] * (MAX_LOGIT_BIAS - len(p.logit_bias))
-        ints = torch.tensor([int(p.top_k), int(seed) & 0x7FFFFFFFFFFFFFFF, *stops, *p.logit_bias, *pad],
+        stops_from = len(prompt_ids) + p.min_tokens  # the first position a stop id may be sampled at
+        ints = torch.tensor([int(p.top_k), int(seed) & 0x7FFFFFFFFFFFFFFF, stops_from, *stops, *p.logit_bias, *pad],
                             dtype=torch.int64)
         floats = torch.tensor([float(p.temperature), float(p.top_p), float(p.min_p), float(p.presence_penalty),
                                float(p.frequency_penalty), float(p.repetition_penalty), *p.logit_bias.values(),
                                *[0.0] * len(pad)], dtype=torch.float32)
-        prompt = torch.tensor(list(prompt_ids) if p.penalized else [], dtype=torch.int64)
+        seen = torch.zeros(0, dtype=torch.int64)
+        if p.penalized:  # the prompt's distinct tokens in order, then pads repeating the first
+            distinct = torch.tensor(list(dict.fromkeys(int(t) for t in prompt_ids)), dtype=torch.int64)
+            first = distinct[:1] if len(distinct) else torch.zeros(1, dtype=torch.int64)
+            seen = torch.cat([distinct, first.expand(self.seen_ids.shape[1] - len(distinct))])
         if self._pinned:
-            ints, floats, prompt = ints.pin_memory(), floats.pin_memory(), prompt.pin_memory()
+            ints, floats, seen = ints.pin_memory(), floats.pin_memory(), seen.pin_memory()
         self.ints[row].copy_(ints, non_blocking=self._pinned)
         self.floats[row].copy_(floats, non_blocking=self._pinned)
         if p.penalized:
+            self.seen_ids[row].copy_(seen, non_blocking=self._pinned)
+            self.seen_len[row] = len(distinct)
             self.counts[row].zero_()
             self.in_prompt[row].zero_()
-            self.in_prompt[row].index_fill_(0, prompt.to(self.in_prompt.device, non_blocking=self._pinned), True)
+            self.in_prompt[row].index_fill_(0, self.seen_ids[row, :len(distinct)], True)
 
     def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The rows emitted these tokens (rows are distinct within one call)."""
+        """The rows emitted these tokens (rows are distinct within one call): a token new to its row
+        joins the row's list, then its count goes up."""
+        new = (self.counts[rows, tokens] == 0) & ~self.in_prompt[rows, tokens]
+        end = self.seen_len[rows].clamp_max(self.seen_ids.shape[1] - 1)  # (only a stale row reaches the end)
+        self.seen_ids[rows, end] = torch.where(new, tokens, self.seen_ids[rows, end])
+        self.seen_len.index_add_(0, rows, new.to(torch.int64))
         self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
+    def seen(self, rows: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' seen tokens [R, width] (``width`` >= every row's count of them; None: all the
+        table holds) and their counts in the output."""
+        ids = self.seen_ids[:, :width][rows]
+        return ids, self.counts[rows[:, None], ids]
 
+
+_INTS = 3  # top_k, seed, stops_from; then the stop ids and the logit_bias ids
 _FLOATS = 6  # temperature, top_p, min_p, presence, frequency, repetition; then the logit_bias values
 
 
@@ -136,21 +168,26 @@ def sample(
     any_bias: bool = False,
     any_penalty: bool = False,
     want_top: bool = False,
+    any_min_tokens: bool = False,
+    seen_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """Sample one token per logits row. Returns (token ids, flags, logprobs or None, top or None):
     ``top`` is (ids, logprobs) [R, MAX_TOP_LOGPROBS] of the most likely tokens, most likely first.
 
-    ``any_random`` / ``any_filter`` / ``any_bias`` / ``any_penalty`` are host-known
+    ``any_random`` / ``any_filter`` / ``any_bias`` / ``any_penalty`` / ``any_min_tokens`` are host-known
     batch properties (some row has temperature > 0 / min-p, top-k or top-p /
-    a logit bias / a penalty) so plain greedy batches skip the noise, the sort and
-    the [rows, vocab] gathers entirely.
+    a logit bias / a penalty / not yet its min_tokens) so plain greedy batches skip the noise,
+    the sort and the [rows, vocab] gathers entirely. ``seen_width``: a bound on the tokens any row
+    has seen (the largest position sampled; None: the whole table).
     """
     logits = logits.float()
     raw = logits
     if any_bias:
         logits = apply_logit_bias(logits, params.bias_ids[rows], params.bias_values[rows])
+    if any_min_tokens:
+        logits = mask_early_stops(logits, params.stop_ids[rows], positions < params.stops_from[rows])
     if any_penalty:
-        logits = apply_penalties(logits, params.counts[rows], params.in_prompt[rows], params.presence_penalty[rows],
+        logits = apply_penalties(logits, *params.seen(rows, seen_width), params.presence_penalty[rows],
                                  params.frequency_penalty[rows], params.repetition_penalty[rows])
     greedy = logits.argmax(dim=-1)
     tokens = greedy
@@ -181,15 +218,23 @@ def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tens
     return logits.scatter_add(1, torch.where(used, ids, 0), torch.where(used, values, 0.0))
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, presence: torch.Tensor,
+def mask_early_stops(logits: torch.Tensor, stop_ids: torch.Tensor, early: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_tokens: the rows still ``early`` [R] cannot sample their stop ids [R, MAX_STOP_IDS]
+    (EOS unless ignore_eos, and stop_token_ids; NO_TOKEN entries mask nothing)."""
+    masked = (stop_ids >= 0) & early[:, None]
+    return logits.scatter_add(1, torch.where(masked, stop_ids, 0), torch.where(masked, float("-inf"), 0.0))
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
                     frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties: a token of the prompt or the output has its logit divided by the repetition
-    penalty if positive (multiplied if not); then each generated token loses frequency x its count,
-    and presence once."""
-    generated = counts > 0
-    rep = torch.where(generated | in_prompt, repetition[:, None], 1.0)
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    return logits - frequency[:, None] * counts - presence[:, None] * generated
+    """vLLM's penalties on the tokens each row has seen (``seen`` [R, W], their output ``counts``
+    [R, W]; a token listed twice gets the same value twice): a token of the prompt or the output has
+    its logit divided by the repetition penalty if positive (multiplied if not); then each generated
+    token loses frequency x its count, and presence once. The other logits are untouched."""
+    values = logits.gather(1, seen)
+    values = torch.where(values > 0, values / repetition[:, None], values * repetition[:, None])
+    values = values - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    return logits.scatter(1, seen, values)
 
 
 def _filter(scaled: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

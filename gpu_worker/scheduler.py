@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from shared.page_names import chain
+
 from .allocator import Allocator
 from .lora_slots import LoraSlots
-from .page_pool import chain
 from .sequence import Sequence
 
 

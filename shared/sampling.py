@@ -55,6 +55,12 @@ class SamplingParams:
                                                      "likely one (0 = off).")
     logit_bias: dict = _about({}, "a map of token id to number", "Add a bias in [-100, 100] to these tokens' "
                                                                  "logits (token id: bias).")
+    min_tokens: int = _about(0, "an integer >= 0", "Generate at least this many tokens: EOS and stop_token_ids "
+                                                   "cannot be sampled before, stop strings do not match (vLLM).")
+    # How the frontend turns tokens into text (vLLM keeps these in its sampling parameters too).
+    include_stop_str_in_output: bool = _about(False, "a bool", "Keep the stop string that ended the answer "
+                                                               "at the end of its text.")
+    skip_special_tokens: bool = _about(True, "a bool", "Leave special tokens (EOS, chat markers) out of the text.")
 
     def __post_init__(self) -> None:
         # Normalise lists to tuples so the object stays hashable and immutable.
@@ -103,6 +109,13 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for t in self.logit_bias:

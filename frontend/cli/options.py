@@ -169,8 +169,9 @@ def sampling_options(fn: Callable) -> Callable:
     opts = []
     for f in SAMPLING_FIELDS:
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            opts.append(option("Sampling", flag, is_flag=True, help=f.help))
+        if f.type is bool:  # on by default: --no-NAME turns it off
+            opts.append(option("Sampling", f"{flag}/--no-{flag[2:]}" if f.default else flag, is_flag=True,
+                               default=f.default, help=f.help))
         elif f.type is tuple:  # stop_token_ids: one --stop-token-id per id
             opts.append(option("Sampling", "--stop-token-id", f.name, multiple=True, type=int, help=f.help))
         elif f.type is dict:  # logit_bias: one --logit-bias TOKEN=BIAS per token

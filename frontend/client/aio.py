@@ -154,6 +154,15 @@ class AsyncClient(ClientBase):
         assert s.result is not None
         return s.result
 
+    async def _all(self, streams: list[AsyncStream]) -> list[Result]:
+        """Read calls to their ends, together; on an error, the others are cancelled."""
+        tasks = [asyncio.ensure_future(self._finish(s)) for s in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()  # no-op once done; else its stream closes, which cancels its request
+
     @staticmethod
     async def _then(value: Any, f) -> Any:
         out = f(await value)

@@ -15,8 +15,8 @@ import msgpack
 import zmq
 
 from frontend.client.errors import ConnectionClosed, DuplicateId, RequestTimeout, TandemError
-from frontend.protocol import (DEFAULT_MAX_OBJECTS, MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME,
-                               prompt_field)
+from frontend.protocol import (CHAT_TEMPLATE_FIELDS, DEFAULT_MAX_OBJECTS, MAX_CHOICES, MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME,
+                               choice_request, prompt_field)
 from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
 from shared.families import native_skills
@@ -28,7 +28,8 @@ LINGER_MS = 200  # how long close() may wait to flush unsent messages (e.g. a la
 # The keyword options of generate/stream: the sampling fields and the output fields
 # (``stream`` is set by the method called). None = not sent, the server's default.
 GENERATE_OPTIONS = (frozenset(SAMPLING_FIELD_NAMES) | (frozenset(OUTPUT_FIELDS) - {"stream"}) | frozenset(MODEL_FIELDS)
-                    | {"images", "skill"} | frozenset(SKILL_FIELDS))
+                    | {"images", "skill"} | frozenset(SKILL_FIELDS) | frozenset(CHAT_TEMPLATE_FIELDS)
+                    | {"truncate_prompt_tokens"})
 
 
 @dataclass
@@ -402,13 +403,26 @@ class ClientBase:
         ``timeout`` (seconds, default: the client's).  Options (PROTOCOL.md):
         max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p,
-        logit_bias, logprobs, top_logprobs, grammar, images (paths, bytes or PIL images, placed by
+        logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens, logprobs, top_logprobs, grammar, images (paths, bytes or PIL images, placed by
         ``<image>`` in the prompt or ``{"type": "image"}`` message parts).  Options left as None are not sent (the
         server's defaults apply: max_tokens the rest of the context, temperature 0 = greedy, top_p 1,
         top_k 0 = off).  Raises :class:`TandemError` (subclass per code) for a
         server ``error``.
         """
         return self._finish(self._open_stream(False, prompt, timeout, request))
+
+    def choices(self, prompt: str | None = None, *, n: int, timeout: float | None = None,
+                **request: Any) -> list[Result]:
+        """``n`` answers to one request (OpenAI's ``n``), each a :class:`Result`, in order. Each choice is a
+        request of its own (``protocol.choice_request``: id ``ID-i``, with a seed ``seed + i``, so choice
+        i is exactly :meth:`generate` with that seed), sent together; an error in one cancels the
+        others and is raised. Arguments as :meth:`generate`."""
+        if isinstance(n, bool) or not (isinstance(n, int) and 1 <= n <= MAX_CHOICES):
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+        msg = generate_message(False, prompt, **request)
+        choice_request(msg, n - 1)  # the longest id fits (ValueError before anything is sent)
+        streams = [self._stream_type(self, choice_request(msg, i), self._timeout(timeout)) for i in range(n)]
+        return self._all(streams)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **request: Any) -> Any:
         """A streamed request: iterate the returned stream (``for``, or ``async for`` with

@@ -197,6 +197,14 @@ class Client(ClientBase):
         assert s.result is not None
         return s.result
 
+    def _all(self, streams: list[Stream]) -> list[Result]:
+        """Read calls sent together to their ends; on an error, the others are cancelled."""
+        try:
+            return [self._finish(s) for s in streams]
+        finally:
+            for s in streams:
+                s.close()  # no-op once finished
+
     @staticmethod
     def _then(value: Any, f) -> Any:
         return f(value)

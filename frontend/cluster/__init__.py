@@ -18,6 +18,15 @@ MAX_OVERLOAD = 0.25  # how far above the average load a replica may go before af
                     # --max-overload, build_app's max_overload; routing.py)
 SERVE_ONLY = ("bind", "curve_secret_key", "curve_clients")  # serve's options a cluster has no use for (its replicas
                                                           # listen on private ipc:// endpoints)
+# Ray Serve's settings for the hop, read by each Ray process when it imports Serve (BENCHMARKS.md, Cluster: the
+# hop). A streamed batch crosses two hops, replica -> ingress -> Serve's HTTP proxy: over gRPC between the two
+# processes instead of one Ray object each (the object store's bookkeeping per item); Serve's code, the user's
+# and the router on each process's one event loop (not a thread and a loop of their own: a handoff per item);
+# request-path logs buffered. Ray's own RAY_SERVE_THROUGHPUT_OPTIMIZED, less its direct ingress (which would
+# serve each ingress replica on a port of its own on every interface). The environment wins.
+HOP_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_PROXY_USE_GRPC": "1",
+           "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+           "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
 ROUTERS = ("affinity", "ray")  # ours (router.py), or Serve's default (power of two choices): for A/B runs
 
 

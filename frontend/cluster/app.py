@@ -19,7 +19,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from . import MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
+from . import HOP_ENV, MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 from .ingress import TandemIngress
 from .replica import TandemReplica
 from .router import AffinityRouter
@@ -69,13 +69,17 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
         raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
     max_overload = checked_overload(float(options.pop("max_overload", MAX_OVERLOAD)))
     argv = serve_argv(options)
+    # the hop's settings in the deployments' processes also where Ray was started without them (serve run,
+    # tandem cluster --address); Serve's proxy has them only from the Ray nodes' own environment
+    hop_env = {"env_vars": {name: os.environ.get(name, value) for name, value in HOP_ENV.items()}}
     defaults = serve_params()
     drain_s = float(options.get("drain_timeout", defaults["drain_timeout"].default))
     max_queue = int(options.get("max_queue", defaults["max_queue"].default))
     replica = serve.deployment(
         TandemReplica, name="TandemReplica", num_replicas=replicas,
         max_ongoing_requests=max_queue,  # the child's own queue decides ('overloaded'), not Serve's
-        ray_actor_options={"num_cpus": 1, "num_gpus": _gpus(str(options.get("device", "auto")))},
+        ray_actor_options={"num_cpus": 1, "num_gpus": _gpus(str(options.get("device", "auto"))),
+                           "runtime_env": hop_env},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=5.0,
         graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S, logging_config=QUIET,
         max_constructor_retry_count=3,  # a tandem serve that cannot start (a bad --model) fails the deploy soon
@@ -84,7 +88,8 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
                if router == "affinity" else {}),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=2.0))
     ingress = serve.deployment(TandemIngress, name="TandemIngress", num_replicas=1,
-                               max_ongoing_requests=replicas * max_queue, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=replicas * max_queue,
+                               ray_actor_options={"num_cpus": 0, "runtime_env": hop_env},
                                logging_config=QUIET)
     return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key, options.get("metrics_compat"))
 

@@ -23,7 +23,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import RayActorError
 
-from gpu_worker.page_pool import chain
+from shared.page_names import chain
 from shared.config import EngineConfig
 from shared.families import native_skills
 from shared.models import load_tokenizer
@@ -141,6 +141,15 @@ class ClusterBridge:
         return tuple(chain(ids, PAGE_SIZE, len(ids) // PAGE_SIZE))
 
 
+def replicas_tokenizer(info: dict[str, Any]):
+    """The tokenizer the replicas render prompts with (their ``--chat-template``, if given), from
+    their ``info``: /tokenize and the prefix pages' names count the tokens a generate will."""
+    tokenizer = load_tokenizer(info["model"])
+    if info.get("chat_template") is not None:
+        tokenizer.chat_template = info["chat_template"]
+    return tokenizer
+
+
 def _note_replica(name: str) -> None:
     holder = _answered_by.get()
     if holder is not None:
@@ -175,7 +184,7 @@ class ReplicaHeader:
 class TandemIngress:
     async def __init__(self, replicas, api_key: str | None = None, metrics_compat: str | None = None) -> None:
         info = await replicas.info.remote()
-        tokenizer = load_tokenizer(info["model"])
+        tokenizer = replicas_tokenizer(info)
         self._bridge = ClusterBridge(replicas, tokenizer)
         name = info.get("served_model_name") or info["model"]
         self._ctx = Context(bridge=self._bridge, model=name, tokenizer=tokenizer,

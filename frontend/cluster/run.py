@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from . import HOP_ENV
+
 APP_NAME = "tandem"
 
 
@@ -39,6 +41,8 @@ def run(replicas: int, address: str | None, http: tuple[str, int], options: dict
     trap(on_signal)
     if address is None:  # (read when ray is imported) Ray's own ports on loopback, not the host's address
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    for name, value in HOP_ENV.items():  # before Ray starts: its processes (Serve's proxy too) inherit them
+        os.environ.setdefault(name, value)
     import ray
     from ray import serve
 

@@ -114,7 +114,7 @@ def _as_spec(spec: Any) -> GrammarSpec:
 
 def parse_output(spec: GrammarSpec | Mapping, text: str):
     """Parse a finished output: point -> ``{"points": [...]}``, box ->
-    ``{"objects": [...]}``, json_schema -> the JSON value, regex -> ``text``.
+    ``{"objects": [...]}``, json_schema -> the JSON value, regex and ebnf -> ``text``.
     Raises GrammarError if ``text`` is not a complete, valid output."""
     spec = _as_spec(spec)
     if spec.kind in SPATIAL_KINDS:

@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from frontend.protocol import MAX_GRAMMAR_OBJECTS as MAX_OBJECTS_LIMIT
 
-KINDS = ("point", "box", "regex", "json_schema")
+KINDS = ("point", "box", "regex", "json_schema", "ebnf")
+TEXT_KINDS = ("regex", "ebnf")  # their output is the text itself
 SPATIAL_KINDS = ("point", "box")
 MAX_PATTERN_CHARS = 8192
 MAX_SCHEMA_CHARS = 65536
@@ -30,6 +31,7 @@ _FIELDS = {
     "box": ("kind", "max_objects"),
     "regex": ("kind", "pattern"),
     "json_schema": ("kind", "schema"),
+    "ebnf": ("kind", "grammar"),  # xgrammar's EBNF (GBNF), starting at rule "root" (vLLM's guided_grammar)
 }
 
 
@@ -83,6 +85,7 @@ class GrammarSpec:
     max_objects: int | None = None
     pattern: str | None = None
     schema: dict | None = None
+    grammar: str | None = None
     cache_key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,7 +94,8 @@ class GrammarSpec:
             raise GrammarError(f"grammar.kind must be a string, got {_type_name(k)}")
         if k not in KINDS:
             raise GrammarError(f"grammar.kind must be one of {', '.join(map(repr, KINDS))}, got {k!r}")
-        given = {"max_objects": self.max_objects, "pattern": self.pattern, "schema": self.schema}
+        given = {"max_objects": self.max_objects, "pattern": self.pattern, "schema": self.schema,
+                 "grammar": self.grammar}
         wanted = set(_FIELDS[k]) - {"kind"}
         for name, value in given.items():
             if name in wanted:
@@ -120,6 +124,13 @@ class GrammarSpec:
             if "\x00" in p:
                 raise GrammarError("grammar.pattern must not contain NUL characters")
             key = (k, p)
+        elif k == "ebnf":
+            g = self.grammar
+            if not isinstance(g, str) or not g.strip():
+                raise GrammarError(f"grammar.grammar must be a non-empty string, got {_type_name(g)}")
+            if len(g) > MAX_SCHEMA_CHARS:
+                raise GrammarError(f"grammar.grammar is too long ({len(g)} > {MAX_SCHEMA_CHARS} characters)")
+            key = (k, g)
         else:
             s = self.schema
             if not isinstance(s, Mapping):
@@ -155,7 +166,7 @@ class GrammarSpec:
 
         Accepted maps: ``{"kind": "point"|"box", "max_objects": int 1..100}``,
         ``{"kind": "regex", "pattern": str}``,
-        ``{"kind": "json_schema", "schema": map}``. Every field is required;
+        ``{"kind": "json_schema", "schema": map}``, ``{"kind": "ebnf", "grammar": str}``. Every field is required;
         any other field is an error. Raises ``GrammarError`` naming the problem.
         """
         if not isinstance(d, Mapping):

@@ -1,4 +1,4 @@
-"""regex and json_schema grammars, backed by xgrammar (CPU).
+"""regex, json_schema and EBNF grammars, backed by xgrammar (CPU).
 
 xgrammar is imported lazily (it imports torch), so a server that only uses
 point/box grammars never loads it.
@@ -19,7 +19,7 @@ import numpy as np
 
 from .base import CompiledGrammar, Matcher
 from .bitmask import BITMASK_DTYPE, ids_to_words, mask_words
-from .spec import GrammarError, GrammarSpec
+from .spec import TEXT_KINDS, GrammarError, GrammarSpec
 
 # "[19:34:51] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> "Regex parsing error ..."
 _LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -62,9 +62,11 @@ def compile_xgr(compiler, spec: GrammarSpec):
     try:
         if spec.kind == "regex":
             return compiler.compile_regex(spec.pattern)
+        if spec.kind == "ebnf":
+            return compiler.compile_grammar(spec.grammar)
         return compiler.compile_grammar(_json_grammar(_xgr(), spec.schema_json))
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
-        what = "regex" if spec.kind == "regex" else "JSON schema"
+        what = {"regex": "regex", "ebnf": "EBNF grammar"}.get(spec.kind, "JSON schema")
         raise GrammarError(f"invalid {what}: {library_message(e)}") from e
 
 
@@ -96,7 +98,7 @@ def check_string(spec: GrammarSpec, text: str) -> None:
 
 def parse_xgr(spec: GrammarSpec, text: str):
     check_string(spec, text)
-    if spec.kind == "regex":
+    if spec.kind in TEXT_KINDS:
         return text
     try:
         return json.loads(text)
@@ -221,7 +223,7 @@ class XGrammarMatcher(Matcher):
                 text = bytes(self._bytes).decode("utf-8")
             except UnicodeDecodeError as e:
                 raise GrammarError(f"output is not valid UTF-8: {e}") from None
-            if self.spec.kind == "regex":
+            if self.spec.kind in TEXT_KINDS:
                 return text
             try:
                 return json.loads(text)

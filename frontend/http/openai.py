@@ -2,25 +2,28 @@
 
 An OpenAI request becomes one protocol ``generate``; the server validates it
 (types, ranges, limits; ``bad_request`` names the field) like any ZeroMQ
-request. What this module checks is only the HTTP shape the protocol does not
-have: message content parts, ``stop`` as a string, ``response_format``,
-``n``, ``tools``/``tool_choice`` (refused: never dropped in silence), the
-completions ``prompt`` forms. Unknown fields are ignored, as OpenAI does.
+request. What each field of OpenAI's and vLLM's is here (passed to the sampler,
+read by the route, without effect, or refused with a 400 naming it: never dropped
+in silence) is ``fields.FIELDS``. What this module checks is only the HTTP shape
+the protocol does not have: message content parts, ``stop`` as a string, ``n``,
+``tools``/``tool_choice``, the completions ``prompt`` forms, and the one way a
+request asks for structured output (``response_format``, ``grammar``, vLLM's
+``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``/``structured_outputs``: each
+becomes the protocol's grammar map; its parsed result comes back as
+``choices[i].output``). Unknown fields are ignored, as OpenAI does.
 
 Defaults follow OpenAI, not the protocol: ``temperature`` 1.0, unless the model's
 generation_config.json has one (then the server applies it, as it does its other
 sampling defaults: ``Gate.sampling``). Without ``max_tokens``/``max_completion_tokens``
 the model's default applies, else the protocol's (as vLLM: the rest of the context).
-Extras beyond OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids`` (as vLLM takes them) and ``grammar`` (the protocol's grammar map:
-``{"kind": "point"|"box", "max_objects": n}``, ``{"kind": "regex", "pattern": s}``,
-``{"kind": "json_schema", "schema": {...}}``), whose parsed result comes back
-as ``choices[0].output``. See docs/HTTP.md.
+See docs/HTTP.md.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -30,17 +33,18 @@ from starlette.responses import JSONResponse
 
 from shared.sampling import MAX_TOP_LOGPROBS
 
+from ..protocol import CHAT_TEMPLATE_FIELDS, MAX_CHOICES, choice_request
 from .bridge import Call
 from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
                      session_of, sse, sse_response, terminal_or_raise, unless_gone)
 from .errors import HttpError, bad_request
+from .fields import CHAT, COMPLETIONS, MAX_REQUEST_ID_CHARS, PASS_THROUGH, refuse_unsupported
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default where the model has none
-# OpenAI's sampling fields and vLLM's extras, the protocol's names: the server checks them.
-MAX_N = 16  # choices per request (n): each is a sequence of the batch, its KV reserved at admission
-PASS_THROUGH = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
 ROLE_ALIASES = {"developer": "system"}
+# The ways to ask for structured output, one per request: each gives the protocol's grammar map.
+STRUCTURED = ("response_format", "grammar", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs")
 
 
 def models(ctx: Context) -> JSONResponse:
@@ -52,9 +56,10 @@ def models(ctx: Context) -> JSONResponse:
 async def chat_completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     model = check_model(ctx, body, adapters=True)
+    refuse_unsupported(CHAT, body)
     images: list[bytes] = []
     fields = {"messages": chat_messages(ctx, body.get("messages"), images), **_sampling(ctx, body, chat=True),
-              **adapter_field(ctx, model)}
+              **adapter_field(ctx, model), **{f: body[f] for f in CHAT_TEMPLATE_FIELDS if body.get(f) is not None}}
     if images:
         fields["images"] = images
     return await _respond(ctx, request, body, model, fields, _ChatShape)
@@ -63,12 +68,7 @@ async def chat_completions(ctx: Context, request: Request):
 async def completions(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     model = check_model(ctx, body, adapters=True)
-    if body.get("echo"):
-        raise bad_request("echo is not supported")
-    if body.get("suffix"):
-        raise bad_request("suffix is not supported")
-    if field(body, "best_of", int, "an integer") not in (None, 1):
-        raise bad_request("best_of must be 1")
+    refuse_unsupported(COMPLETIONS, body)
     fields = {**_prompt(body.get("prompt")), **_sampling(ctx, body, chat=False), **adapter_field(ctx, model)}
     return await _respond(ctx, request, body, model, fields, _CompletionShape)
 
@@ -101,13 +101,14 @@ def _sampling(ctx: Context, body: dict[str, Any], chat: bool) -> dict[str, Any]:
             raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     if top:
         out["top_logprobs"] = top  # the server checks its range
-    grammar = _response_format(body.get("response_format"))
-    if body.get("grammar") is not None:
-        if grammar is not None:
-            raise bad_request("use either response_format or grammar, not both")
-        grammar = body["grammar"]
+    given = [name for name in STRUCTURED if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad_request(f"{given[1]}: one way to ask for structured output per request, got {' and '.join(given)}")
+    grammar = _STRUCTURED_GRAMMAR[given[0]](body[given[0]]) if given else None
     if grammar is not None:
         out["grammar"] = grammar
+    if body.get("truncate_prompt_tokens") is not None:
+        out["truncate_prompt_tokens"] = body["truncate_prompt_tokens"]  # the server checks it
     so = field(body, "stream_options", dict, "an object")
     if so is not None and not body.get("stream"):
         raise bad_request("stream_options is only allowed with stream: true")
@@ -145,6 +146,72 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
             raise bad_request("response_format.json_schema.schema must be an object (a JSON schema)")
         return {"kind": "json_schema", "schema": js["schema"]}
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _json_schema(schema: Any, name: str) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise bad_request(f"{name} must be a JSON schema (an object, or its JSON text): {e}") from None
+    if not isinstance(schema, dict):
+        raise bad_request(f"{name} must be a JSON schema (an object, or its JSON text)")
+    return {"kind": "json_schema", "schema": schema}
+
+
+def _ebnf(grammar: Any, name: str) -> dict[str, Any]:
+    if not isinstance(grammar, str):
+        raise bad_request(f"{name} must be a string (an EBNF grammar whose start rule is root)")
+    return {"kind": "ebnf", "grammar": grammar}
+
+
+def _regex(pattern: Any, name: str) -> dict[str, Any]:
+    if not isinstance(pattern, str):
+        raise bad_request(f"{name} must be a string (a regular expression)")
+    return {"kind": "regex", "pattern": pattern}
+
+
+_REGEX_SPECIAL = re.compile(r"[\\.^$|?*+()\[\]{}]")
+
+
+def _choice(choices: Any, name: str) -> dict[str, Any]:
+    """One of these strings exactly: a regex of the alternatives, each taken literally."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise bad_request(f"{name} must be a non-empty array of non-empty strings")
+    return {"kind": "regex", "pattern": "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\g<0>", c) for c in choices) + ")"}
+
+
+def _structured_outputs(so: dict) -> dict[str, Any]:
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object; the rest refused."""
+    kinds = {"json": _json_schema, "regex": _regex, "choice": _choice, "json_object": _json_object,
+             "grammar": _ebnf}
+    given = [k for k, v in so.items() if v is not None and v is not False]
+    for k in given:
+        if k not in kinds:
+            raise bad_request(f"structured_outputs.{k} is not supported by this server (json, regex, choice, "
+                              "grammar or json_object are)")
+    if len(given) != 1:
+        raise bad_request(f"structured_outputs must give one of json, regex, choice, grammar or json_object, got "
+                          f"{', '.join(given) or 'none'}")
+    return kinds[given[0]](so[given[0]], f"structured_outputs.{given[0]}")
+
+
+def _json_object(value: Any, name: str) -> dict[str, Any]:
+    if value is not True:
+        raise bad_request(f"{name} must be true, got {json.dumps(value)[:40]}")
+    return _response_format({"type": "json_object"})
+
+
+_STRUCTURED_GRAMMAR = {
+    "response_format": lambda rf: _response_format(rf),
+    "grammar": lambda g: g,  # the protocol's map, checked by the server
+    "guided_json": lambda v: _json_schema(v, "guided_json"),
+    "guided_regex": lambda v: _regex(v, "guided_regex"),
+    "guided_choice": lambda v: _choice(v, "guided_choice"),
+    "guided_grammar": lambda v: _ebnf(v, "guided_grammar"),
+    "structured_outputs": _structured_outputs,
+}
 
 
 def chat_messages(ctx: Context, messages: Any, images: list[bytes]) -> list[dict[str, Any]]:
@@ -201,15 +268,19 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
     stream = bool(field(body, "stream", bool, "a boolean"))
     n = field(body, "n", int, "an integer")
     n = 1 if n is None else n
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {n}")
-    shapes = [shape(i) for i in range(n)]
-    meta = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}")
+    as_ids = bool(field(body, "return_tokens_as_token_ids", bool, "a boolean"))
+    shapes = [shape(i, as_ids) for i in range(n)]
+    meta = {"id": f"{shape.prefix}-{_request_id(body)}", "created": int(time.time()), "model": model}
+    # The protocol's id: the answer's, unique however often a client sends its request_id (the
+    # server's log line names it with a suffix of its own then, as vLLM does internally).
+    rid = meta["id"] if body.get("request_id") is None else f"{meta['id']}-{uuid.uuid4().hex[:8]}"
     session = session_of(request, body)
     # Each choice is one request of the protocol. The first streams (between the processes, whatever the
     # client asked) and the others start at its first token: its prompt's KV pages are in the prefix
     # cache by then, so they map them instead of computing them again.
-    calls = [ctx.bridge.generate({**fields, "stream": stream or n > 1}, session=session, rid=meta["id"])]
+    calls = [ctx.bridge.generate({**fields, "stream": stream or n > 1}, session=session, rid=rid)]
     try:
         if n == 1 and not stream:
             done = await run_to_end(request, calls[0])
@@ -218,8 +289,8 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
         batches = [calls[0].batches()]
         first = await first_event(request, batches[0])
         for i in range(1, n):
-            calls.append(ctx.bridge.generate({**_choice_fields(fields, i), "stream": stream}, session=session,
-                                             rid=f"{meta['id']}-{i}"))
+            choice = choice_request({**fields, "id": rid, "stream": stream}, i)
+            calls.append(ctx.bridge.generate(choice, session=session, rid=choice.pop("id")))
             batches.append(calls[i].batches())
         if stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -236,12 +307,14 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
             call.abandon()  # an error or a client gone: the other choices stop too (no-op once ended)
 
 
-def _choice_fields(fields: dict, i: int) -> dict:
-    """Choice i's request: with a seed, its own reproducible stream (the request with seed + i)."""
-    if fields.get("seed") is None:
-        return fields
-    seed = fields["seed"] + i
-    return {**fields, "seed": seed - (1 << 64) if seed >= 1 << 64 else seed}
+def _request_id(body: dict) -> str:
+    """vLLM's ``request_id`` (the answer's id, after the route's prefix), else a fresh one."""
+    rid = field(body, "request_id", str, "a string")
+    if rid is None:
+        return uuid.uuid4().hex
+    if not 1 <= len(rid) <= MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
+    return rid
 
 
 async def _terminal(batches: AsyncIterator[list], first: list | None) -> dict:
@@ -325,6 +398,18 @@ async def _stream(ctx: Context, calls: list[Call], batches: list[AsyncIterator[l
     yield b"data: [DONE]\n\n"
 
 
+def json_value(value: Any) -> Any:
+    """A parsed JSON value as JSON can write it again: a number too large for a float (``1e999``, read as
+    infinity) becomes null, as JavaScript's JSON.stringify writes it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_value(v) for v in value]
+    return value
+
+
 def _usage(dones: list[dict]) -> dict[str, int]:
     """One prompt, every choice's completion."""
     prompt = dones[0]["usage"]["prompt_tokens"]
@@ -332,15 +417,19 @@ def _usage(dones: list[dict]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _token_texts(ctx: Context, token_ids: list[int]) -> list[str]:
+def _token_texts(ctx: Context, token_ids: list[int], as_ids: bool = False) -> list[str]:
+    """Each token's text; ``as_ids``: ``token_id:ID`` (vLLM's return_tokens_as_token_ids)."""
+    if as_ids:
+        return [f"token_id:{t}" for t in token_ids]
     return ctx.tokenizer.batch_decode([[t] for t in token_ids]) if ctx.tokenizer is not None else \
         [str(t) for t in token_ids]
 
 
-def _texts(ctx: Context, token_ids: list[int], top_logprobs: list | None) -> tuple[list[str], list[list]]:
+def _texts(ctx: Context, token_ids: list[int], top_logprobs: list | None,
+           as_ids: bool = False) -> tuple[list[str], list[list]]:
     """The tokens' texts, and per token its alternatives as (text, logprob), best first (one decode call)."""
     tops = top_logprobs or [[] for _ in token_ids]
-    texts = _token_texts(ctx, [*token_ids, *(t for top in tops for t, _ in top)])
+    texts = _token_texts(ctx, [*token_ids, *(t for top in tops for t, _ in top)], as_ids)
     at = len(token_ids)
     alternatives = []
     for top in tops:
@@ -354,8 +443,9 @@ class _Shape:
 
     prefix = object = chunk_object = ""
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(self, index: int = 0, as_ids: bool = False) -> None:
         self.index = index
+        self.as_ids = as_ids  # logprobs' tokens as "token_id:ID"
 
     def choice(self, ctx: Context, done: dict) -> dict: ...
     def opening(self) -> dict | None: ...
@@ -365,7 +455,7 @@ class _Shape:
     def _end_fields(self, done: dict, logprobs: dict | None) -> dict:
         out: dict[str, Any] = {"finish_reason": done["finish_reason"], "logprobs": logprobs}
         if "output" in done:
-            out["output"] = done["output"]  # the grammar's parsed result (a Tandem extra)
+            out["output"] = json_value(done["output"])  # the grammar's parsed result (a Tandem extra)
         return out
 
     def all_logprobs(self, ctx: Context, done: dict) -> dict | None:
@@ -395,7 +485,7 @@ class _ChatShape(_Shape):
         return {"index": self.index, "delta": {}, **self._end_fields(done, logprobs)}
 
     def logprobs(self, ctx, token_ids, logprobs, top_logprobs=None):
-        tokens, tops = _texts(ctx, token_ids, top_logprobs)
+        tokens, tops = _texts(ctx, token_ids, top_logprobs, self.as_ids)
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top]}
                             for t, lp, top in zip(tokens, logprobs, tops)]}
@@ -404,8 +494,8 @@ class _ChatShape(_Shape):
 class _CompletionShape(_Shape):
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, index: int = 0) -> None:
-        super().__init__(index)
+    def __init__(self, index: int = 0, as_ids: bool = False) -> None:
+        super().__init__(index, as_ids)
         self.offset = 0  # text_offset of the next token: its tokens' texts so far (streamed in parts)
 
     def choice(self, ctx, done):
@@ -421,7 +511,7 @@ class _CompletionShape(_Shape):
         return {"index": self.index, "text": "", **self._end_fields(done, logprobs)}
 
     def logprobs(self, ctx, token_ids, logprobs, top_logprobs=None):
-        tokens, tops = _texts(ctx, token_ids, top_logprobs)
+        tokens, tops = _texts(ctx, token_ids, top_logprobs, self.as_ids)
         offsets = []
         for t in tokens:
             offsets.append(self.offset)

@@ -1,9 +1,9 @@
 """The HTTP API's OpenAPI 3.1 document (``GET /openapi.json``) and the JSON types of each route's
 body, which ``common.read_json`` enforces: the document states what the validation checks.
 
-Built from the definitions the validation itself uses, not written a second time: the sampling
-fields from ``shared.sampling.SAMPLING_FIELDS`` (type, default, help; those the OpenAI routes
-pass through are ``openai.PASS_THROUGH``), the roles and the stop-string count from
+Built from the definitions the validation itself uses, not written a second time: the OpenAI
+routes' fields from ``fields.FIELDS`` (honoured, without effect or refused; the sampling fields'
+type, default and help from ``shared.sampling.SAMPLING_FIELDS``), the roles and the stop-string count from
 ``frontend.protocol``, the caption lengths from ``frontend.skills``, the error statuses from
 ``errors.STATUS``, and the routes from the application itself (a route without a description
 here is an error when the document is built).
@@ -18,13 +18,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from shared.sampling import SAMPLING_FIELDS
-
-from ..protocol import MAX_STOP, ROLES
+from ..protocol import CHAT_TEMPLATE_FIELDS, MAX_STOP, ROLES
 from ..skills import CAPTION_LENGTHS
 from .errors import STATUS, bad_request
+from .fields import CHAT, COMPLETIONS, route_fields
 
-JSON_TYPE = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object"}
 WHAT = {"integer": "an integer", "number": "a number", "boolean": "a boolean", "string": "a string",
         "array": "an array", "object": "an object"}
 
@@ -33,17 +31,10 @@ def _t(kind: str, description: str = "", **more) -> dict[str, Any]:
     return {"type": kind, **({"description": description} if description else {}), **more}
 
 
-def _sampling(name: str) -> dict[str, Any]:
-    f = next(f for f in SAMPLING_FIELDS if f.name == name)
-    if f.type is tuple:
-        return _t("array", f.help, items={"type": "integer", "minimum": 0})
-    return _t(JSON_TYPE[f.type], f.help, **({} if f.default is None else {"default": f.default}))
-
-
 @lru_cache(maxsize=1)
 def bodies() -> dict[str, dict[str, Any]]:
     """Each POST route's body schema, by path."""
-    from .openai import MAX_N, PASS_THROUGH, ROLE_ALIASES  # (openai.py reads the body through common.py)
+    from .openai import ROLE_ALIASES  # (openai.py reads the body through common.py)
 
     model = _t("string", "The served model's name (GET /v1/models); on the OpenAI routes also a LoRA adapter's.")
     text_part = {"type": "object", "required": ["type", "text"],
@@ -58,38 +49,20 @@ def bodies() -> dict[str, dict[str, Any]]:
                               {"type": "null"}]}}}
     messages = _t("array", "The conversation, rendered with the model's chat template.", minItems=1, items=message)
     token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-    openai_common = {
-        "model": model,
-        "max_tokens": _sampling("max_tokens"),
-        **{name: _sampling(name) for name in PASS_THROUGH},
-        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}],
-                 "description": "Stop strings (never part of the answer)."},
-        "stream": _t("boolean", "Server-sent events."),
-        "stream_options": _t("object", "With stream: include_usage (a boolean).",
-                             properties={"include_usage": {"type": "boolean"}}),
-        "n": _t("integer", f"Choices per request (1 to {MAX_N}); with seed, choice i samples as seed + i."),
-        "tools": _t("array", "Not supported: a request with tools is a 400 (tool_choice none is served)."),
-        "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}], "description": "Only \"none\" is served."},
-        "response_format": _t("object", "text, json_object, or json_schema with json_schema.schema.",
-                              required=["type"], properties={"type": {"enum": ["text", "json_object", "json_schema"]},
-                                          "json_schema": {"type": "object"}}),
-        "grammar": _t("object", "Tandem's grammar map (docs/PROTOCOL.md): kind point, box, regex or json_schema."),
-        "user": _t("string", "The client's session (a cluster routes by it)."),
-    }
+    # the OpenAI routes' fields: fields.FIELDS, with the shapes only this module spells out
+    shapes = {"model": model, "messages": messages, "prompt": {"anyOf": [
+        {"type": "string"}, token_ids,
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}}]},
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}]},
+        "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}]},
+        "function_call": {"anyOf": [{"type": "string"}, {"type": "object"}]}}
+    openai = {route: {name: {**f.schema, **shapes.get(name, {})} for name, f in route_fields(route).items()}
+              for route in (CHAT, COMPLETIONS)}
     settings = _t("object", "Moondream's {temperature, top_p, max_tokens, max_objects}.")
     image_url = _t("string", "The image as a data: URL.")
     return {
-        "/v1/chat/completions": _body(["messages"], messages=messages, **openai_common,
-                                      max_completion_tokens=_sampling("max_tokens"),
-                                      logprobs=_t("boolean", "The chosen tokens' log probabilities."),
-                                      top_logprobs=_t("integer", "With logprobs: the most likely alternatives of each token (0 to 20).")),
-        "/v1/completions": _body(["prompt"], prompt={"anyOf": [
-            {"type": "string"}, token_ids,
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}}],
-            "description": "A string or token ids (or an array of one of these)."}, **openai_common,
-            logprobs=_t("integer", "The chosen tokens' log probabilities and this many alternatives (0 to 20)."),
-            echo=_t("boolean", "Not supported."), suffix=_t("string", "Not supported."),
-            best_of=_t("integer", "Only 1.")),
+        CHAT: _body(["messages"], **openai[CHAT]),
+        COMPLETIONS: _body(["prompt"], **openai[COMPLETIONS]),
         "/v1/caption": _body([], model=model, image_url=image_url, settings=settings, stream=_t("boolean"),
                              length=_t("string", "How long a caption.", enum=list(CAPTION_LENGTHS))),
         "/v1/query": _body([], model=model, image_url=image_url, settings=settings, stream=_t("boolean"),
@@ -98,8 +71,7 @@ def bodies() -> dict[str, dict[str, Any]]:
         "/v1/point": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
         "/v1/detect": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
         "/tokenize": _body([], model=model, prompt=_t("string", "A plain prompt (no special tokens added)."),
-                           messages=messages,
-                           add_generation_prompt=_t("boolean", "End with the assistant's opening.", default=True)),
+                           messages=messages, **{name: openai[CHAT][name] for name in CHAT_TEMPLATE_FIELDS}),
         "/detokenize": _body(["tokens"], model=model, tokens={**token_ids, "minItems": 0}),
     }
 

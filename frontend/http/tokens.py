@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse
 
 from frontend.server.tokenization import chat_prompt_ids, decode_ids, text_prompt_ids
 
-from ..protocol import ProtocolError, parse_prompt, parse_token_ids
-from .common import Context, check_model, field, read_json
+from ..protocol import CHAT_TEMPLATE_FIELDS, ProtocolError, parse_prompt, parse_token_ids, template_options
+from .common import Context, check_model, read_json
 from .errors import HttpError, bad_request
 from .openai import chat_messages
 
@@ -26,9 +26,11 @@ async def tokenize(ctx: Context, request: Request):
     body = await read_json(request, ctx.max_body_bytes)
     check_model(ctx, body)
     given = [name for name in ("prompt", "messages") if body.get(name) is not None]
+    if given == ["prompt"] and any(body.get(f) is not None for f in CHAT_TEMPLATE_FIELDS):
+        raise bad_request("add_generation_prompt, continue_final_message and chat_template_kwargs render "
+                          "messages: send messages")
     if len(given) != 1:
         raise bad_request(f"exactly one of prompt and messages is required, got {' and '.join(given) or 'none'}")
-    add_generation_prompt = field(body, "add_generation_prompt", bool, "a boolean")
     with _as_http_errors():
         if given == ["prompt"]:
             ids = text_prompt_ids(ctx.tokenizer, parse_prompt("prompt", body["prompt"], ctx.limits))
@@ -38,7 +40,7 @@ async def tokenize(ctx: Context, request: Request):
             if images:
                 raise bad_request("messages: /tokenize takes text only (an image's tokens depend on its tiling)")
             ids = chat_prompt_ids(ctx.tokenizer, parse_prompt("messages", messages, ctx.limits),
-                                  add_generation_prompt is not False)
+                                  **template_options(body))
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
 

@@ -19,7 +19,11 @@ Invariants:
   stop string to *complete* in the character stream wins (ties: the one that
   started first), which makes the result independent of how the text was
   split into tokens. After a stop, ``stopped`` is True, ``text`` ends right
-  before the stop string, and ``add``/``finish`` return "".
+  before the stop string (right after it with ``include_stop``), and
+  ``add``/``finish`` return "".
+* With ``min_tokens`` (vLLM's), a stop string matches only once more than
+  ``min_tokens`` tokens were added, and only where it ends in the text of those
+  later tokens (as vLLM checks the new text of each token).
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_ids_tail: Optional[Sequence[int]] = None,
-                 stop: Iterable[str] = (), skip_special_tokens: bool = True):
+                 stop: Iterable[str] = (), skip_special_tokens: bool = True, include_stop: bool = False,
+                 min_tokens: int = 0):
         self._decode = _make_decode(tokenizer, skip_special_tokens)
         # Window of token ids; offsets are relative to it (it is trimmed as
         # text is released, so memory stays bounded too).
@@ -70,6 +75,8 @@ class IncrementalDetokenizer:
         # Every proper prefix of every stop string, to find what to hold back.
         self._stop_prefixes = {s[:k] for s in self._stops for k in range(1, len(s))}
         self._max_prefix = max((len(s) - 1 for s in self._stops), default=0)
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens
         self._held = ""                  # decoded, held back as a possible stop start
         self._chunks: list[str] = []
         self._text_cache = ""
@@ -153,13 +160,16 @@ class IncrementalDetokenizer:
             return self._emit(delta)
         buf = self._held + delta
         match = None  # (end, start, stop): earliest end, then earliest start
-        for s in self._stops:
-            i = buf.find(s)
+        # Held text completes no stop (it would have matched), except text held while min_tokens was
+        # not reached: a match must end in the new text.
+        checked = self.num_tokens > self._min_tokens
+        for s in self._stops if checked else ():
+            i = buf.find(s, max(0, len(self._held) - len(s) + 1))
             if i >= 0 and (match is None or (i + len(s), i) < match[:2]):
                 match = (i + len(s), i, s)
         if match is not None:
             self.stopped, self.stop_str, self._held = True, match[2], ""
-            return self._emit(buf[:match[1]])
+            return self._emit(buf[:match[0] if self._include_stop else match[1]])
         keep = 0
         if not final:
             for k in range(min(self._max_prefix, len(buf)), 0, -1):

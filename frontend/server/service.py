@@ -63,7 +63,7 @@ from frontend.server.worker_handle import WorkerDown, WorkerHandle
 log = logging.getLogger("tandem.frontend")
 
 # Plain ints for the per-token loop (IntFlag operators cost a Python call each).
-_ZOMBIE, _FINISH_MASK = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISH_MASK)
+_ZOMBIE, _FINISH_MASK, _STOP = int(TokenFlag.ZOMBIE), int(TokenFlag.FINISH_MASK), int(FinishReason.STOP)
 
 PROTOCOL_CODES = {"bad_request", "too_long", "context_length_exceeded", "overloaded", "worker_failed", "internal"}
 
@@ -238,7 +238,10 @@ class Service:
                 self._ready_to_send(req)
 
     def _start_detokenizer(self, req: Request) -> None:
-        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop))
+        p = req.params
+        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids_tail=req.prompt_ids[-8:], stop=list(req.stop),
+                                           skip_special_tokens=p.skip_special_tokens,
+                                           include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens)
 
     def _ready_to_send(self, req: Request) -> None:
         self._start_detokenizer(req)
@@ -409,8 +412,10 @@ class Service:
                 self._end(req, error=("internal", f"token {token} violated the request's constraint"))
                 self._stop_worker_side(req, FinishReason.ERROR)
                 continue
-            text = req.detok.add(token)
             finish = flags & _FINISH_MASK  # the worker's FinishReason for this token
+            # As vLLM: the EOS or stop token that ended the answer is not part of its text, unless asked.
+            silent = finish == _STOP and req.skill is None and not req.params.include_stop_str_in_output
+            text = "" if silent else req.detok.add(token)
             if req.detok.stopped:
                 finish = FinishReason.STOP
                 self._stop_worker_side(req, FinishReason.STOP)  # the worker stops generating at once

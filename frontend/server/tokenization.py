@@ -6,11 +6,11 @@ from jinja2 import TemplateError
 from frontend.images.idefics3 import PreparedImage, image_prompt_ids
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], **options) -> list[int]:
     """Token ids of ``messages`` (text only) rendered with the model's chat template (``--chat-template``
-    replaces the tokenizer's); a generate always adds the assistant's opening (``add_generation_prompt``)."""
-    out = _apply_chat_template(tokenizer, text_only(messages), tokenize=True,
-                               add_generation_prompt=add_generation_prompt)
+    replaces the tokenizer's); ``options``: the request's (``protocol.template_options``: by default the
+    assistant's opening is added)."""
+    out = _apply_chat_template(tokenizer, text_only(messages), tokenize=True, **options)
     if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -26,14 +26,15 @@ def decode_ids(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([t for t in ids if 0 <= t < n])
 
 
-def _apply_chat_template(tokenizer, messages: list[dict], tokenize: bool, add_generation_prompt: bool = True):
+def _apply_chat_template(tokenizer, messages: list[dict], tokenize: bool, add_generation_prompt: bool = True,
+                         **options):
     """ValueError (a bad request) when the model has no template or its template refuses the
     conversation: many do, with ``raise_exception`` (e.g. roles that do not alternate)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tokenize=tokenize)
+                                             tokenize=tokenize, **options)
     except TemplateError as e:
         raise ValueError(f"messages: the model's chat template refuses them: {e}") from None
 
@@ -62,7 +63,8 @@ def place_images(messages: list[dict], count: int) -> list[dict]:
     raise ValueError("messages: images need a user message to go into")
 
 
-def image_chat_prompt_ids(tokenizer, messages: list[dict], images: list[PreparedImage], params) -> list[int]:
+def image_chat_prompt_ids(tokenizer, messages: list[dict], images: list[PreparedImage], params,
+                          **options) -> list[int]:
     """Token ids of ``messages`` with ``images`` (chat template, then each <image> expanded)."""
-    text = _apply_chat_template(tokenizer, place_images(messages, len(images)), tokenize=False)
+    text = _apply_chat_template(tokenizer, place_images(messages, len(images)), tokenize=False, **options)
     return image_prompt_ids(tokenizer, text, images, params)

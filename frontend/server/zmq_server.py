@@ -110,8 +110,8 @@ class Gate:
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
         kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
                   on_event=on_event, user_data=user_data, adapter=msg.adapter)
-        sampling = self.sampling(msg)
         try:
+            sampling = self.sampling(msg)  # the model's defaults may conflict with the request (min_tokens)
             if msg.images:  # decoded off the loop; the prompt is rendered once their tiling is known
                 return service.submit_images(list(msg.images), self._image_renderer(msg), sampling, **kw)
             return service.submit(ids, sampling, **kw)
@@ -139,15 +139,17 @@ class Gate:
     def _prompt_ids(self, msg: P.GenerateRequest) -> list[int]:
         tok = self.service.tokenizer
         if msg.prompt_token_ids is not None:
-            return list(msg.prompt_token_ids)
-        if msg.messages is not None:
-            return chat_prompt_ids(tok, msg.messages)
-        return text_prompt_ids(tok, msg.prompt)
+            ids = list(msg.prompt_token_ids)
+        elif msg.messages is not None:
+            ids = chat_prompt_ids(tok, msg.messages, **msg.template_options)
+        else:
+            ids = text_prompt_ids(tok, msg.prompt)
+        return ids[-msg.truncate_prompt_tokens:] if msg.truncate_prompt_tokens else ids
 
     def _image_renderer(self, msg: P.GenerateRequest) -> Callable:
         tok, params = self.service.tokenizer, self.service.image_params
         if msg.messages is not None:
-            return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params)
+            return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params, **msg.template_options)
         return lambda images: image_prompt_ids(tok, msg.prompt, images, params)
 
 
@@ -301,7 +303,8 @@ class Server:
                      "adapters": list(self.service.adapters),
                      "vision": self.service.model.vision, "family": self.service.model.family.name,
                      "sampling_defaults": self.service.model.sampling_defaults,
-                     "served_model_name": served_name(self.service.config)}
+                     "served_model_name": served_name(self.service.config),
+                     "chat_template": self.service.config.chat_template}  # --chat-template's text, or None
             try:
                 stats = self.service.stats(timeout=2.0)
                 extra |= {k: stats[k] for k in INFO_STATS if k in stats}

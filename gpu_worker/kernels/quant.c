@@ -18,15 +18,18 @@
  * Each expanded weight is bit for bit GGUF's own dequantization in float32 (scale * q is exact:
  * an fp16 scale times a small integer fits float32's 24 bits; the offset is added with one
  * rounding, as `d * q + m` does), so against a float32 matmul over the dequantized weights only
- * the order of the sums differs.
+ * the order of the sums differs. Except at the levels with bf16 dot products (BF16_DOT below),
+ * where bf16 activations multiply that weight rounded to bf16 (gpu_worker/quant.py's
+ * QuantKernels.multiplied_weight says which weight a level multiplies).
  *
  * Shape of the work: threads split the output columns into blocks of NB rows of W. Against up
  * to MB rows of x (decode) a block's weights are expanded in registers as they stream by; against
  * more, once into a float32 buffer (L1/L2-resident) that each group of MB rows then reads. Either
  * way MB x NB accumulators stay in registers, 32 k per step. Batch invariance:
- * y[m][n] is one float32 accumulation over K in VW-wide lanes, in k order, then the lanes summed
- * in a fixed tree, whatever M, whichever block or thread: a row's result does not depend on the
- * rows computed with it (the engine's pipelined and blocking schedules batch rows differently).
+ * y[m][n] is one float32 accumulation over K in VW-wide lanes (pairs of k in each lane with bf16
+ * dot products), in k order, then the lanes summed in a fixed tree, whatever M, whichever block or
+ * thread: a row's result does not depend on the rows computed with it (the engine's pipelined and
+ * blocking schedules batch rows differently).
  */
 #include "quant.h"
 #include "vec.h"
@@ -88,38 +91,35 @@ static inline __attribute__((always_inline)) void w_step(const int fmt, const vo
 #endif
 }
 
+#if VW == 16 && defined(__AVX512BF16__)
+/* bf16 dot products (level avx512_bf16 and up, bf16 activations): vdpbf16ps multiplies 32 bf16
+ * pairs into 16 float32 lanes, twice the float32 FMA's products per instruction (measured on Zen 4,
+ * BENCHMARKS.md "Quantized weights on a CPU"). The weight's float32 expansion is rounded to bf16
+ * (nearest even) first; the products are then exact and only the sums round, in float32. */
+#define BF16_DOT 1
+typedef __m512bh vbh;
+static inline __attribute__((always_inline)) vbh w_step_bf16(const int fmt, const void *w, const float *scale,
+                                                             const float *offset, int gshift, int64_t K, int64_t row,
+                                                             int64_t k) {
+    if (fmt == FMT_BF16) return (vbh)_mm512_loadu_si512((const bf16 *)w + row * K + k); /* already bf16 */
+    vf wv[CHUNKS];
+    w_step(fmt, w, scale, offset, gshift, K, row, k, wv);
+    return _mm512_cvtne2ps_pbh(wv[1], wv[0]); /* k .. k + 15 in the low half, as in memory */
+}
+#else
+#define BF16_DOT 0
+#endif
+
 /* The lane sums of MB * NB accumulators, acc[m * NB + n] -> sums[m * NB + n], each in one fixed
  * tree whatever its neighbours (see the top: batch invariance). MB * NB is a multiple of VW. */
 static inline void sum_lanes(const vf *acc, float *sums) {
     for (int i = 0; i < MB * NB; i += VW) v_store(sums, i, VW, v_sums(acc + i), 0);
 }
 
-/* x rows m0 .. m0 + MBC - 1 (MBC <= MB, a literal at each call) times W's rows n0 .. n0 + nb - 1,
- * read from the expanded block `buf` [NB][K] or, where buf is NULL, expanded in registers as
- * they are used -> y (+ bias), rounded to y's type once. */
-static inline __attribute__((always_inline)) void multiply_block(
-    const int fmt, const void *w, const float *scale, const float *offset, int gshift, const int from_buf,
-    const float *buf, const void *x, const int x_bf, int64_t K, int64_t m0, const int MBC, int64_t n0, int64_t nb,
-    const float *bias, void *y, int y_bf, int64_t ldy) {
-    vf acc[MB * NB];
-    for (int i = 0; i < MB * NB; i++) acc[i] = v_set(0.f);
-    const size_t x_el = x_bf ? 2 : 4;
-    int64_t rows[NB];
-    for (int n = 0; n < NB; n++) rows[n] = n0 + (n < nb ? n : 0);
-    for (int64_t k = 0; k < K; k += STEP) {
-        vf xv[MB][CHUNKS];
-        for (int m = 0; m < MBC; m++)
-            for (int c = 0; c < CHUNKS; c++) xv[m][c] = v_load((const char *)x + (m0 + m) * K * x_el, k + c * VW, VW, x_bf);
-        for (int n = 0; n < NB; n++) {
-            vf wv[CHUNKS];
-            if (from_buf) /* a literal: two copies of this loop, each with one source */
-                for (int c = 0; c < CHUNKS; c++) wv[c] = v_load(buf + n * K, k + c * VW, VW, 0);
-            else
-                w_step(fmt, w, scale, offset, gshift, K, rows[n], k, wv);
-            for (int c = 0; c < CHUNKS; c++) /* in k order: a lane's sum does not depend on the blocking */
-                for (int m = 0; m < MBC; m++) acc[m * NB + n] = v_fma(xv[m][c], wv[c], acc[m * NB + n]);
-        }
-    }
+/* The block's sums (+ bias) -> y, rounded to y's type once. */
+static inline __attribute__((always_inline)) void store_block(const vf *acc, int64_t m0, const int MBC, int64_t n0,
+                                                              int64_t nb, const float *bias, void *y, int y_bf,
+                                                              int64_t ldy) {
     float sums[MB * NB];
     sum_lanes(acc, sums);
     for (int64_t m = 0; m < MBC; m++)
@@ -131,18 +131,70 @@ static inline __attribute__((always_inline)) void multiply_block(
         }
 }
 
+/* x rows m0 .. m0 + MBC - 1 (MBC <= MB, a literal at each call) times W's rows n0 .. n0 + nb - 1,
+ * read from the expanded block `buf` [NB][K] or, where buf is NULL, expanded in registers as
+ * they are used -> y (+ bias), rounded to y's type once. */
+static inline __attribute__((always_inline)) void multiply_block(
+    const int fmt, const void *w, const float *scale, const float *offset, int gshift, const int from_buf,
+    const void *buf, const void *x, const int x_bf, int64_t K, int64_t m0, const int MBC, int64_t n0, int64_t nb,
+    const float *bias, void *y, int y_bf, int64_t ldy) {
+    vf acc[MB * NB];
+    for (int i = 0; i < MB * NB; i++) acc[i] = v_set(0.f);
+    const size_t x_el = x_bf ? 2 : 4;
+    int64_t rows[NB];
+    for (int n = 0; n < NB; n++) rows[n] = n0 + (n < nb ? n : 0);
+#if BF16_DOT
+    if (x_bf) { /* a literal at every call: this loop or the float32 one below */
+        for (int64_t k = 0; k < K; k += STEP) {
+            vbh xv[MB];
+            for (int m = 0; m < MBC; m++) xv[m] = (vbh)_mm512_loadu_si512((const bf16 *)x + (m0 + m) * K + k);
+            for (int n = 0; n < NB; n++) {
+                const vbh wv = from_buf ? (vbh)_mm512_loadu_si512((const bf16 *)buf + n * K + k)
+                                        : w_step_bf16(fmt, w, scale, offset, gshift, K, rows[n], k);
+                for (int m = 0; m < MBC; m++) acc[m * NB + n] = _mm512_dpbf16_ps(acc[m * NB + n], xv[m], wv);
+            }
+        }
+        store_block(acc, m0, MBC, n0, nb, bias, y, y_bf, ldy);
+        return;
+    }
+#endif
+    for (int64_t k = 0; k < K; k += STEP) {
+        vf xv[MB][CHUNKS];
+        for (int m = 0; m < MBC; m++)
+            for (int c = 0; c < CHUNKS; c++) xv[m][c] = v_load((const char *)x + (m0 + m) * K * x_el, k + c * VW, VW, x_bf);
+        for (int n = 0; n < NB; n++) {
+            vf wv[CHUNKS];
+            if (from_buf) /* a literal: two copies of this loop, each with one source */
+                for (int c = 0; c < CHUNKS; c++) wv[c] = v_load((const float *)buf + n * K, k + c * VW, VW, 0);
+            else
+                w_step(fmt, w, scale, offset, gshift, K, rows[n], k, wv);
+            for (int c = 0; c < CHUNKS; c++) /* in k order: a lane's sum does not depend on the blocking */
+                for (int m = 0; m < MBC; m++) acc[m * NB + n] = v_fma(xv[m][c], wv[c], acc[m * NB + n]);
+        }
+    }
+    store_block(acc, m0, MBC, n0, nb, bias, y, y_bf, ldy);
+}
+
 /* One block of NB rows of W against all M rows of x (see the top: streamed up to MB rows, else
  * expanded into `buf` once). */
 static inline __attribute__((always_inline)) void block_rows(
-    const int fmt, const void *w, const float *scale, const float *offset, int gshift, float *buf, const void *x,
+    const int fmt, const void *w, const float *scale, const float *offset, int gshift, void *buf, const void *x,
     const int x_bf, int64_t K, int64_t M, int64_t n0, int64_t nb, const float *bias, void *y, int y_bf,
     int64_t ldy) {
     if (M > MB) {
         for (int64_t r = 0; r < NB; r++)
             for (int64_t k = 0; k < K; k += STEP) {
+                const int64_t row = n0 + (r < nb ? r : 0);
+#if BF16_DOT
+                if (x_bf) { /* the bf16 dot products' buffer: the weights rounded to bf16 */
+                    _mm512_storeu_si512((bf16 *)buf + r * K + k,
+                                        (__m512i)w_step_bf16(fmt, w, scale, offset, gshift, K, row, k));
+                    continue;
+                }
+#endif
                 vf wv[CHUNKS];
-                w_step(fmt, w, scale, offset, gshift, K, n0 + (r < nb ? r : 0), k, wv);
-                for (int c = 0; c < CHUNKS; c++) v_store(buf + r * K, k + c * VW, VW, wv[c], 0);
+                w_step(fmt, w, scale, offset, gshift, K, row, k, wv);
+                for (int c = 0; c < CHUNKS; c++) v_store((float *)buf + r * K, k + c * VW, VW, wv[c], 0);
             }
     } else {
         buf = NULL;
@@ -176,7 +228,7 @@ void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale
     if (M * N * K < (1 << 15)) nthreads = 1; /* a parallel region costs more than it saves */
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = M > MB ? aligned_alloc(64, (size_t)(NB * K * 4 + 63) / 64 * 64) : NULL;
+        void *buf = M > MB ? aligned_alloc(64, (size_t)(NB * K * 4 + 63) / 64 * 64) : NULL;
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < blocks; blk++) {
             const int64_t n0 = blk * NB, nb = N - n0 < NB ? N - n0 : NB;
@@ -190,6 +242,9 @@ void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale
         free(buf);
     }
 }
+
+/* Whether wlinear multiplies bf16 activations by the weights rounded to bf16 (BF16_DOT, above). */
+int wlinear_bf16_dot(void) { return BF16_DOT; }
 
 /* The rows `ids` of a table [rows, K] in any format (an embedding), expanded to float32 -> out [n, K]. */
 void wgather(int fmt, const void *w, const float *scale, const float *offset, int64_t G, int64_t K,

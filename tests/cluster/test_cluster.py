@@ -199,6 +199,13 @@ def test_ray_service_serve_config_validates_and_its_args_are_serve_options():
     assert replica.ray_actor_options.num_gpus == 1 and replica.num_replicas == app.args["replicas"]
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["rayStartParams"].get("dashboard-host") == "0.0.0.0"  # KubeRay talks to the dashboard
+    # every Ray node starts with the hop's Serve settings (Serve's proxy reads them from its node's environment)
+    from frontend.cluster import HOP_ENV
+
+    groups = [head, *service["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    for group in groups:
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert {name: env.get(name) for name in HOP_ENV} == HOP_ENV, group.get("groupName", "head")
     with pytest.raises(ValueError):  # non-vacuity (pydantic.ValidationError): the schema does refuse a broken config
         ServeDeploySchema.model_validate({"applications": [{"name": "x"}]})
 
@@ -219,7 +226,11 @@ def cluster(tmp_path_factory):
                       "--max-batch", str(BURST_ROOM), "--kv-pages", str(BURST_ROOM * CONTEXT_PAGES),
                       "--drain-timeout", "2", "--not-ready-grace", "3", "--metrics-compat", "vllm"], log)
     try:
-        yield c.wait_ready(2, timeout=240)
+        c.wait_ready(2, timeout=240)
+        # both workers answer; the ingress's router hears of a replica from Serve a moment after its
+        # constructor returns: every test starts once sessionless traffic has reached both
+        _sessionless_until_answered_by(c, set(c.replicas()))
+        yield c
     finally:
         c.kill()  # a no-op unless a test failed: the SIGTERM test stops it cleanly
 

@@ -74,7 +74,8 @@ def test_defaults_and_sampling_conversion():
     assert to_sampling_params(m) == SamplingParams()
     p = SamplingParams(max_tokens=3, temperature=1.5, top_p=0.5, top_k=4, seed=9,
                        stop_token_ids=(1, 2), ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
-                       repetition_penalty=1.2, min_p=0.1, logit_bias={3: -100.0, 7: 2.5})
+                       repetition_penalty=1.2, min_p=0.1, logit_bias={3: -100.0, 7: 2.5}, min_tokens=2,
+                       include_stop_str_in_output=True, skip_special_tokens=False)
     default = SamplingParams()
     assert all(getattr(p, n) != getattr(default, n) for n in SAMPLING_FIELD_NAMES), "set every field"
     sub = decode(encode(Submit(seq_id=1, prompt_ids=[1], sampling=Sampling.from_params(p))))

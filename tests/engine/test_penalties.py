@@ -56,13 +56,22 @@ def test_penalties_match_the_per_row_reference():
     fill(params, rows)
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     idx = torch.arange(len(rows))
-    got = apply_penalties(logits, params.counts[idx], params.in_prompt[idx], params.presence_penalty[idx],
+    seen = [list(dict.fromkeys(prompt + output)) for prompt, output, _ in rows]
+    width = max(map(len, seen))  # the bound a sampling call is given
+    got = apply_penalties(logits, *params.seen(idx, width), params.presence_penalty[idx],
                           params.frequency_penalty[idx], params.repetition_penalty[idx])
     for r, (prompt, output, _) in enumerate(rows):
+        assert params.seen_ids[r, :len(seen[r])].tolist() == seen[r] and params.seen_len[r] == len(seen[r])
         want = reference_penalties(logits[r], prompt, output, params.presence_penalty[r].item(),
                                    params.frequency_penalty[r].item(), params.repetition_penalty[r].item())
         assert torch.equal(got[r], want), r
     assert (got != logits).sum(dim=1).min() > 0  # non-vacuity: every row was changed
+    whole = apply_penalties(logits, *params.seen(idx), params.presence_penalty[idx],
+                            params.frequency_penalty[idx], params.repetition_penalty[idx])
+    assert torch.equal(whole, got)  # past a row's seen tokens the table repeats its first: no change
+    short = apply_penalties(logits, *params.seen(idx, width - 1), params.presence_penalty[idx],
+                            params.frequency_penalty[idx], params.repetition_penalty[idx])
+    assert not torch.equal(short, got)  # non-vacuity: the last seen token of the longest row counts
 
 
 def test_logit_bias_is_clamped_and_added_to_its_tokens():
@@ -141,6 +150,7 @@ def test_a_penalized_row_starts_from_zero_counts_and_its_own_prompt():
     params.count(torch.tensor([0]), torch.tensor([3]))
     params.set_row(0, SamplingParams(repetition_penalty=1.5), seed=0, eos_ids=(), prompt_ids=[4])
     assert params.counts.sum() == 0 and params.in_prompt[0].nonzero().flatten().tolist() == [4]
+    assert params.seen_len[0] == 1 and (params.seen_ids[0] == 4).all()  # its list, padded with its first
 
 
 @pytest.mark.parametrize("field,value", [
@@ -217,3 +227,34 @@ def test_the_engine_penalizes_its_own_generated_tokens():
     eng.close()
     assert len(set(plain)) < len(plain)  # non-vacuity: the plain run repeats
     assert len(set(pen)) > len(set(plain)) and banned not in pen
+
+
+@pytest.mark.slow
+def test_the_engines_seen_width_bound_changes_no_token(monkeypatch):
+    """A sampling call reads each row's seen tokens up to a host-known bound (the largest position it
+    samples). The same workload with the whole table read every time gives the same tokens."""
+    import gpu_worker.model_runner as model_runner
+
+    reqs = penalized_workload()
+    widths = []
+
+    def run(read_all: bool) -> list[list[int]]:
+        def sample(*args, **kw):
+            widths.append(args[-1])
+            return real(*args[:-1], None if read_all else args[-1], **kw)
+
+        real = model_runner.sample
+        monkeypatch.setattr(model_runner, "sample", sample)
+        try:
+            eng = make_engine(True)
+            seqs = [eng.submit(prompt, p, constrained=c) for prompt, p, c in reqs]
+            eng.run_until_idle(BannedByLastToken())
+            table = eng.runner.params.seen_ids.shape[1]
+            eng.close()
+        finally:
+            monkeypatch.setattr(model_runner, "sample", real)
+        return [s.output_ids for s in seqs], table
+
+    bounded, table = run(read_all=False)
+    assert run(read_all=True)[0] == bounded
+    assert 0 < min(w for w in widths if w) < table  # non-vacuity: the bound was below the table's width

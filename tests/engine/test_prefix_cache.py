@@ -10,7 +10,8 @@ import pytest
 from workload import BannedByLastToken
 
 from gpu_worker.engine import Engine, EngineConfig
-from gpu_worker.page_pool import PagePool, chain
+from gpu_worker.page_pool import PagePool
+from shared.page_names import chain
 from shared.sampling import SamplingParams
 
 PAGE = 8

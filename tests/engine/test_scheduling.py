@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.allocator import Allocator, FreeList
-from gpu_worker.page_pool import chain
+from shared.page_names import chain
 from gpu_worker.sampler import FLAG_STOP, RowParams, _filter, apply_bitmask, sample
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import Sequence
@@ -232,3 +232,25 @@ def test_apply_bitmask_leaves_only_the_allowed_tokens():
         words[t // 32] |= np.uint32(1 << (t % 32))
     out = apply_bitmask(torch.zeros(1, vocab), torch.from_numpy(words.view(np.int32))[None])
     assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == allowed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_the_stop_ids_until_the_position_after_it(temperature):
+    """vLLM's min_tokens: while fewer than min_tokens tokens were generated (position < prompt length
+    + min_tokens) the row's EOS and stop_token_ids cannot be sampled, however likely; from then on they
+    can, and a row without min_tokens is untouched."""
+    logits = torch.tensor([[-30.0, 30.0, 29.0, 10.0]]).expand(2, -1)  # the stops (1, 2) by far the most likely
+    params = RowParams(2, 4, torch.device("cpu"))
+    params.set_row(0, SamplingParams(temperature=temperature, min_tokens=3, stop_token_ids=(2,)), seed=1,
+                   eos_ids=(1,), prompt_ids=[5, 6])
+    params.set_row(1, SamplingParams(temperature=temperature, stop_token_ids=(2,)), seed=1, eos_ids=(1,),
+                   prompt_ids=[5, 6])
+    run = dict(any_random=temperature > 0, any_filter=False, want_logprobs=False, any_min_tokens=True)
+    rows = torch.tensor([0, 1])
+    for position, early in [(2, True), (4, True), (5, False), (9, False)]:
+        tokens, flags, *_ = sample(logits, rows, torch.tensor([position, position]), params, **run)
+        assert tokens[1] in (1, 2) and flags[1] == FLAG_STOP  # no min_tokens: a stop at once
+        if early:  # neither EOS (1) nor the stop token id (2): token 3 it is
+            assert tokens[0] == 3 and flags[0] == 0, position
+        else:
+            assert tokens[0] in (1, 2) and flags[0] == FLAG_STOP, position

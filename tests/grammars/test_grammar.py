@@ -465,6 +465,21 @@ def test_regex_and_schema_matchers(tok, gc, text_ids):
         parse_output(s.spec, '{"label": "cat", "count": 1, "visible": true, "note": "a\x1a"}')
 
 
+def test_ebnf_matcher_follows_its_grammar(gc, text_ids):
+    """vLLM's guided_grammar: xgrammar's EBNF from rule root; the output is the text."""
+    g = gc.compile({"kind": "ebnf", "grammar": 'root ::= answer " " answer\nanswer ::= "yes" | "no"'})
+    m = g.matcher()
+    assert not m.accept(text_ids["maybe"]) and not m.accept(EOS)
+    _feed(m, text_ids, ["yes", " no"])
+    assert m.is_complete and _allowed(m) == {EOS} and m.output() == "yes no" == parse_output(g.spec, "yes no")
+    with pytest.raises(GrammarError, match="does not match"):
+        parse_output(g.spec, "yes maybe")
+    with pytest.raises(GrammarError, match="invalid EBNF grammar: EBNF parser error"):
+        gc.compile({"kind": "ebnf", "grammar": "root ::= "})
+    with pytest.raises(GrammarError, match="grammar.grammar must be a non-empty string"):
+        gc.compile({"kind": "ebnf", "grammar": " "})
+
+
 def test_control_tokens_are_never_text(gc, text_ids):
     """xgrammar alone would let "<|im_start|>" (and "<|im_end|>" as text) match
     ``<.*>`` or sit inside a JSON string with this tokenizer."""
@@ -526,7 +541,7 @@ BAD_MAPS = [
     ({}, "missing field 'kind'"),
     ({"max_objects": 3}, "missing field 'kind'"),
     ({"kind": 1, "max_objects": 3}, "grammar.kind must be a string, got int"),
-    ({"kind": "circle"}, "grammar.kind must be one of 'point', 'box', 'regex', 'json_schema', got 'circle'"),
+    ({"kind": "circle"}, "grammar.kind must be one of 'point', 'box', 'regex', 'json_schema', 'ebnf', got 'circle'"),
     ({"kind": "Point", "max_objects": 1}, "got 'Point'"),
     ({"kind": "point"}, "kind 'point' requires field 'max_objects'"),
     ({"kind": "box"}, "kind 'box' requires field 'max_objects'"),
@@ -567,6 +582,7 @@ def test_from_protocol_accepts_and_round_trips():
         {"kind": "box", "max_objects": 100},
         {"kind": "regex", "pattern": "[a-z]+"},
         {"kind": "json_schema", "schema": {"type": "object"}},
+        {"kind": "ebnf", "grammar": 'root ::= "a"'},
     ]:
         s = GrammarSpec.from_protocol(d)
         assert s.to_protocol() == d and GrammarSpec.from_protocol(s.to_protocol()) == s

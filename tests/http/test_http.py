@@ -29,6 +29,8 @@ from PIL import Image
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.http.errors import STATUS, HttpError
+from frontend.http.fields import FIELDS
+from frontend.http.fields import REFUSED as REFUSED_FATE
 from frontend.logs import JsonFormatter
 
 pytestmark = pytest.mark.slow
@@ -264,6 +266,9 @@ def test_n_choices_share_the_prompt_and_each_has_its_own_seeded_stream(live, oai
     for i, text in enumerate(texts):
         alone = oai.chat.completions.create(**{**kw, "seed": 11 + i})
         assert alone.choices[0].message.content == text, i
+    with Client(live.endpoint) as zc:  # the ZeroMQ client's n: the same choices
+        zmq = zc.choices(messages=messages, n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    assert [c.text for c in zmq] == texts
     streamed = {i: "" for i in range(3)}
     finished = set()
     usage = None
@@ -398,6 +403,143 @@ def test_tools_are_refused_unless_tool_choice_is_none(oai):
         assert e.value.body["message"].startswith(name), e.value.body
     r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, tools=tools, tool_choice="none")
     assert r.usage.completion_tokens == 2
+
+
+def test_vllms_stop_and_text_fields_act_as_vllm_defines_them(live, oai, tokenizer):
+    """min_tokens, stop_token_ids, include_stop_str_in_output and skip_special_tokens through the unmodified
+    openai client (``extra_body``), each against the answer without it, and the same over ZeroMQ."""
+    prompt = "Once upon a time"
+    greedy = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+
+    def complete(**extra):
+        r = oai.completions.create(**{**greedy, "extra_body": extra})
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    plain = oai.completions.create(**greedy).choices[0]
+    with Client(live.endpoint) as zc:
+        tokens = zc.generate(prompt, max_tokens=12, temperature=0).token_ids
+        first, third = tokens[0], tokens[2]
+        assert first not in tokens[1:4] and third not in tokens[:2], tokens  # the cases below need it
+        # The stop token id ends the answer and, as vLLM, is not part of its text unless asked
+        assert complete(stop_token_ids=[third]) == (tokenizer.decode(tokens[:2]), "stop", 3)
+        assert complete(stop_token_ids=[third], include_stop_str_in_output=True) == \
+            (tokenizer.decode(tokens[:3]), "stop", 3)
+        # min_tokens: the stop token id cannot end the answer before 4 tokens; the fourth differs from greedy's
+        text, reason, count = complete(stop_token_ids=[first], min_tokens=4, max_tokens=4)
+        zmq = zc.generate(prompt, max_tokens=4, temperature=0, stop_token_ids=[first], min_tokens=4)
+        assert (text, count) == (zmq.text, 4) and first not in zmq.token_ids and zmq.token_ids != tokens[:4]
+        assert complete(stop_token_ids=[first]) == ("", "stop", 1)  # non-vacuity: without min_tokens
+        # A stop string: cut before it, or kept with include_stop_str_in_output
+        stop = plain.text[4:7]
+        at = plain.text.find(stop)
+        assert complete(stop=[stop])[0] == plain.text[:at] and at > 0
+        assert complete(stop=[stop], include_stop_str_in_output=True)[0] == plain.text[:at + len(stop)]
+        # skip_special_tokens: <|im_start|> (id 1, forced by logit_bias) has no text unless asked
+        forced = dict(max_tokens=2, logit_bias={"1": 100})
+        assert complete(**forced) == ("", "length", 2)
+        assert complete(**forced, skip_special_tokens=False) == ("<|im_start|><|im_start|>", "length", 2)
+
+
+def test_vllms_structured_outputs_request_id_and_token_ids(oai):
+    choices = ["yes, sir", "no (never)", "a.b|c"]
+    for extra in [dict(guided_choice=choices), dict(structured_outputs={"choice": choices})]:
+        r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=16, temperature=0, extra_body=extra)
+        assert r.choices[0].message.content in choices and r.choices[0].finish_reason == "stop", extra
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=16, temperature=0,
+                                    extra_body=dict(guided_regex="[0-9]{3}-[a-c]{2}"))
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", r.choices[0].message.content)
+    ebnf = 'root ::= word " " word\nword ::= "red" | "green" | "blue"'
+    for extra in [dict(guided_grammar=ebnf), dict(structured_outputs={"grammar": ebnf})]:
+        r = oai.completions.create(model=MODEL, prompt="Colors:", max_tokens=16, temperature=0, extra_body=extra)
+        assert re.fullmatch("(red|green|blue) (red|green|blue)", r.choices[0].text), extra
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    for extra in [dict(guided_json=schema), dict(guided_json=json.dumps(schema)),
+                  dict(structured_outputs={"json": schema})]:
+        r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=24, temperature=0, extra_body=extra)
+        assert set(json.loads(r.choices[0].message.content)) == {"n"}, extra
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=MSG, response_format={"type": "json_object"},
+                                    extra_body=dict(guided_regex="a"))
+    assert e.value.body["message"].startswith("guided_regex: one way to ask for structured output")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=MSG, extra_body=dict(structured_outputs={"structural_tag": "x"}))
+    assert e.value.body["message"].startswith("structured_outputs.structural_tag is not supported")
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2,
+                                    extra_body=dict(request_id="trace-7", return_tokens_as_token_ids=True))
+    assert r.id == "chatcmpl-trace-7"
+    tokens = [c.token for c in r.choices[0].logprobs.content]
+    assert all(re.fullmatch(r"token_id:\d+", t) for c in r.choices[0].logprobs.content
+               for t in [c.token, *(a.token for a in c.top_logprobs)]) and len(tokens) == 3
+
+
+def test_the_chat_templates_options_render_as_transformers_does(raw, oai, tokenizer):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs (vLLM's) reach the template:
+    /tokenize's ids and a chat completion's prompt_tokens are transformers' apply_chat_template's."""
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
+    for options in [{}, {"add_generation_prompt": False},
+                    {"add_generation_prompt": False, "continue_final_message": True},
+                    {"chat_template_kwargs": {"unused_by_this_template": 1}}]:
+        template = {"add_generation_prompt": True, **options.get("chat_template_kwargs", {}),
+                    **{k: v for k, v in options.items() if k != "chat_template_kwargs"}}
+        want = tokenizer.apply_chat_template(messages, tokenize=True, **template)["input_ids"]
+        got = raw.post("/tokenize", json={"messages": messages, **options}).json()["tokens"]
+        r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=options)
+        assert got == want and r.usage.prompt_tokens == len(want), options
+    continued = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert continued.endswith("Once upon")  # non-vacuity: the final message is left open
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+    assert e.value.body["message"].startswith("continue_final_message needs add_generation_prompt: false")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=messages, extra_body={"chat_template_kwargs": {"tools": 1}})
+    assert e.value.body["message"].startswith("chat_template_kwargs.tools is not a template variable")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(live, oai):
+    prompt = list(range(6000, 6030))
+    with Client(live.endpoint) as zc:
+        tail = zc.generate(prompt_token_ids=prompt[-7:], max_tokens=6, temperature=0)
+        whole = zc.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                               extra_body={"truncate_prompt_tokens": 7})
+    assert r.usage.prompt_tokens == 7 and r.choices[0].text == tail.text != whole.text
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="Hi", extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["message"].startswith("truncate_prompt_tokens must be an integer >= 1")
+
+
+def test_a_request_id_may_be_sent_again_while_its_first_request_runs(live, raw):
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 1000, "ignore_eos": True, "stream": True,
+            "request_id": "twice"}
+    with raw.stream("POST", "/v1/chat/completions", json=body) as first:
+        line = next(first.iter_lines())
+        assert first.status_code == 200 and json.loads(line[len("data: "):])["id"] == "chatcmpl-twice"
+        again = raw.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert again.status_code == 200 and again.json()["id"] == "chatcmpl-twice", again.text
+        assert again.json()["choices"][0]["finish_reason"] == "length"  # its own answer, not the first's
+    live.wait_idle()  # the first was cancelled when its client left
+
+
+REFUSED = [f for f in FIELDS if f.fate == REFUSED_FATE]
+UNSUPPORTED_VALUE = {"boolean": lambda a: not a[0] if a else True, "integer": lambda a: 7, "number": lambda a: 0.5,
+                     "string": lambda a: "x", "array": lambda a: [1], "object": lambda a: {"x": 1},
+                     None: lambda a: "auto"}
+
+
+@pytest.mark.parametrize("f", REFUSED, ids=lambda f: f.name)
+def test_each_refused_field_is_a_400_naming_it_and_its_default_is_served(raw, f):
+    route = f.routes[0]
+    body = {"model": MODEL, "max_tokens": 1,
+            **({"messages": MSG} if route.endswith("chat/completions") else {"prompt": "Hi"})}
+    value = UNSUPPORTED_VALUE[f.schema.get("type")](f.accepted)
+    r = raw.post(route, json={**body, f.name: value})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{f.name}: "), r.text
+    for accepted in f.accepted:  # the value that asks for nothing unsupported is answered
+        r = raw.post(route, json={**body, f.name: accepted})
+        assert r.status_code == 200, r.text
 
 
 # --------------------------------------------------------------------------- moondream

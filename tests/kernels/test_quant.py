@@ -94,9 +94,10 @@ def weights(N: int, K: int) -> dict[str, QWeight]:
 def test_the_kernel_is_a_float32_matmul_and_each_row_is_alone(kernels, fmt, x_dtype):
     N, K = 37, 256  # N: not a multiple of the kernel's 4-row blocks
     w = weights(N, K)[fmt]
-    dense = w.dequantize().double()
+    dense = kernels.multiplied_weight(w, x_dtype).double()  # at bf16-dot levels with bf16 x: rounded to bf16
+    assert kernels.bf16_dot == (kernels.level in ("avx512_bf16", "amx"))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
-    for M in (1, 2, 3, 5, 9):  # around the kernel's blocks of rows (2 or 4)
+    for M in (1, 2, 3, 5, 9):  # around the kernel's blocks of rows (2 or 4), streamed and buffered
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(x_dtype)
         layer = quant.QuantLinear([w], bias, kernels)
         y = layer(x)

@@ -578,9 +578,10 @@ def named_server(tmp_path_factory):
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                         "{% if add_generation_prompt %}[assistant] {% endif %}")
     config = tmp / "serve.yaml"
+    endpoint = f"127.0.0.1:{free_port()}"
     config.write_text(f"model: tiny-random\ndevice: cpu\ndtype: float32\nmax-batch: 4\nserved-model-name: tiny\n"
                       f"chat-template: {template}\nlog-format: json\nlog-level: info\nhost: 127.0.0.1\nport: 1\n"
-                      f"bind: 127.0.0.1:{free_port()}\n")
+                      f"bind: {endpoint}\n")
     port = free_port()
     proc = subprocess.Popen([*CLI, "serve", "--config", str(config), "--port", str(port)], cwd=ROOT,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"), stdin=subprocess.DEVNULL,
@@ -598,7 +599,7 @@ def named_server(tmp_path_factory):
     threading.Thread(target=read, daemon=True).start()
     try:
         assert serving.wait(180) and proc.poll() is None, "".join(stderr)[-3000:]
-        yield f"http://127.0.0.1:{port}", stderr
+        yield f"http://127.0.0.1:{port}", stderr, f"tcp://{endpoint}"
     finally:
         stop_server(proc)
 
@@ -606,7 +607,7 @@ def named_server(tmp_path_factory):
 def test_served_model_name_is_listed_echoed_and_the_real_name_still_accepted(named_server):
     import httpx
 
-    url, _ = named_server
+    url, *_ = named_server
     models = httpx.get(url + "/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["tiny"]
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -622,7 +623,7 @@ def test_chat_template_replaces_the_tokenizers(named_server):
 
     from shared.models import load_tokenizer
 
-    url, _ = named_server
+    url, _, endpoint = named_server
     tok = load_tokenizer("tiny-random")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     ids = httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
@@ -631,12 +632,20 @@ def test_chat_template_replaces_the_tokenizers(named_server):
     assert ids != own  # non-vacuity: the tokenizer's template renders otherwise
     r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
     assert r.json()["usage"]["prompt_tokens"] == len(ids)  # what a generate renders
+    from frontend.cluster.ingress import replicas_tokenizer
+    from frontend.client import Client
+    from frontend.server.tokenization import chat_prompt_ids
+
+    with Client(endpoint) as client:  # a cluster's ingress renders as its replicas, from their info
+        info = client.info()
+    assert chat_prompt_ids(replicas_tokenizer(info), messages) == ids
+    assert chat_prompt_ids(replicas_tokenizer({**info, "chat_template": None}), messages) == own  # non-vacuity
 
 
 def test_json_logs_are_one_object_per_line_and_each_request_leaves_one(named_server):
     import httpx
 
-    url, stderr = named_server
+    url, stderr, _ = named_server
     answer = httpx.post(url + "/v1/completions", json={"prompt": "Once upon", "max_tokens": 3, "temperature": 0},
                         timeout=60).json()
     deadline = time.monotonic() + 30  # the line is written before the answer is sent; stderr is read on a thread

@@ -180,6 +180,27 @@ def test_generate_messages_token_ids_and_request_id(client):
     assert r.text == " ids30" and r.logprobs == [-0.5]
 
 
+def test_choices_are_requests_of_their_own_with_seed_plus_i(client, server):
+    rs = client.choices("ch", n=3, max_tokens=2, seed=2 ** 64 - 2, request_id="many")
+    assert [r.id for r in rs] == ["many", "many-1", "many-2"] and [r.text for r in rs] == [expected("ch", 2)] * 3
+    assert [server.requests[r.id].seed for r in rs] == [2 ** 64 - 2, 2 ** 64 - 1, 0]  # wrapped to 64 bits
+    assert client.choices("one", n=1, max_tokens=1)[0].text == " one0"
+    for bad in (0, 17, True):
+        with pytest.raises(ValueError, match="n must be"):
+            client.choices("x", n=bad)
+    with pytest.raises(ValueError, match="id"):  # the last choice's id would be too long: nothing is sent
+        client.choices("x", n=12, request_id="i" * 127)
+    with pytest.raises(Overloaded):  # an error in one choice is raised; the others are cancelled
+        client.choices("error", n=2)
+
+    async def main() -> list[Result]:
+        async with AsyncClient(server.endpoint, timeout=10) as c:
+            return await c.choices("ach", n=2, max_tokens=3, seed=5)
+
+    rs = asyncio.run(main())
+    assert [r.text for r in rs] == [expected("ach", 3)] * 2 and [server.requests[r.id].seed for r in rs] == [5, 6]
+
+
 def test_stream_concatenation_equals_done_text(client):
     s = client.stream("abc", max_tokens=6)
     chunks = list(s)
@@ -318,7 +339,8 @@ def test_every_sampling_field_reaches_the_server(client, server):
     """The client's options are SamplingParams' fields: each one set arrives in the parsed request."""
     params = SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, top_k=5, seed=11,
                             stop_token_ids=(3, 4), ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.5,
-                            repetition_penalty=1.1, min_p=0.05, logit_bias={5: -100.0})
+                            repetition_penalty=1.1, min_p=0.05, logit_bias={5: -100.0}, min_tokens=2,
+                            include_stop_str_in_output=True, skip_special_tokens=False)
     default = SamplingParams()
     unset = [n for n in SAMPLING_FIELD_NAMES if getattr(params, n) == getattr(default, n)]
     assert not unset, f"give these fields a non-default value in this test: {unset}"
@@ -326,7 +348,8 @@ def test_every_sampling_field_reaches_the_server(client, server):
     client.generate("x", request_id="all-sampling", **options)
     assert server.requests["all-sampling"].sampling == params
     assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "top_logprobs", "grammar", "adapter", "images",
-                                                              "skill", *P.SKILL_FIELDS}
+                                                              "skill", *P.SKILL_FIELDS, *P.CHAT_TEMPLATE_FIELDS,
+                                                              "truncate_prompt_tokens"}
 
 
 def test_every_error_code_has_its_exception_class():

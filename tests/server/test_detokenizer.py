@@ -217,3 +217,28 @@ def test_undecodable_byte_runs_do_not_grow_the_window(tok):
         assert "".join(chunks) == tok.decode(ids)
         assert max(c.calls) <= 2 * 5 + 8  # bounded by MAX_PENDING-ish windows, not by 300
         assert len(c.calls) <= 12 * len(ids)
+
+
+def test_include_stop_keeps_the_stop_string_and_nothing_after_it(tok):
+    ids = tok.encode("one two three four five", add_special_tokens=False)
+    for include, want in [(False, "one two"), (True, "one two three")]:
+        d, chunks = stream(tok, ids, stop=[" three"], include_stop=include)
+        assert d.stopped and d.text == "".join(chunks) == want
+
+
+def test_min_tokens_lets_stop_strings_match_only_in_the_text_of_later_tokens(tok):
+    """As vLLM: the stop strings are looked for in the text of tokens past min_tokens only (a stop
+    string ending in an earlier token's text does not match, the next occurrence does)."""
+    text = "a b a b a b a b"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 8, [tok.decode([t]) for t in ids]  # one token per word
+    assert stream(tok, ids, stop=[" b"])[0].text == "a"  # non-vacuity: without min_tokens, the first
+    for min_tokens, want in [(1, "a"), (2, "a b a"), (3, "a b a"), (4, "a b a b a"), (8, text)]:
+        d, chunks = stream(tok, ids, stop=[" b"], min_tokens=min_tokens)
+        assert d.text == "".join(chunks) == want, min_tokens
+
+
+def test_skip_special_tokens_false_keeps_their_text(tok):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
+    assert stream(tok, ids)[0].text == "user\nhi"
+    assert stream(tok, ids, skip_special_tokens=False)[0].text == "<|im_start|>user\nhi<|im_end|>"

@@ -532,3 +532,47 @@ def test_images_envelope():
     ]:
         e = err({"type": "generate", "id": "b", **fields})
         assert (e.code, e.message, e.id) == ("bad_request", message, "b"), fields
+
+
+def test_chat_template_options_go_with_messages_as_vllm_takes_them():
+    chat = {"type": "generate", "id": "c", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse(chat).template_options == {}  # none given: the renderer's defaults
+    r = parse({**chat, "add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.template_options == {"enable_thinking": False, "add_generation_prompt": False,
+                                  "continue_final_message": True}
+    for msg, says in [
+        (gen(add_generation_prompt=False), "add_generation_prompt renders chat messages: send it with messages"),
+        ({**chat, "continue_final_message": True}, "continue_final_message needs add_generation_prompt: false"),
+        ({**chat, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools is not a template variable"),
+        ({**chat, "chat_template_kwargs": [1]}, "chat_template_kwargs must be a map, got array"),
+        ({**chat, "add_generation_prompt": 1}, "add_generation_prompt must be a bool, got int"),
+    ]:
+        e = err(msg)
+        assert (e.code, e.message[:len(says)]) == ("bad_request", says), e.message
+
+
+def test_chat_template_options_reach_the_template():
+    from frontend.server.tokenization import chat_prompt_ids
+    from shared.models import load_tokenizer
+
+    tok = load_tokenizer("tiny-random")
+    tok.chat_template = ("{% if loud %}!{% endif %}{% for m in messages %}[{{ m.role }}] {{ m.content }}"
+                         "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    r = parse({"type": "generate", "id": "c", "messages": messages, "add_generation_prompt": False,
+               "continue_final_message": True, "chat_template_kwargs": {"loud": True}})
+    text = tok.decode(chat_prompt_ids(tok, r.messages, **r.template_options))
+    assert text == "![user] hi\n[assistant] Once"  # continued: nothing after the final message
+    assert tok.decode(chat_prompt_ids(tok, messages)) == "[user] hi\n[assistant] Once\n[assistant] "  # the defaults
+
+
+def test_truncate_prompt_tokens():
+    assert parse(gen(truncate_prompt_tokens=3)).truncate_prompt_tokens == 3
+    assert parse(gen()).truncate_prompt_tokens is None
+    for value, says in [(0, "truncate_prompt_tokens must be an integer >= 1, got 0"),
+                        (True, "truncate_prompt_tokens must be an integer >= 1, got True"),
+                        (-1, "truncate_prompt_tokens must be an integer >= 1, got -1")]:
+        assert err(gen(truncate_prompt_tokens=value)).message == says
+    e = err(gen(prompt="<image>", images=[b"x"], truncate_prompt_tokens=2))
+    assert e.message.startswith("truncate_prompt_tokens cannot be combined with images")
