@@ -54,7 +54,7 @@ import numpy as np
 
 from shared.arith import ceil_div
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
-from shared.moondream_config import is_moondream_config
+from shared.moondream_config import moondream_version
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -137,7 +137,7 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
     dtype = default_dtype(torch_device != "cpu") if auto else getattr(torch, dtype_name)
     model = builtin(name)
     if model is not None and model.random_config is not None:  # random weights, in memory (no files)
-        if is_moondream_config(model.random_config):
+        if moondream_version(model.random_config) is not None:
             raise SystemExit(f"{name} is not a Llama: `{model.bench} --model {name}` benchmarks it")
         cfg = LlamaConfig.from_hf_config(model.random_config)
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)

@@ -45,7 +45,7 @@ from gpu_worker.moondream import Moondream
 from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, SkillTask
 from shared.config import EngineConfig
 from shared.models import builtin, resolve_model
-from shared.moondream_config import MoondreamConfig, is_moondream_config
+from shared.moondream_config import MoondreamConfig, moondream_version
 from shared.moondream_random import byte_tokenizer, make_image
 from shared.sampling import SamplingParams
 
@@ -103,8 +103,10 @@ def progress(msg: str) -> None:
 def in_memory_model(name: str, device: str, dtype: str) -> Moondream | None:
     """A random Moondream built-in drawn on the device (None: the engine loads ``name``)."""
     model = builtin(name)
-    if model is None or model.random_config is None or not is_moondream_config(model.random_config):
+    if model is None or model.random_config is None or moondream_version(model.random_config) is None:
         return None
+    if moondream_version(model.random_config) == 3 and device == "cpu":
+        raise SystemExit(f"{name} does not fit a CPU in float: `{model.bench} --model {name}` quantizes its experts")
     return Moondream.random(MoondreamConfig.from_dict(model.random_config), dtype=getattr(torch, dtype),
                             device=Device(device).torch_device, max_model_len=MAX_MODEL_LEN)
 

@@ -1,10 +1,12 @@
-"""The Moondream reference's own answers for the dev checkpoint, as engine requests.
+"""The Moondream references' own answers for the dev checkpoints, as engine requests.
 
-``tests/data/moondream_dev_expected.json`` holds what the reference implementation answered
-(caption ×3, query, point, detect on three images, a reasoning query, spatial refs, a text-only
-query; and the eos-biased checkpoint's early stops) for the checkpoint that
-``shared.moondream_random`` rebuilds. ``tests/models/test_moondream.py`` checks the CPU against it and
-``bench.gpu_features`` (the ``moondream`` check) a GPU.
+``tests/data/moondream_dev_expected.json`` holds what the Moondream 2 reference implementation
+answered (caption ×3, query, point, detect on three images, a reasoning query, spatial refs, a
+text-only query; and the eos-biased checkpoint's early stops) for the checkpoint that
+``shared.moondream_random`` rebuilds; ``moondream3_dev_expected.json`` the same for Moondream 3's
+four checkpoints (plain, eos-biased ±4, without ``region.ln``). ``tests/models/test_moondream.py``
+and ``test_moondream3.py`` check the CPU against them and ``bench.gpu_features`` (the ``moondream``
+check) a GPU.
 """
 from __future__ import annotations
 
@@ -15,18 +17,33 @@ import numpy as np
 
 from frontend.moondream import prompts
 from frontend.moondream.images import overlap_crops
-from shared.moondream_random import make_image, write_checkpoint
+from shared.moondream_config import MOONDREAM2_RULES, SkillRules
+from shared.moondream_random import MD3_DEV_CONFIG, make_image, write_checkpoint
 
-EXPECTED = json.loads((Path(__file__).resolve().parents[1] / "tests" / "data" / "moondream_dev_expected.json")
-                      .read_text())
-# name -> (uint8 crops [n, 3, 378, 378], tiling) of the fixture's images.
-IMAGES = {name: overlap_crops(make_image(h, w, salt)) for name, (h, w, salt) in EXPECTED["images"].items()}
+_DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+EXPECTED = json.loads((_DATA / "moondream_dev_expected.json").read_text())
+EXPECTED3 = json.loads((_DATA / "moondream3_dev_expected.json").read_text())
+# name -> (uint8 crops [n, 3, 378, 378], tiling) of both fixtures' images.
+IMAGES = {name: overlap_crops(make_image(h, w, salt))
+          for name, (h, w, salt) in (EXPECTED["images"] | EXPECTED3["images"]).items()}
 
 
 def write_checkpoints(root: Path) -> dict[str, Path]:
     """The fixture's two checkpoints ("plain" and "eos", which differs in lm_head.bias) under ``root``."""
     return {"plain": write_checkpoint(root / "dev"),
             "eos": write_checkpoint(root / "dev-eos", eos_bias=EXPECTED["eos_bias"])}
+
+
+def md3_checkpoints(root: Path) -> dict[str, tuple[Path, list[dict]]]:
+    """Moondream 3's four checkpoints under ``root``, each with its cases: name -> (directory, cases)."""
+    out = {}
+    for name, spec in EXPECTED3["checkpoints"].items():
+        args = spec["args"]
+        bias = float(args[args.index("--eos-bias") + 1]) if "--eos-bias" in args else 0.0
+        path = write_checkpoint(root / f"md3-{name}", MD3_DEV_CONFIG, "md3dev", eos_bias=bias,
+                                region_ln="--no-region-ln" not in args)
+        out[name] = (path, EXPECTED3[spec["cases"]])
+    return out
 
 
 def encoder(checkpoint: Path):
@@ -37,8 +54,9 @@ def encoder(checkpoint: Path):
     return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 
-def engine_request(case, encode, prefix_len=730):
-    """(prompt ids, sampling params, images, task) of a fixture case, as the frontend sends them."""
+def engine_request(case, encode, prefix_len=730, rules: SkillRules = MOONDREAM2_RULES):
+    """(prompt ids, sampling params, images, task) of a fixture case, as the frontend sends them
+    for a model with these skill rules."""
     from gpu_worker.image_prefill import ImageInput
     from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, REASON, SkillTask
     from shared.sampling import SamplingParams
@@ -49,7 +67,8 @@ def engine_request(case, encode, prefix_len=730):
     if skill == "caption":
         ids = prompts.caption_ids(case["length"])
     elif skill == "query":
-        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image=image)
+        ids = prompts.query_ids(encode, case["question"], refs, case.get("reasoning", False), image=image,
+                                doubled_answer=rules.doubled_answer)
     else:
         ids = (prompts.point_ids if skill == "point" else prompts.detect_ids)(encode, case["object"])
     prompt = [0] * prefix_len * image + ids
@@ -83,11 +102,10 @@ def engine_answer(case, seq):
     if skill in ("point", "detect"):
         key = "points" if skill == "point" else "objects"
         return {key: prompts.parse_objects(seq.output_ids, seq.output_values, skill == "detect")}
-    out = [t for t in seq.output_ids if t != 0]  # the eos that stops is no answer token
-    if case.get("reasoning"):
-        reasoning, answer = prompts.split_reasoning(out)
-        return {"reasoning_token_ids": reasoning, "token_ids": answer}
-    return {"token_ids": out}
+    if case.get("reasoning"):  # the reasoning may begin with eos: only the answer's ends it
+        reasoning, answer = prompts.split_reasoning(seq.output_ids)
+        return {"reasoning_token_ids": reasoning, "token_ids": [t for t in answer if t != 0]}
+    return {"token_ids": [t for t in seq.output_ids if t != 0]}  # the eos that stops is no answer token
 
 
 def case_id(case):

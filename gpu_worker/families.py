@@ -41,6 +41,7 @@ class Load:
     max_model_len: int | None  # None: the model's own context
     gguf: bool  # serve the directory's GGUF file as it is (quant_kernels set) or dequantized
     quant_kernels: QuantKernels | None
+    quantize: tuple[str, int] | None = None  # --quantization int8|int4: (method, group), for a loader that quantizes as it reads
 
 
 def _llama(path: Path, how: Load) -> Loaded:
@@ -58,7 +59,9 @@ def _idefics3(path: Path, how: Load) -> Loaded:
 
 
 def _moondream(path: Path, how: Load) -> Loaded:
-    model = Moondream.from_pretrained(path, dtype=how.dtype, device=how.device, max_model_len=how.max_model_len)
+    quantize = None if how.quantize is None else (*how.quantize, how.quant_kernels)  # the experts, as they are read
+    model = Moondream.from_pretrained(path, dtype=how.dtype, device=how.device, max_model_len=how.max_model_len,
+                                      quantize=quantize)
     return Loaded(model, vision=model)  # it encodes its own crops
 
 
@@ -74,6 +77,7 @@ WORKER_FAMILIES = {
     "qwen3": WorkerFamily(_llama, llama_fields={"qk_norm": True}),
     "idefics3": WorkerFamily(_idefics3),
     "moondream": WorkerFamily(_moondream, quantizable=False),
+    "moondream3": WorkerFamily(_moondream),
 }
 
 
@@ -88,7 +92,8 @@ def llama_config(config: dict) -> LlamaConfig:
 
 
 def load(path: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-         quant_kernels: QuantKernels | None = None, gguf: bool = False) -> Loaded:
+         quant_kernels: QuantKernels | None = None, gguf: bool = False,
+         quantize: tuple[str, int] | None = None) -> Loaded:
     """The model (and image encoder) of directory ``path``, as its family builds it."""
-    how = Load(dtype, device, max_model_len, gguf, quant_kernels)
+    how = Load(dtype, device, max_model_len, gguf, quant_kernels, quantize)
     return worker_family(path).load(path, how)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -196,10 +197,13 @@ class ModelRunner:
                                "--quantization none serves the dequantized weights")
         quant_kernels = quant.QuantKernels(kernels) if quantized else None
         if llama is None:  # the family's model, and its image encoder if it takes images
-            loaded = families.load(path, self.dtype, dev, config.max_model_len, quant_kernels, gguf=quantized == "gguf")
+            at_load = (quantized, config.quantization_group) if quantized in ("int8", "int4") else None
+            loaded = families.load(path, self.dtype, dev, config.max_model_len, quant_kernels, gguf=quantized == "gguf",
+                                   quantize=at_load)
             llama, vision, image_params = loaded.model, loaded.vision, loaded.image_params
-        if quantized in ("int8", "int4"):
-            quantize_linears(llama, quantized, config.quantization_group, quant_kernels)
+        if quantized in ("int8", "int4"):  # a model that knows which of its weights to quantize says so
+            quantize = getattr(llama, "quantize_weights", None) or partial(quantize_linears, llama)
+            quantize(quantized, config.quantization_group, quant_kernels)
         self.model = llama.eval()
         self.config = llama.config
         if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)
@@ -251,7 +255,8 @@ class ModelRunner:
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
         self.slots = [SlotBuffers(device, max_rows) for _ in range(NUM_SLOTS)]
-        self.use_graphs = config.cuda_graphs and device.is_cuda
+        # A model whose forward reads values back to the host (Moondream 3's expert counts) is never captured.
+        self.use_graphs = config.cuda_graphs and device.is_cuda and getattr(self.model, "graph_capturable", True)
         self.graphs: dict[tuple[int, int, int, str | None], "_DecodeGraph"] = {}
         self.graph_capture_s = 0.0  # wall time spent capturing them (warm-up and new buckets)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -443,7 +448,7 @@ class ModelRunner:
                                                       inp.any_min_tokens, inp.seen_width)
                 values = None
                 if self.skills is not None:  # the phase decides what is emitted; values stay on the device
-                    tokens, flags, values = self.skills.advance(self.moondream.region, hidden, rows, tokens, flags)
+                    tokens, flags, values = self.skills.advance(self.moondream, hidden, rows, tokens, flags)
                 self.pending.index_copy_(0, rows, tokens)
                 if inp.any_penalty:  # before the next step's sampling, in either mode (sampler.py)
                     self.params.count(rows, tokens)

@@ -1,7 +1,8 @@
-"""Moondream 2, natively: Phi-style text decoder, SigLIP-shaped vision encoder, region heads.
+"""Moondream 2 and 3, natively: Phi-style text decoder, SigLIP-shaped vision encoder, region heads.
 
 Plain PyTorch in the style of ``model.py``, checked token for token against the reference
-implementation (``vikhyat/moondream``, ``moondream/torch/``) in float32; MOONDREAM.md has the facts.
+implementations (``vikhyat/moondream``, ``moondream/torch/``; the moondream3-preview hub code) in
+float32; MOONDREAM.md and MOONDREAM3.md have the facts.
 
 - **Text**: ``x = x + attn(ln(x)) + mlp(ln(x))`` (one LayerNorm, attention and MLP in parallel,
   every Linear with a bias), partial rotary on the first half of each head, over the engine's
@@ -18,8 +19,13 @@ The text forward embeds branch-free: a token whose id is ``coord`` / ``size`` ta
 encoding of its value instead of its ``wte`` row, so region values can stay on the device
 between steps. Like ``Llama.forward`` it does no host sync.
 
-Weights load from ``model.safetensors`` in the moondream2 layout; the module tree mirrors its
-keys (``model.text.blocks.0.attn.qkv.weight`` is ``self.text.blocks[0].attn.qkv.weight``).
+Moondream 3 (``config.moondream3``) is the same model with three changes: its layers from
+``moe.start_layer`` on are mixtures of experts (:class:`MoeMlp`), every layer scales q and v per
+head before the rotary (:class:`Tau`, rotary theta 1.5e6), and its region decoders are single
+Linears behind ``region.ln`` (when the checkpoint has it).
+
+Weights load from ``model.safetensors`` in the moondream2 / moondream3 layout; the module tree mirrors
+its keys (``model.text.blocks.0.attn.qkv.weight`` is ``self.text.blocks[0].attn.qkv.weight``).
 """
 from __future__ import annotations
 
@@ -32,15 +38,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.moondream_config import BOS_ID, COORD_ID, SIZE_ID, MoondreamConfig
+from shared.moondream_config import BOS_ID, COORD_ID, EOS_ID, SIZE_ID, MoeConfig, MoondreamConfig
 from shared.moondream_random import scaled
 
 from .batch import Batch
 from .kv_cache import PagedKVCache
 from .cpu_backend import PackedLinear
 from .model import attention_mask, checkpoint_index, paged_attention
-
-ROPE_THETA = 10000.0
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -59,18 +63,120 @@ class Mlp(nn.Module):
         return self.fc2(gelu(self.fc1(x)))
 
 
+class Tau(nn.Module):
+    """Moondream 3's tau attention (MOONDREAM3.md §1): q and v of head h scaled by
+    ``tanh(gelu(qkv) @ w[h]) + 1 + (sigmoid(alpha[h] · ln(p + 1)) − 0.5)`` at absolute position p,
+    before the rotary (so the V cache holds scaled values); k untouched. Written as the reference
+    writes it, op for op (the order of the float32 roundings is its own)."""
+
+    def __init__(self, n_heads: int, qkv_dim: int, gelu_kind: str, **kw):
+        super().__init__()
+        self.wq = nn.Parameter(torch.empty(n_heads, qkv_dim, **kw))
+        self.wv = nn.Parameter(torch.empty(n_heads, qkv_dim, **kw))
+        self.alpha = nn.Parameter(torch.empty(n_heads, **kw))
+        self.approximate = "none" if gelu_kind == "erf" else "tanh"
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (H + 2·H)·D] (the Linear's whole output), positions [T] -> the same with q, v scaled."""
+        H = self.alpha.shape[0]
+        T = qkv.shape[0]
+        features = F.gelu(qkv, approximate=self.approximate)
+        tok_q = torch.tanh(torch.matmul(features, self.wq.t()))  # [T, H]
+        tok_v = torch.tanh(torch.matmul(features, self.wv.t()))
+        pos = positions.to(qkv.dtype) + 1
+        tau_pos = 1 + (torch.sigmoid(self.alpha[None, :] * pos.log()[:, None]) - 0.5)  # [T, H]
+        q, k, v = qkv.view(T, 3, H, -1).unbind(1)
+        q = q * (tok_q + tau_pos)[..., None]
+        v = v * (tok_v + tau_pos)[..., None]
+        return torch.stack([q, k, v], dim=1).view(T, -1)
+
+
 class QkvProj(nn.Module):
-    def __init__(self, dim: int, qkv_dim: int, **kw):
+    def __init__(self, dim: int, qkv_dim: int, tau: Tau | None = None, **kw):
         super().__init__()
         self.qkv = nn.Linear(dim, qkv_dim, **kw)
         self.proj = nn.Linear(dim, dim, **kw)
+        self.tau = tau
 
 
-def rope_tables(head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+class Experts(nn.Module):
+    """One 3-D weight stack [experts, out, in] (the checkpoint's ``mlp.fc1.weight``), no bias; or,
+    quantized, one weight-only quantized linear per expert (``quant.QuantLinear``)."""
+
+    def __init__(self, experts: int, out: int, inner: int, **kw):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out, inner, **kw))
+        self.quantized: nn.ModuleList | None = None
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] through expert ``expert`` -> [n, out]."""
+        if self.quantized is not None:
+            return self.quantized[expert](x)
+        return F.linear(x, self.weight[expert])
+
+    def quantize(self, method: str, group: int, kernels, stack: torch.Tensor | None = None) -> None:
+        """Hold the experts in ``method`` (int8, int4) in groups of ``group``: ``stack`` [experts,
+        out, in] (default: this module's; a loader passes each stack as it reads it, so the float
+        stacks are never all held). The whole stack is quantized at once and each expert's linear
+        is a view of it: per-expert temporaries would fragment the heap (tens of GB for 9 B)."""
+        from .quant import QuantLinear, quantize
+        stack = self.weight if stack is None else stack
+        E, N, K = stack.shape
+        whole = quantize(stack.reshape(E * N, K), method, group)
+        self.quantized = nn.ModuleList(QuantLinear([whole.rows(slice(e * N, (e + 1) * N))], None, kernels)
+                                       for e in range(E))
+        del self.weight
+
+
+class MoeMlp(nn.Module):
+    """Moondream 3's mixture of experts (MOONDREAM3.md §1): a router with a bias, top-k, a softmax
+    over the chosen k in float32; expert e is ``fc2[e](gelu_erf(a) · (g + 1))`` with ``a | g =
+    fc1[e](x)``; the output the weighted sum of the k experts.
+
+    The whole forward's (token, expert) pairs are sorted by expert and each expert that has rows
+    runs one matmul pair on all of them (no per-token loop; the expert counts come to the host,
+    so this layer is not for a captured CUDA graph). The sum follows the reference's order, which
+    float32 bits depend on: a token alone in its forward (a decode step) adds its k outputs in
+    top-k order, a prompt's tokens in ascending expert id."""
+
+    def __init__(self, dim: int, moe: MoeConfig, **kw):
+        super().__init__()
+        self.top_k, self.inner = moe.experts_per_token, moe.expert_inner_dim
+        self.router = nn.Linear(dim, moe.num_experts, **kw)
+        self.fc1 = Experts(moe.num_experts, 2 * moe.expert_inner_dim, dim, **kw)
+        self.fc2 = Experts(moe.num_experts, dim, moe.expert_inner_dim, **kw)
+
+    def forward(self, x: torch.Tensor, alone: torch.Tensor) -> torch.Tensor:
+        """x [T, dim], alone [T] bool (the token is the only one of its sequence in this forward)."""
+        T, C = x.shape
+        k, n_experts = self.top_k, self.router.out_features
+        top_logits, experts = torch.topk(self.router(x), k, dim=-1)  # sorted, descending
+        weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+        flat = experts.flatten()  # pair i = (token i // k, its i % k-th expert)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_experts).tolist()
+        rows = x[order // k]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                a, g = self.fc1(e, rows[start:start + n]).chunk(2, dim=-1)
+                out[start:start + n] = self.fc2(e, F.gelu(a) * (g + 1))
+                start += n
+        y = torch.empty_like(out).index_copy_(0, order, out).view(T, k, C) * weights[..., None]
+        sum_order = torch.where(alone[:, None], torch.arange(k, device=x.device), experts.argsort(dim=-1))
+        y = y.gather(1, sum_order[..., None].expand(T, k, C))
+        total = y[:, 0]
+        for j in range(1, k):
+            total = total + y[:, j]
+        return total
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_len, head_dim // 4] for rotating the first head_dim // 2 dims, computed as the
     reference does (float32 angles through a complex exponential)."""
     rot = head_dim // 2
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, rot, 2, dtype=torch.float32)[: rot // 2] / rot))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32)[: rot // 2] / rot))
     angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None]
     unit = torch.exp(1j * angles)
     return unit.real.contiguous(), unit.imag.contiguous()
@@ -94,12 +200,19 @@ class TextBlock(nn.Module):
         t = config.text
         self.layer_idx = layer_idx
         self.ln = nn.LayerNorm(t.dim, **kw)
-        self.attn = QkvProj(t.dim, t.dim + 2 * t.n_kv_heads * (t.dim // t.n_heads), **kw)
-        self.mlp = Mlp(t.dim, t.ff_dim, **kw)
+        qkv_dim = t.dim + 2 * t.n_kv_heads * (t.dim // t.n_heads)
+        tau = Tau(t.n_heads, qkv_dim, t.tau_gelu, **kw) if config.moondream3 else None
+        self.attn = QkvProj(t.dim, qkv_dim, tau, **kw)
+        self.moe = t.moe is not None and layer_idx >= t.moe.start_layer
+        self.mlp = MoeMlp(t.dim, t.moe, **kw) if self.moe else Mlp(t.dim, t.ff_dim, **kw)
 
     def forward(self, x: torch.Tensor, attend: "TextAttention") -> torch.Tensor:
         h = self.ln(x)
-        return x + self.attn.proj(attend(self.attn.qkv(h), self.layer_idx)) + self.mlp(h)
+        qkv = self.attn.qkv(h)
+        if self.attn.tau is not None:
+            qkv = self.attn.tau(qkv, attend.batch.positions)
+        mlp = self.mlp(h, attend.alone) if self.moe else self.mlp(h)
+        return x + self.attn.proj(attend(qkv, self.layer_idx)) + mlp
 
 
 class TextAttention:
@@ -114,6 +227,7 @@ class TextAttention:
         t = model.spec.text
         self.heads, self.kv_heads, self.head_dim = t.n_heads, t.n_kv_heads, t.dim // t.n_heads
         self.batch, self.kv = batch, kv
+        self._alone = None
         self.kernels = kernels if kv.k.dtype == torch.bfloat16 and kv.k.shape[2] % 16 == 0 else None
         if self.kernels is not None:
             self.tables = model.rope_cos, model.rope_sin
@@ -123,6 +237,15 @@ class TextAttention:
             self.cos, self.sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
             group = self.heads // self.kv_heads
             self.mask = attention_mask(batch, kv, group, None if last is None else last[batch.query_index])
+
+    @property
+    def alone(self) -> torch.Tensor:
+        """[T] bool: the token is the only one of its sequence in this forward (a decode step)."""
+        if self._alone is None:
+            b = self.batch
+            seq = b.token_to_padded // b.max_query_len
+            self._alone = torch.bincount(seq, minlength=b.num_seqs)[seq] == 1
+        return self._alone
 
     def __call__(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
         T, H, Hkv, D = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
@@ -212,15 +335,26 @@ def fourier(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class RegionModel(nn.Module):
-    def __init__(self, config: MoondreamConfig, **kw):
+    """Moondream 2 decodes with MLPs; Moondream 3 with single Linears, after ``ln`` when the
+    checkpoint has one (the "modelv2" weights; the first preview shards have none)."""
+
+    def __init__(self, config: MoondreamConfig, ln: bool = False, **kw):
         super().__init__()
         r = config.region
         self.coord_features = nn.Parameter(torch.empty(1, r.coord_feat_dim // 2, **kw))
         self.coord_encoder = nn.Linear(r.coord_feat_dim, r.dim, **kw)
-        self.coord_decoder = Mlp(r.dim, r.inner_dim, r.coord_out_dim, **kw)
         self.size_features = nn.Parameter(torch.empty(2, r.size_feat_dim // 2, **kw))
         self.size_encoder = nn.Linear(r.size_feat_dim, r.dim, **kw)
-        self.size_decoder = Mlp(r.dim, r.inner_dim, r.size_out_dim, **kw)
+        if config.moondream3:
+            self.coord_decoder = nn.Linear(r.dim, r.coord_out_dim, **kw)
+            self.size_decoder = nn.Linear(r.dim, r.size_out_dim, **kw)
+        else:
+            self.coord_decoder = Mlp(r.dim, r.inner_dim, r.coord_out_dim, **kw)
+            self.size_decoder = Mlp(r.dim, r.inner_dim, r.size_out_dim, **kw)
+        self.ln = nn.LayerNorm(r.dim, **kw) if ln else None
+
+    def _decoder_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.ln is None else self.ln(hidden)
 
     def encode_coord(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., 1] in [0, 1] -> input embeddings [..., dim]."""
@@ -232,13 +366,13 @@ class RegionModel(nn.Module):
 
     def coord(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-post_ln hidden [R, dim] -> the coordinate [R] (float32): its bin / number of bins."""
-        logits = self.coord_decoder(hidden)
+        logits = self.coord_decoder(self._decoder_input(hidden))
         return logits.argmax(-1) / logits.shape[-1]
 
     def size(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-post_ln hidden [R, dim] -> (width, height) [R, 2] (float32), log-scale bins:
         2^(bin / 1023 · 10 − 10), as the reference maps them."""
-        bins = self.size_decoder(hidden).view(hidden.shape[0], 2, -1).argmax(-1)
+        bins = self.size_decoder(self._decoder_input(hidden)).view(hidden.shape[0], 2, -1).argmax(-1)
         return torch.pow(2.0, (bins.float() / 1023.0) * 10.0 - 10.0)
 
 
@@ -270,14 +404,15 @@ class EngineShape:
 
 class Moondream(nn.Module):
     def __init__(self, config: MoondreamConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_model_len: int | None = None):
+                 device: torch.device | str = "cpu", max_model_len: int | None = None, region_ln: bool = False):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.spec = config
+        self.rules = config.rules
         self.config = EngineShape.of(config)
         self.text = TextModel(config, **kw)
         self.vision = VisionModel(config, **kw)
-        self.region = RegionModel(config, **kw)
+        self.region = RegionModel(config, region_ln, **kw)
         self.prefix_len = config.text.prefix_attn  # BOS + image positions, attending both ways
         self.max_model_len = min(max_model_len or config.text.max_context, config.text.max_context)
         if torch.device(device).type != "meta":
@@ -285,7 +420,7 @@ class Moondream(nn.Module):
 
     def _init_rope(self, device) -> None:
         t = self.spec.text
-        cos, sin = rope_tables(t.dim // t.n_heads, self.max_model_len)
+        cos, sin = rope_tables(t.dim // t.n_heads, self.max_model_len, self.spec.rope_theta)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
@@ -358,6 +493,14 @@ class Moondream(nn.Module):
         """Pre-post_ln hidden [R, dim] -> float32 logits [R, vocab]."""
         return self.text.lm_head(self.text.post_ln(hidden)).float()
 
+    def coord_over_eos(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-post_ln hidden [R, dim] -> [R] bool: Moondream 3's two-way stop test after an object
+        (the logits of coord and eos alone, a matmul then the bias as the reference computes them;
+        a tie goes to coord)."""
+        pick = torch.tensor([COORD_ID, EOS_ID], device=hidden.device)
+        two = self.text.post_ln(hidden) @ self.text.lm_head.weight[pick].T + self.text.lm_head.bias[pick]
+        return two[:, 0] >= two[:, 1]
+
     def forward(self, input_ids: torch.Tensor, batch: Batch, kv: PagedKVCache, logits_indices: torch.Tensor,
                 image_features: tuple[torch.Tensor, torch.Tensor] | None = None,
                 coord: torch.Tensor | None = None, size: torch.Tensor | None = None
@@ -373,16 +516,41 @@ class Moondream(nn.Module):
         hidden = self.hidden_states(x, batch, kv, prefix_index)[logits_indices]
         return self.logits(hidden), hidden
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Moondream 3's expert dispatch brings its row counts to the host: no CUDA graph holds it."""
+        return not self.spec.moondream3
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     # -- construction -------------------------------------------------------------
+    def quantize_weights(self, method: str, group: int, kernels) -> None:
+        """``--quantization int8|int4`` (a CPU; Moondream 3): the text blocks' linears and experts held in
+        ``method`` (``quant.py``); the router, ``wte``, ``lm_head``, the vision encoder and the region
+        heads stay float (a point is the argmax over 1024 bins of a region head). Experts quantized
+        while loading (``quantize=`` of the constructors) are left as they are."""
+        if not self.spec.moondream3:
+            raise ValueError(f"--quantization {method} is not supported for Moondream 2 yet")
+        from .gguf_weights import quantize_linears
+        blocks = self.text.blocks
+        quantize_linears(nn.ModuleList([b.attn for b in blocks] + [b.mlp for b in blocks if not b.moe]), method,
+                         group, kernels)
+        for block in blocks:
+            for experts in (block.mlp.fc1, block.mlp.fc2) if block.moe else ():
+                if experts.quantized is None:
+                    experts.quantize(method, group, kernels)
+
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu", max_model_len: int | None = None) -> "Moondream":
-        """Load ``model.safetensors`` (moondream2 layout, any float dtype on disk) and config.json."""
-        model = cls(MoondreamConfig.from_dir(path), dtype=dtype, device="meta", max_model_len=max_model_len)
+                        device: torch.device | str = "cpu", max_model_len: int | None = None,
+                        quantize: tuple | None = None) -> "Moondream":
+        """Load ``model.safetensors`` (moondream2 / moondream3 layout, any float dtype on disk) and
+        config.json; ``quantize`` (method, group, ``QuantKernels``): the experts quantized as they
+        are read, one stack at a time (Moondream 3's 9.27 B would not fit in float32)."""
         index = checkpoint_index(Path(path))
+        model = cls(MoondreamConfig.from_dir(path), dtype=dtype, device="meta", max_model_len=max_model_len,
+                    region_ln="model.region.ln.weight" in index)
         missing = sorted(set(dict(model.named_parameters())) - {k.removeprefix("model.") for k in index})
         if missing:
             raise KeyError(f"{path}: checkpoint is missing {', '.join(missing[:5])}"
@@ -394,25 +562,31 @@ class Moondream(nn.Module):
                 raise ValueError(f"{path}: model.{name} has shape {tuple(t.shape)}, the config says {shape}")
             return t
 
-        return model._assign(get, device)
+        return model._assign(get, device, quantize)
 
     @classmethod
     def random(cls, config: MoondreamConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", max_model_len: int | None = None) -> "Moondream":
+               device: torch.device | str = "cpu", max_model_len: int | None = None,
+               quantize: tuple | None = None) -> "Moondream":
         """Random weights at the scales of ``shared.moondream_random``'s recipe, drawn by torch on
         ``device`` (a GPU draws moondream2's 1.9 B in about a second; no checkpoint is written).
-        Deterministic for a seed on one kind of device; not the recipe's numpy values."""
+        Deterministic for a seed on one kind of device; not the recipe's numpy values. ``quantize``:
+        as ``from_pretrained``'s (random-moondream3 on a CPU)."""
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return scaled(name, shape, torch.randn(shape, generator=gen, device=device))
 
-        model = cls(config, dtype=dtype, device="meta", max_model_len=max_model_len)
-        return model._assign(get, device)
+        model = cls(config, dtype=dtype, device="meta", max_model_len=max_model_len, region_ln=config.moondream3)
+        return model._assign(get, device, quantize)
 
-    def _assign(self, get, device) -> "Moondream":
+    def _assign(self, get, device, quantize: tuple | None = None) -> "Moondream":
         """Replace this meta-device model's parameters by ``get(name, shape)``, one tensor at a
-        time (the peak memory is the model plus one tensor in the source dtype)."""
+        time (the peak memory is the model plus one tensor in the source dtype); with ``quantize``
+        (method, group, kernels) the expert stacks are quantized expert by expert first."""
+        for name, module in self.named_modules() if quantize is not None else ():
+            if isinstance(module, Experts):
+                module.quantize(*quantize, stack=get(name + ".weight", tuple(module.weight.shape)))
         state = {name: get(name, tuple(p.shape)).to(device=device, dtype=p.dtype)
                  for name, p in self.named_parameters()}
         self.load_state_dict(state, assign=True)

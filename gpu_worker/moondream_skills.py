@@ -8,10 +8,12 @@ host may fall behind by a step without stalling the device.
 phases:
 - ``ANSWER_FIRST`` (caption/query, first answer token): nothing suppressed  -> ANSWER
 - ``ANSWER``: the answer token 3 is suppressed; eos stops; ``limit`` answer tokens stop (length)
-- ``REASON``: eos and size suppressed; the sampled 3 (or the limit) ends the reasoning: 3 is
-  emitted and fed, which is the reference's answer prompt                -> ANSWER_FIRST
+- ``REASON``: eos and size suppressed but on the first step (the prefill's token may be eos and
+  is kept); the sampled 3 (or the limit) ends the reasoning: 3 is emitted and fed, which is the
+  reference's answer prompt                                              -> ANSWER_FIRST
 - ``DECIDE`` (point/detect, after the prompt or an object): the full-vocabulary argmax (greedy)
-  decides: eos (or ``limit`` objects done) stops; else the row emits ``coord`` with x  -> Y
+  decides: eos (or ``limit`` objects done) stops; else the row emits ``coord`` with x  -> Y.
+  Moondream 3 decides after an object between coord and eos alone (``Moondream.coord_over_eos``).
 - ``Y``: emits ``coord`` with y                     -> SIZE (detect) / DECIDE (point, an object)
 - ``SIZE``: emits ``size`` with (w, h)                                  -> DECIDE (an object)
 
@@ -92,24 +94,28 @@ class SkillRows:
         phase = self.phase[rows]
         ninf = torch.tensor(float("-inf"), device=logits.device)
         logits = logits.clone()
-        reason = (phase == REASON)
+        reason = (phase == REASON) & (self.count[rows] > 0)
         logits[:, ANSWER_ID] = torch.where(phase == ANSWER, ninf, logits[:, ANSWER_ID])
         logits[:, EOS_ID] = torch.where(reason, ninf, logits[:, EOS_ID])
         logits[:, SIZE_ID] = torch.where(reason, ninf, logits[:, SIZE_ID])
         return logits
 
-    def advance(self, region, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+    def advance(self, model, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
                 flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After sampling: the emitted tokens and flags, and the region values [R, 3] of the step;
-        the rows' phases, counters and pending values advance."""
+        the rows' phases, counters and pending values advance. ``model``: the Moondream (its region
+        heads and skill rules)."""
         phase, count, limit = self.phase[rows], self.count[rows], self.limit[rows]
-        coord = region.coord(hidden)  # [R] float32
-        size = region.size(hidden)  # [R, 2] float32
+        coord = model.region.coord(hidden)  # [R] float32
+        size = model.region.size(hidden)  # [R, 2] float32
         counted = count + 1
         at_limit = (limit > 0) & (counted >= limit)
 
         # What each phase emits.
-        decide_stop = (phase == DECIDE) & ((tokens == EOS_ID) | ((limit > 0) & (count >= limit)))
+        eos = tokens == EOS_ID
+        if model.rules.two_way_stop:  # after the first object: coord or eos only
+            eos = torch.where(count > 0, ~model.coord_over_eos(hidden), eos)
+        decide_stop = (phase == DECIDE) & (eos | ((limit > 0) & (count >= limit)))
         # The reference emits ``limit`` reasoning tokens, then feeds the answer token.
         reason_end = (phase == REASON) & ((tokens == ANSWER_ID) | ((limit > 0) & (count >= limit)))
         out = tokens

@@ -55,7 +55,7 @@ from typing import Callable
 
 from shared import generation_config as generation_defaults
 from shared.families import Family, family_of, read_config
-from shared.moondream_config import HUB_MODEL_TYPE, is_moondream_config
+from shared.moondream_config import HUB_MODEL_TYPE, MD3_MODEL_TYPE, moondream_version
 
 # numpy is imported where weights are built or converted: the command line imports this
 # module for its --help (the registry), and numpy alone would double that time.
@@ -532,9 +532,12 @@ def _build_random_vlm(name: str, out: Path, quiet: bool) -> None:
     }, indent=2))
 
 
-def _build_random_moondream(out: Path) -> None:
-    from shared.moondream_random import TINY_CONFIG, write_checkpoint
-    write_checkpoint(out, TINY_CONFIG, variant="tiny")
+def _build_random_moondream(out: Path, version: int = 2) -> None:
+    from shared.moondream_random import MD3_TINY_CONFIG, TINY_CONFIG, write_checkpoint
+    if version == 3:
+        write_checkpoint(out, MD3_TINY_CONFIG, variant="tiny3")
+    else:
+        write_checkpoint(out, TINY_CONFIG, variant="tiny")
 
 
 @dataclass(frozen=True)
@@ -550,8 +553,9 @@ class Builtin:
     @property
     def bench(self) -> str:
         """The benchmark that builds this model's random weights in memory."""
-        moondream = self.random_config is not None and is_moondream_config(self.random_config)
-        return "python -m bench.moondream" if moondream else "tandem bench decode"
+        version = None if self.random_config is None else moondream_version(self.random_config)
+        return {None: "tandem bench decode", 2: "python -m bench.moondream",
+                3: "python -m bench.moondream3_cpu"}[version]
 
 
 def _builtins(*models: Builtin) -> dict[str, Builtin]:
@@ -584,6 +588,12 @@ REGISTRY = _builtins(
             "tokenizer: for tests and the playground", build=lambda out, quiet: _build_random_moondream(out)),
     Builtin("random-moondream2", "moondream2's shapes (1.93 B parameters), random weights, in memory: the Moondream "
             "benchmark on a GPU", random_config={"model_type": HUB_MODEL_TYPE}),  # the hub's form: its dims
+    Builtin("tiny-random-moondream3", "tiny Moondream 3 (moondream3 layout: MoE, tau attention, region LN), random "
+            "weights, a byte-level stand-in tokenizer: for tests and the playground",
+            build=lambda out, quiet: _build_random_moondream(out, version=3)),
+    Builtin("random-moondream3", "moondream3-preview's shapes (9.27 B parameters, 64 experts, top-8), random weights "
+            "drawn in memory, its experts quantized as they are drawn: the Moondream 3 benchmark on a CPU",
+            random_config={"model_type": MD3_MODEL_TYPE}),
 )
 _ALIASES = {alias: m for m in REGISTRY.values() for alias in m.aliases}
 

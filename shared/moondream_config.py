@@ -1,10 +1,16 @@
-"""What both processes need to know about a Moondream 2 model directory (torch-free).
+"""What both processes need to know about a Moondream 2 or 3 model directory (torch-free).
 
-``config.json`` comes in two forms (MOONDREAM.md §5): the hub's (``model_type: "moondream1"``,
-contents otherwise ignored: the dims are moondream2's defaults below) or the reference's
-override format ``{"text": {...}, "vision": {...}, "region": {...}}`` with the field names of
-its ``config.py``, which small random models use. Unknown fields are refused, so a typo never
-silently falls back to a default.
+``config.json`` comes in two forms (MOONDREAM.md §5, MOONDREAM3.md §5): the hub's
+(``model_type: "moondream1"`` or ``"moondream3"``, contents otherwise ignored: the dims are that
+version's defaults below) or the reference's override format ``{"text": {...}, "vision": {...},
+"region": {...}}`` with the field names of its ``config.py``, which small random models use; a
+``text.moe`` section makes it Moondream 3. Unknown fields are refused, so a typo never silently
+falls back to a default.
+
+Moondream 3 is Moondream 2's vision encoder, region encoders and prompts around a different text
+model (MoE layers from ``moe.start_layer``, tau attention, rotary theta 1.5e6) with single-Linear
+region decoders (behind ``region.ln`` when the checkpoint has one), and slightly different skill
+rules (:class:`SkillRules`).
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 HUB_MODEL_TYPE = "moondream1"
+MD3_MODEL_TYPE = "moondream3"
 
 # Special ids of the starmie-v1 tokenizer the templates are written in.
 BOS_ID = EOS_ID = 0
@@ -28,6 +35,31 @@ ANSWER_FIRST, REASON, DECIDE = 0, 2, 3
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int = 64
+    start_layer: int = 4  # layers before it are dense
+    experts_per_token: int = 8
+    expert_inner_dim: int = 1024
+
+
+@dataclass(frozen=True)
+class SkillRules:
+    """Where the two versions' skills differ (MOONDREAM3.md §3-4)."""
+    doubled_answer: bool  # a plain query ends in [3, 3] (Moondream 2), not [3]
+    two_way_stop: bool  # after an object, point/detect choose between coord and eos only
+    default_max_objects: int
+    max_objects: int
+    top_p: float  # caption / query's default (temperature 0.5 for both)
+
+
+MOONDREAM2_RULES = SkillRules(doubled_answer=True, two_way_stop=False, default_max_objects=50, max_objects=1000,
+                              top_p=0.3)
+# max_objects up to 500, as Cloudflare Workers AI allows for Moondream 3.1.
+MOONDREAM3_RULES = SkillRules(doubled_answer=False, two_way_stop=True, default_max_objects=150, max_objects=500,
+                              top_p=0.9)
+
+
+@dataclass(frozen=True)
 class TextConfig:
     dim: int = 2048
     ff_dim: int = 8192
@@ -38,6 +70,9 @@ class TextConfig:
     n_kv_heads: int = 32
     prefix_attn: int = 730
     group_size: int | None = None  # quantised checkpoints: not supported
+    moe: MoeConfig | None = None  # Moondream 3
+    # Moondream 3's tau attention GELU: "erf" as the reference (MOONDREAM3.md §8), or "tanh" as Kestrel.
+    tau_gelu: str = "erf"
 
 
 @dataclass(frozen=True)
@@ -86,6 +121,25 @@ class MoondreamConfig:
             raise ValueError(f"prefix_attn {t.prefix_attn} != 1 + {self.patches_per_crop} image positions")
         if r.size_out_dim != 2 * r.coord_out_dim:
             raise ValueError("size_out_dim must be 2 x coord_out_dim (width and height bins)")
+        if t.tau_gelu not in ("erf", "tanh"):
+            raise ValueError(f"text tau_gelu must be erf or tanh, got {t.tau_gelu!r}")
+        m = t.moe
+        if m is not None and not (0 <= m.start_layer <= t.n_layers and 1 <= m.experts_per_token <= m.num_experts):
+            raise ValueError("text moe: start_layer must lie in [0, n_layers], experts_per_token in [1, num_experts]")
+        if m is not None and t.n_kv_heads != t.n_heads:
+            raise ValueError("text: Moondream 3's tau attention scales v per query head: n_kv_heads must equal n_heads")
+
+    @property
+    def moondream3(self) -> bool:
+        return self.text.moe is not None
+
+    @property
+    def rules(self) -> SkillRules:
+        return MOONDREAM3_RULES if self.moondream3 else MOONDREAM2_RULES
+
+    @property
+    def rope_theta(self) -> float:
+        return 1.5e6 if self.moondream3 else 10000.0
 
     @property
     def grid(self) -> int:
@@ -98,23 +152,43 @@ class MoondreamConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "MoondreamConfig":
-        if cfg.get("model_type") == HUB_MODEL_TYPE and not any(k in cfg for k in ("text", "vision", "region")):
-            return cls()
+        if not any(k in cfg for k in ("text", "vision", "region")):
+            if cfg.get("model_type") == HUB_MODEL_TYPE:
+                return cls()
+            if cfg.get("model_type") == MD3_MODEL_TYPE:
+                return cls(TextConfig(max_context=4096, moe=MoeConfig()))
 
-        def part(kind, name):
-            given = dict(cfg.get(name) or {})
+        def part(kind, name, given):
+            given = dict(given or {})
             unknown = set(given) - {f.name for f in fields(kind)}
             if unknown:
                 raise ValueError(f"config.json {name}: unknown field(s) {', '.join(sorted(unknown))}")
             return kind(**given)
 
-        return cls(part(TextConfig, "text"), part(VisionConfig, "vision"), part(RegionConfig, "region"))
+        text = dict(cfg.get("text") or {})
+        if "moe" in text:  # the reference builds TextMoeConfig itself, not from the dict
+            text["moe"] = part(MoeConfig, "text.moe", text["moe"])
+        return cls(part(TextConfig, "text", text), part(VisionConfig, "vision", cfg.get("vision")),
+                   part(RegionConfig, "region", cfg.get("region")))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "MoondreamConfig":
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
 
 
+def moondream_version(cfg: dict) -> int | None:
+    """2 or 3 for a Moondream config.json (hub or override format), None for any other."""
+    if cfg.get("model_type") in (HUB_MODEL_TYPE, MD3_MODEL_TYPE):
+        return 2 if cfg["model_type"] == HUB_MODEL_TYPE else 3
+    if "text" in cfg and "vision" in cfg and "region" in cfg:
+        return 3 if isinstance(cfg["text"], dict) and cfg["text"].get("moe") is not None else 2
+    return None
+
+
 def is_moondream_config(cfg: dict) -> bool:
-    return cfg.get("model_type") == HUB_MODEL_TYPE or ("text" in cfg and "vision" in cfg and "region" in cfg)
+    return moondream_version(cfg) == 2
+
+
+def is_moondream3_config(cfg: dict) -> bool:
+    return moondream_version(cfg) == 3
 

@@ -1,13 +1,16 @@
-"""Random Moondream 2 checkpoints in the real layout, built deterministically (torch-free).
+"""Random Moondream 2 and 3 checkpoints in the real layout, built deterministically (torch-free).
 
-Used by the built-in ``tiny-random-moondream`` (``shared/models.py``) and by the tests, whose
-"dev" variant must match the reference's fixture bit for bit.
+Used by the built-ins ``tiny-random-moondream`` and ``tiny-random-moondream3`` (``shared/models.py``)
+and by the tests, whose "dev" and "md3dev" variants must match the reference's fixtures bit for bit.
 
-The recipe: every tensor of the moondream2 layout is drawn from its own numpy
+The recipe (one for both versions): every tensor of the layout is drawn from its own numpy
 PCG64 generator seeded with the first 8 bytes (little-endian) of sha256(b"<variant>:" + key), key
 without the ``model.`` prefix, then scaled by its kind. The weights therefore depend on nothing but
-the key, the shape and the variant; ``tests/data/moondream_dev_expected.json`` holds the sha256 of
-the resulting file and what the reference implementation answered for it.
+the key, the shape and the variant; ``tests/data/moondream_dev_expected.json`` and
+``moondream3_dev_expected.json`` hold the sha256 of the resulting files and what the reference
+implementations answered for them. A config whose text has a ``moe`` section gets Moondream 3's
+layout (MOONDREAM3.md §5): tau attention on every layer, MoE layers from ``start_layer`` (3-D expert
+stacks without biases, a router with one), single-Linear region decoders and ``region.ln``.
 
 Also the deterministic test images (integer hashing, no RNG).
 """
@@ -40,12 +43,30 @@ TINY_CONFIG = {
     "region": dict(DEV_CONFIG["region"], dim=64, coord_feat_dim=16, size_feat_dim=32, inner_dim=128),
 }
 
+# Moondream 3's "md3dev" variant (its reference fixture's model): 4 text layers, the last 2 MoE.
+MD3_DEV_CONFIG = {
+    "text": dict(DEV_CONFIG["text"], n_layers=4, max_context=4096,
+                 moe={"num_experts": 8, "start_layer": 2, "experts_per_token": 4, "expert_inner_dim": 64}),
+    "vision": DEV_CONFIG["vision"],
+    "region": {k: v for k, v in DEV_CONFIG["region"].items() if k != "inner_dim"},
+}
+
+# tiny-random-moondream3: TINY_CONFIG's shapes with MD3's text and region.
+MD3_TINY_CONFIG = {
+    "text": dict(TINY_CONFIG["text"], n_layers=3, max_context=4096,
+                 moe={"num_experts": 8, "start_layer": 1, "experts_per_token": 2, "expert_inner_dim": 32}),
+    "vision": TINY_CONFIG["vision"],
+    "region": {k: v for k, v in TINY_CONFIG["region"].items() if k != "inner_dim"},
+}
+
 NORMS = ("ln", "ln1", "ln2", "post_ln")
 
 
-def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Key (without ``model.``) -> shape, for every tensor of the moondream2 layout."""
+def tensor_shapes(config: dict, region_ln: bool = True) -> dict[str, tuple[int, ...]]:
+    """Key (without ``model.``) -> shape, for every tensor of the moondream2 layout, or of moondream3's
+    (``text.moe`` set; ``region_ln``: with ``region.ln``, as the "modelv2" weights)."""
     t, v, r = config["text"], config["vision"], config["region"]
+    moe = t.get("moe")
     dim, enc = t["dim"], v["enc_dim"]
     qkv = dim + 2 * t["n_kv_heads"] * (dim // t["n_heads"])
     patches = (v["crop_size"] // v["enc_patch_size"]) ** 2
@@ -76,18 +97,32 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         norm(b + "ln", dim)
         linear(b + "attn.qkv", dim, qkv)
         linear(b + "attn.proj", dim, dim)
-        linear(b + "mlp.fc1", dim, t["ff_dim"])
-        linear(b + "mlp.fc2", t["ff_dim"], dim)
+        if moe is not None:
+            out[b + "attn.tau.wq"] = out[b + "attn.tau.wv"] = (t["n_heads"], qkv)
+            out[b + "attn.tau.alpha"] = (t["n_heads"],)
+        if moe is not None and i >= moe["start_layer"]:
+            n, inner = moe["num_experts"], moe["expert_inner_dim"]
+            linear(b + "mlp.router", dim, n)
+            out[b + "mlp.fc1.weight"], out[b + "mlp.fc2.weight"] = (n, 2 * inner, dim), (n, dim, inner)
+        else:
+            linear(b + "mlp.fc1", dim, t["ff_dim"])
+            linear(b + "mlp.fc2", t["ff_dim"], dim)
     norm("text.post_ln", dim)
     linear("text.lm_head", dim, t["vocab_size"])
     out["region.coord_features"] = (1, r["coord_feat_dim"] // 2)
     out["region.size_features"] = (2, r["size_feat_dim"] // 2)
     linear("region.coord_encoder", r["coord_feat_dim"], r["dim"])
-    linear("region.coord_decoder.fc1", r["dim"], r["inner_dim"])
-    linear("region.coord_decoder.fc2", r["inner_dim"], r["coord_out_dim"])
     linear("region.size_encoder", r["size_feat_dim"], r["dim"])
-    linear("region.size_decoder.fc1", r["dim"], r["inner_dim"])
-    linear("region.size_decoder.fc2", r["inner_dim"], r["size_out_dim"])
+    if moe is None:
+        linear("region.coord_decoder.fc1", r["dim"], r["inner_dim"])
+        linear("region.coord_decoder.fc2", r["inner_dim"], r["coord_out_dim"])
+        linear("region.size_decoder.fc1", r["dim"], r["inner_dim"])
+        linear("region.size_decoder.fc2", r["inner_dim"], r["size_out_dim"])
+        return out
+    linear("region.coord_decoder", r["dim"], r["coord_out_dim"])
+    linear("region.size_decoder", r["dim"], r["size_out_dim"])
+    if region_ln:
+        norm("region.ln", r["dim"])
     return out
 
 
@@ -104,7 +139,7 @@ def scaled(key: str, shape: tuple[int, ...], n):
         return 1.0 + 0.1 * n
     if key in ("region.coord_features", "region.size_features"):
         return 2.0 * n
-    if key == "text.wte":
+    if key == "text.wte" or parts[-1] == "alpha":  # alpha: moondream3's tau attention
         return n
     if parts[-1] == "bias":
         return 0.02 * n
@@ -128,14 +163,14 @@ def byte_tokenizer():
 
 
 def write_checkpoint(out: str | Path, config: dict = DEV_CONFIG, variant: str = "dev", eos_bias: float = 0.0,
-                     dtype=np.float32) -> Path:
+                     dtype=np.float32, region_ln: bool = True) -> Path:
     """model.safetensors + config.json (override format) + tokenizer.json in ``out``."""
     from safetensors.numpy import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for key, shape in tensor_shapes(config).items():
+    for key, shape in tensor_shapes(config, region_ln).items():
         t = draw(variant, key, shape)
         if key == "text.lm_head.bias":
             t[0] += np.float32(eos_bias)

@@ -1,7 +1,8 @@
 """A plain greedy loop over :class:`gpu_worker.moondream.Moondream`, batch of one (test helper).
 
-The decoding rules of MOONDREAM.md §4 written as directly as possible, one forward per token,
-so the model can be checked against the reference's figures before any engine is involved.
+The decoding rules of MOONDREAM.md §4 (and MOONDREAM3.md §4 for a Moondream 3) written as directly
+as possible, one forward per token, so the model can be checked against the reference's figures
+before any engine is involved.
 """
 from __future__ import annotations
 
@@ -98,11 +99,18 @@ def generate_reasoning(s: Session, ids: list[int], max_tokens: int, refs=()) -> 
 
 
 def generate_objects(s: Session, ids: list[int], max_objects: int, size: bool) -> list[dict]:
-    """Point / detect: while the full-vocabulary argmax is not eos, x, y (and size) are forced steps."""
+    """Point / detect: while the full-vocabulary argmax is not eos, x, y (and size) are forced steps;
+    Moondream 3 decides after the first object between coord and eos alone."""
     logits, hidden = s.feed(ids)
     region = s.model.region
     out = []
-    while int(logits.argmax()) != EOS_ID and len(out) < max_objects:
+
+    def more() -> bool:
+        if out and s.model.rules.two_way_stop:
+            return bool(s.model.coord_over_eos(hidden[None])[0])
+        return int(logits.argmax()) != EOS_ID
+
+    while len(out) < max_objects and more():
         x = region.coord(hidden[None])
         _, hidden = s.feed_coord(x)
         y = region.coord(hidden[None])

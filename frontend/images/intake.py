@@ -77,7 +77,8 @@ def _moondream(model: ModelInfo) -> IntakeFamily:  # the BOS + image block of ea
 
 
 # Each vision family's intake, by its shared.families name.
-INTAKES: dict[str, Callable[[ModelInfo], IntakeFamily]] = {"idefics3": _idefics3, "moondream": _moondream}
+INTAKES: dict[str, Callable[[ModelInfo], IntakeFamily]] = {"idefics3": _idefics3, "moondream": _moondream,
+                                                             "moondream3": _moondream}
 
 
 def intake_family(model: ModelInfo) -> IntakeFamily | None:

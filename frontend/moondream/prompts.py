@@ -1,4 +1,5 @@
-"""Moondream 2's prompts: the token templates of each skill (MOONDREAM.md §3), torch-free.
+"""Moondream's prompts: the token templates of each skill (MOONDREAM.md §3), torch-free; Moondream 3's
+are the same but for a plain query's answer token, which is not doubled (MOONDREAM3.md §3).
 
 An image prompt is the 730-position image block (BOS + 729 image embeddings, filled by the
 worker) followed by these ids; a query without an image starts with BOS itself and is causal
@@ -52,10 +53,13 @@ def spatial_ref_values(refs: Sequence[Sequence[float]]) -> tuple[list[float], li
 
 
 def query_ids(encode: Encode, question: str, spatial_refs: Sequence[Sequence[float]] = (),
-              reasoning: bool = False, image: bool = True) -> list[int]:
-    """The answer token 3 really is doubled in moondream2; a reasoning query ends in the thinking
-    token instead, and its answer is prompted with one more 3 after the reasoning."""
+              reasoning: bool = False, image: bool = True, doubled_answer: bool = True) -> list[int]:
+    """The answer token 3 really is doubled in moondream2 (not in moondream3); a reasoning query ends
+    in the thinking token instead (after 3 in moondream2), and its answer is prompted with one more
+    3 after the reasoning."""
     ids = ([] if image else [BOS_ID]) + QUERY_PREFIX + spatial_ref_ids(spatial_refs) + encode(question)
+    if not doubled_answer:
+        return ids + [THINKING_ID if reasoning else ANSWER_ID]
     return ids + [ANSWER_ID, THINKING_ID if reasoning else ANSWER_ID]
 
 

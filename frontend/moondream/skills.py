@@ -13,12 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shared.moondream_config import ANSWER_FIRST, COORD_ID, DECIDE, EOS_ID, GROUND_END_ID, GROUND_START_ID, REASON
+from shared.moondream_config import (ANSWER_FIRST, COORD_ID, DECIDE, EOS_ID, GROUND_END_ID, GROUND_START_ID,
+                                     MOONDREAM2_RULES, REASON, SkillRules)
 
 from frontend.moondream import prompts
-from frontend.protocol import DEFAULT_MAX_OBJECTS, SKILLS, SkillError
+from frontend.protocol import SKILLS, SkillError
 PREFIX_LEN = 730  # the image block: BOS + 729 image positions, filled by the worker
-MAX_OBJECTS = 1000
 MAX_REFS = 64
 
 
@@ -65,8 +65,9 @@ def _refs(v: Any, has_image: bool) -> list[list[float]]:
 
 
 def plan(request: dict[str, Any], encode: Callable[[str], list[int]], has_image: bool, max_tokens: int | None,
-         max_question_tokens: int = 1024) -> Plan:
-    """The worker's side of a skill request; SkillError names the bad field."""
+         max_question_tokens: int = 1024, rules: SkillRules = MOONDREAM2_RULES) -> Plan:
+    """The worker's side of a skill request, under the model's rules (its family's); SkillError names
+    the bad field."""
     skill = request.get("skill")
     if skill not in SKILLS:
         raise SkillError(f"skill must be one of {', '.join(SKILLS)}, got {skill!r}")
@@ -86,7 +87,7 @@ def plan(request: dict[str, Any], encode: Callable[[str], list[int]], has_image:
             raise SkillError("reasoning must be a boolean")
         if len(encode(question)) > max_question_tokens:
             raise SkillError(f"question: more than {max_question_tokens} tokens")
-        ids = prompts.query_ids(encode, question, refs, reasoning, image=has_image)
+        ids = prompts.query_ids(encode, question, refs, reasoning, image=has_image, doubled_answer=rules.doubled_answer)
         coords, sizes = prompts.spatial_ref_values(refs)
         n = max_tokens or 768
         if reasoning:  # max_tokens bounds the reasoning and the answer separately (+ the answer token)
@@ -96,12 +97,23 @@ def plan(request: dict[str, Any], encode: Callable[[str], list[int]], has_image:
     obj = _text("object", request.get("object"))
     if len(encode(" " + obj)) > max_question_tokens:
         raise SkillError(f"object: more than {max_question_tokens} tokens")
-    n = request.get("max_objects", DEFAULT_MAX_OBJECTS)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_OBJECTS:
-        raise SkillError(f"max_objects must be an integer in [1, {MAX_OBJECTS}]")
+    n = request.get("max_objects", rules.default_max_objects)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= rules.max_objects:
+        raise SkillError(f"max_objects must be an integer in [1, {rules.max_objects}]")
     detect = skill == "detect"
     ids = (prompts.detect_ids if detect else prompts.point_ids)(encode, obj)
     return Plan(skill, ids, DECIDE, (3 if detect else 2) * n + 1, limit=n, detect=detect)
+
+
+def chat_query(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """An image chat (OpenAI's messages with an image part) as Moondream's query skill: one user
+    message, its text the question. Moondream's prompt has no place for a system message or earlier
+    turns: they are refused, never dropped silently."""
+    if len(messages) != 1 or messages[0].get("role") != "user":
+        raise SkillError("messages: a Moondream model answers one user message about its image (the query skill)")
+    content = messages[0].get("content")
+    parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content if p.get("type") == "text"]
+    return {"skill": "query", "question": " ".join(t.strip() for t in parts if t and t.strip())}
 
 
 def _clamp(box: dict[str, float]) -> dict[str, float]:
@@ -116,10 +128,12 @@ def answer(p: Plan, token_ids: list[int], values: list, decode: Callable[[list[i
         if p.detect:
             return {"text": "", "token_ids": list(token_ids), "output": {"objects": [_clamp(b) for b in found]}}
         return {"text": "", "token_ids": list(token_ids), "output": {"points": found}}
-    tokens = [t for t in token_ids if t != EOS_ID]
     if p.phase != REASON:
+        tokens = [t for t in token_ids if t != EOS_ID]
         return {"text": decode(tokens), "token_ids": tokens}
-    reasoning, answer_ids = prompts.split_reasoning(tokens)
+    # The reasoning may begin with eos (its first token is not suppressed): only the answer's ends it.
+    reasoning, answer_ids = prompts.split_reasoning(token_ids)
+    answer_ids = [t for t in answer_ids if t != EOS_ID]
     return {"text": decode(answer_ids), "token_ids": answer_ids,
             "reasoning": {"text": decode(reasoning), "token_ids": reasoning,
                           "grounding": grounding(reasoning, values[:len(reasoning)], decode)}}

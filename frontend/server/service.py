@@ -206,12 +206,13 @@ class Service:
         if len(images) > 1:
             raise ValueError("images: a skill takes one image")
         encode = lambda text: [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]  # noqa: E731
-        plan = moondream_skills.plan(skill, encode, bool(images), max_tokens)
+        rules = self.model.family.skill_rules
+        plan = moondream_skills.plan(skill, encode, bool(images), max_tokens, rules=rules)
         greedy = plan.phase == moondream_skills.DECIDE  # point / detect
         params = SamplingParams(
             max_tokens=plan.max_tokens, seed=seed,
             temperature=0.0 if greedy else SKILL_SAMPLING["temperature"] if temperature is None else temperature,
-            top_p=1.0 if greedy else SKILL_SAMPLING["top_p"] if top_p is None else top_p)
+            top_p=1.0 if greedy else rules.top_p if top_p is None else top_p)
         if images:
             prefix = [0] * moondream_skills.PREFIX_LEN
             req = self.submit_images(list(images), lambda prepared: prefix + plan.prompt_ids, params,

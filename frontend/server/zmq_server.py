@@ -41,6 +41,7 @@ from frontend.server.connections import Connections
 from frontend.curve import CurveServer
 from frontend.grammars import GrammarCompiler, GrammarError
 from frontend.images.idefics3 import image_prompt_ids
+from frontend.moondream import skills as moondream_skills
 from frontend.server.metrics import Metrics
 from frontend.cli.options import MAX_QUEUE
 from frontend.server.outbox import Outbox, Sent
@@ -87,8 +88,14 @@ class Gate:
         if msg.skill is not None:
             return self._submit_skill(msg, on_event, user_data)
         if msg.images and service.model.family.native_skills:
-            raise P.ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
-                                  "(skill: caption, query, point or detect)", msg.id)
+            if msg.messages is None:
+                raise P.ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
+                                      "(skill: caption, query, point or detect) or a chat message", msg.id)
+            try:  # a chat about an image: Moondream's query skill
+                skill = moondream_skills.chat_query(msg.messages)
+            except ValueError as e:
+                raise P.ProtocolError("bad_request", str(e), msg.id) from None
+            return self._submit_skill(replace(msg, skill=skill), on_event, user_data)
         try:
             ids = self._prompt_ids(msg) if not msg.images else None
             constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None

@@ -23,7 +23,8 @@ A family is one module in this package with one :class:`Family`; a new one imple
 
 Callers ask the family (``family.vision``, ``family.native_skills``), never compare its name.
 Invariants (tests/models/test_families.py): every family has its worker loader and each vision family
-its intake; an architecture is served by one family at most.
+its intake; an architecture is served by one family at most, unless the families sharing it tell
+their configs apart (``model_types``/``recognises``: Moondream 2 and 3 are both ``HfMoondream``).
 """
 from __future__ import annotations
 
@@ -33,14 +34,17 @@ from pathlib import Path
 from .family import Family, UnsupportedModel
 from .idefics3 import IDEFICS3
 from .llama import LLAMA
-from .moondream import MOONDREAM
+from .moondream import MOONDREAM, MOONDREAM3
 from .qwen3 import QWEN3
 
 __all__ = ["FAMILIES", "Family", "UnsupportedModel", "family_of", "family_named", "native_skills", "read_config",
            "HONOURED_QUANTIZATIONS"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN3, IDEFICS3, MOONDREAM)}
-_BY_ARCHITECTURE = {a: f for f in FAMILIES.values() for a in f.architectures}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN3, IDEFICS3, MOONDREAM, MOONDREAM3)}
+_BY_ARCHITECTURE: dict[str, list[Family]] = {}
+for _f in FAMILIES.values():
+    for _a in _f.architectures:
+        _BY_ARCHITECTURE.setdefault(_a, []).append(_f)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 # quantization_config methods whose weights this engine loads as they are: none yet. (A GGUF file's
@@ -64,18 +68,26 @@ def native_skills(family_name: str | None) -> bool:
     return family is not None and family.native_skills
 
 
+def _by_architecture(architecture: str, config: dict) -> list[Family]:
+    """The family serving this architecture; where several share it, the one the config names."""
+    found = _BY_ARCHITECTURE.get(architecture, [])
+    if len(found) > 1:
+        found = [f for f in found if config.get("model_type") in f.model_types or f.recognises(config)]
+    return found[:1]
+
+
 def family_of(config: dict) -> Family:
     """The family serving a config.json dict; ``UnsupportedModel`` naming the architecture (or the
     quantization method) when none can."""
     architectures = config.get("architectures") or ()
-    family = next((_BY_ARCHITECTURE[a] for a in architectures if a in _BY_ARCHITECTURE), None)
+    family = next((f for a in architectures for f in _by_architecture(a, config)), None)
     if family is None and not architectures:
         family = _BY_MODEL_TYPE.get(config.get("model_type")) or next(
             (f for f in FAMILIES.values() if f.recognises(config)), None)
     if family is None:
         what = f"architecture {', '.join(architectures)}" if architectures else \
             f"model_type {config.get('model_type')!r}" if config.get("model_type") else "a config.json without architectures"
-        supported = ", ".join(a for f in FAMILIES.values() for a in f.architectures)
+        supported = ", ".join(_BY_ARCHITECTURE)
         raise UnsupportedModel(f"{what} is not supported (supported architectures: {supported})")
     quantization = config.get("quantization_config") or family.text_config(config).get("quantization_config")
     if quantization:

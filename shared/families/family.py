@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 class UnsupportedModel(ValueError):
@@ -29,7 +29,10 @@ class Family:
     # Renders its own skill prompts (a ``skill`` request: the server's Moondream templates); its
     # images come with a skill only. Else a skill is a prompted chat request (frontend/skills.py).
     native_skills: bool = False
-    recognises: Callable[[dict], bool] = _never  # a config.json with neither architectures nor model_type
+    # A config.json with neither architectures nor model_type; or, where families share an
+    # architecture, one of this family's (with model_types, what tells them apart).
+    recognises: Callable[[dict], bool] = _never
+    skill_rules: Any = None  # a native-skills family: its shared.moondream_config.SkillRules
 
     def eos_token_ids(self, config: dict) -> tuple[int, ...]:
         """config.json's EOS ids, its language model's and its own top-level ones (a vision-language

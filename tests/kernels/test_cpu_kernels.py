@@ -581,7 +581,7 @@ def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels
     from gpu_worker.moondream import apply_partial_rope, rope_tables
 
     H, Hkv, T = 4, 2, 37
-    cos_t, sin_t = rope_tables(D, 64)
+    cos_t, sin_t = rope_tables(D, 64, theta=10000.0)
     g = torch.Generator().manual_seed(5)
     qkv = (3 * torch.randn(T, (H + 2 * Hkv) * D, generator=g)).bfloat16()
     positions = torch.arange(5, 5 + T)

@@ -277,5 +277,38 @@ def test_an_openai_request_without_temperature_leaves_it_to_the_model_default():
 
 
 def test_an_architecture_belongs_to_one_family_at_most():
-    architectures = [a for f in FAMILIES.values() for a in f.architectures]
-    assert len(architectures) == len(set(architectures))
+    """Unless the families sharing it tell their configs apart by model_type (HfMoondream: 2 and 3)."""
+    pairs = [(a, t) for f in FAMILIES.values() for a in f.architectures for t in f.model_types]
+    assert len(pairs) == len(set(pairs))
+    for f in FAMILIES.values():
+        for a in f.architectures:
+            for t in f.model_types:
+                assert family_of({"architectures": [a], "model_type": t}) is f, (a, t)
+    assert family_of({"architectures": ["HfMoondream"], "model_type": "moondream3"}).name == "moondream3"
+    assert family_of({"architectures": ["HfMoondream"], "model_type": "moondream1"}).name == "moondream"
+    with pytest.raises(UnsupportedModel):
+        family_of({"architectures": ["HfMoondream"], "model_type": "moondream9"})
+
+
+def test_moondream_versions_render_and_read_skills_by_their_rules():
+    """One skill planner, two families' rules (MOONDREAM3.md §3-4): Moondream 3's plain query is not
+    doubled, its max_objects defaults to 150 and stops at 500; a reasoning that begins with eos keeps
+    it (only the answer's eos ends the output)."""
+    from frontend.moondream import skills
+    from shared.families import FAMILIES
+    from shared.moondream_config import ANSWER_ID, EOS_ID, THINKING_ID
+    md2, md3 = FAMILIES["moondream"].skill_rules, FAMILIES["moondream3"].skill_rules
+    encode = lambda text: [16 + b for b in text.encode()]  # noqa: E731
+    query = {"skill": "query", "question": "Why?"}
+    assert skills.plan(query, encode, True, 8, rules=md2).prompt_ids[-2:] == [ANSWER_ID, ANSWER_ID]
+    assert skills.plan(query, encode, True, 8, rules=md3).prompt_ids[-2:] == [encode("?")[0], ANSWER_ID]
+    assert skills.plan({**query, "reasoning": True}, encode, True, 8, rules=md3).prompt_ids[-1] == THINKING_ID
+    point = {"skill": "point", "object": "cat"}
+    assert (skills.plan(point, encode, True, None, rules=md2).limit, skills.plan(point, encode, True, None, rules=md3)
+            .limit) == (50, 150)
+    assert skills.plan({**point, "max_objects": 1000}, encode, True, None, rules=md2).limit == 1000
+    with pytest.raises(P.SkillError, match=r"max_objects must be an integer in \[1, 500\]"):
+        skills.plan({**point, "max_objects": 501}, encode, True, None, rules=md3)
+    plan = skills.plan({**query, "reasoning": True}, encode, True, 8, rules=md3)
+    done = skills.answer(plan, [EOS_ID, 40, ANSWER_ID, 41, EOS_ID], [[0.0] * 3] * 5, lambda ids: "")
+    assert done["reasoning"]["token_ids"] == [EOS_ID, 40] and done["token_ids"] == [41]
