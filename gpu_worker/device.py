@@ -55,6 +55,29 @@ class DeviceError(RuntimeError):
 
 # ----------------------------------------------------------------------------- CPU
 
+def leave_openmp_to_the_streams() -> bool:
+    """Run the calling (host) thread's OpenMP regions on one thread, leaving the cores to the CPU
+    streams' threads, where the forward runs. libgomp keeps a pool of worker threads per thread
+    that starts a parallel region, and once it manages more threads than there are CPUs its
+    threads stop spinning between regions: each region then starts with futex wake-ups. On 2
+    cores a one-row forward on the compute stream's thread took 21-41 ms after the host thread had
+    run 2-thread regions (loading the model), 9 ms when it had not (BENCHMARKS.md "The host
+    thread's OpenMP pool"). For the worker process only: its host thread then computes little
+    (in-process callers, tests and benchmarks, keep their threads). Returns whether torch's
+    OpenMP runtime (libgomp) was found."""
+    import os
+
+    torch.get_num_threads()  # torch's lazy per-thread init first: it would set the count back later
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # torch's runtime, only if loaded
+    except OSError:
+        log.info("host thread: torch's OpenMP runtime is not libgomp; its thread count stays")
+        return False
+    gomp.omp_set_num_threads(1)
+    log.info("host thread: OpenMP regions on 1 thread; the streams' threads keep torch's count")
+    return True
+
+
 SIM_SAMPLE_SHARE = 0.1  # of a simulated step: each sampling launch; the forward takes the rest
 
 

@@ -34,6 +34,7 @@ from shared.messages import (Cancel, ImagesCopied, Progress, Ready, Released, Re
 from shared.moondream_config import COORD_ID, SIZE_ID
 from shared.shm import CACHED_SHIFT, Arena, Kind, RingTimeout, Side, TokenFlag, mask_stamp
 
+from .device import leave_openmp_to_the_streams
 from .engine import Engine
 from .image_prefill import ImageInput
 from .moondream_skills import SkillTask
@@ -333,6 +334,8 @@ def main(argv=None) -> None:
     arena = Arena.attach_spec(args.arena, expect_generation=args.generation)
     channel = ControlChannel.from_fd(args.control)
     config = EngineConfig(**json.loads(args.config))
+    if not config.device.startswith("cuda"):
+        leave_openmp_to_the_streams()
     channel.send(Progress(stage=f"loading {config.model} on {config.device}"))
     worker = Worker(arena, channel, config, args.generation, args.parent_pid or os.getppid(), args.mask_timeout)
     try:
