@@ -278,8 +278,9 @@ def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):
     assert after[home] - hits[home] >= 3 * 32  # turns 2-4 each found the earlier turns' pages
     assert all(after[n] == hits[n] for n in names if n != home)
     # the OpenAI user field is a session too, and it is not the header's
-    users = {_chat(cluster, [{"role": "user", "content": "hi"}], user=f"user-{i}").headers["x-tandem-replica"]
-             for i in range(12)}
+    with ThreadPoolExecutor(12) as pool:  # at once, as below
+        users = set(pool.map(lambda i: _chat(cluster, [{"role": "user", "content": "hi"}], user=f"user-{i}").headers[
+            "x-tandem-replica"], range(12)))
     assert users == set(names)  # twelve sessions, rendezvous-hashed over both replicas
     # without either, the prompt's pages: prompts that mostly repeat one sent before follow it (a system
     # prompt filling both pages of these prompts), others spread
