@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -65,8 +66,6 @@ def leave_openmp_to_the_streams() -> bool:
     thread's OpenMP pool"). For the worker process only: its host thread then computes little
     (in-process callers, tests and benchmarks, keep their threads). Returns whether torch's
     OpenMP runtime (libgomp) was found."""
-    import os
-
     torch.get_num_threads()  # torch's lazy per-thread init first: it would set the count back later
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # torch's runtime, only if loaded
