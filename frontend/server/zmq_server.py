@@ -37,6 +37,7 @@ import zmq
 from frontend import logs
 from frontend import protocol as P
 from frontend.client import DEFAULT_ENDPOINT
+from frontend.client.core import new_id
 from frontend.server.connections import Connections
 from frontend.curve import CurveServer
 from frontend.grammars import GrammarCompiler, GrammarError
@@ -187,7 +188,9 @@ class Server:
             curve.apply(self.sock)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.inproc_endpoint = f"inproc://tandem-server-{id(self):x}"
+        # A fresh name each time: a closed socket's inproc name is released later, by ZeroMQ's
+        # reaper thread, so a name derived from id(self) can still be taken when the id is reused.
+        self.inproc_endpoint = f"inproc://tandem-server-{new_id()}"
         self.sock.bind(self.inproc_endpoint)
         self.metrics = Metrics(metrics_compat)  # metrics_compat: also under vLLM's names (metrics.py)
         self.connections = Connections(self.sock)
