@@ -199,7 +199,7 @@ _BF16_ONLY = {
 # quant.c's weight-only linears (every level; gpu_worker/quant.py calls them).
 _C = ctypes.c_int
 _QUANT = {"wlinear": (_C, _P, _C, _P, _P, _P, _I, _P, _P, _C, _I, _I, _I, _I, _C),
-          "wgather": (_C, _P, _P, _P, _I, _I, _P, _I, _P), "wlinear_bf16_dot": ()}
+          "wgather": (_C, _P, _P, _P, _I, _I, _P, _I, _P), "wlinear_bf16_dot": (), "wlinear_tile_rows": ()}
 
 
 class _Functions(dict):

@@ -18,7 +18,10 @@ Where the weights come from:
 The kernel's formats (``QWeight.fmt``): ``q8``: int8 [N, K] and a float32 scale (and offset)
 per group of ``group`` k; ``q4``: nibbles [N, K / 2] (per 32 k, byte j holds k = j low and k = j + 16 high)
 and a float32 scale and offset per group. ``bf16``: a plain bf16 weight (CPUs whose oneDNN
-refuses bf16).
+refuses bf16). ``t8`` / ``t4``: q8 / q4 in groups of 32 or more repacked (:func:`tile`) into tiles
+of 16 output rows for ``kernels/tiled.c``, which multiplies them by activations rounded to int16
+per 32 k (:meth:`QuantKernels.multiplied_activation`); :class:`QuantLinear` tiles its weights at
+the levels that have that kernel (``QuantKernels.tile_rows``).
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ import torch.nn as nn
 from gpu_worker.cpu_kernels import CpuKernels
 from shared.config import INT4_GROUPS
 
-FORMATS = {"q8": 0, "q4": 1, "bf16": 2}  # kernels/quant.c's FMT_*
+FORMATS = {"q8": 0, "q4": 1, "bf16": 2, "t8": 4, "t4": 5}  # kernels/quant.h's FMT_*
+TILE = 16  # output rows of a t8 / t4 tile (kernels/tiled.c)
 
 
 @dataclass
@@ -52,6 +56,8 @@ class QWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the kernel multiplies by (for references and tests)."""
         N, K = self.shape
+        if self.fmt in ("t8", "t4"):
+            return untile(self).dequantize()
         if self.fmt == "bf16":
             return self.data.float()
         if self.fmt == "q8":
@@ -69,6 +75,51 @@ class QWeight:
         pick = lambda t: None if t is None else t[index].contiguous()
         data = pick(self.data)
         return QWeight(self.fmt, data, pick(self.scale), pick(self.offset), self.group, (data.shape[0], self.shape[1]))
+
+
+def tile(w: QWeight) -> QWeight:
+    """A row-major q8 / q4 weight as t8 / t4 (see ``kernels/tiled.c``'s layouts): the rows padded with
+    zeros to whole tiles, each block of 32 k of a tile as 16 k-pairs of 16 rows x 2 k; the scales
+    (and offsets) [N / 16, K / group, 16]."""
+    N, K = w.shape
+    tiles, blocks = -(-N // TILE), K // 32
+    if w.fmt == "q4":
+        b = w.data.view(N, blocks, 16)
+        q = torch.cat([b & 15, b >> 4], dim=2)  # k order within each block
+    else:
+        q = w.data.view(N, blocks, 32)
+    padded = torch.zeros((tiles * TILE, blocks, 32), dtype=q.dtype)
+    padded[:N] = q
+    pairs = padded.view(tiles, TILE, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 16, 2 * TILE)
+    if w.fmt == "q4":  # k-pair 4c + 2n + h: chunk c, half h, the low (n = 0) or high nibble
+        halves = pairs.view(tiles, blocks, 4, 2, 2, 2 * TILE)
+        data = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+    else:
+        data = pairs
+
+    def per_tile(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        rows = torch.zeros((tiles * TILE, t.shape[1]), dtype=t.dtype)
+        rows[:N] = t
+        return rows.view(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+    return QWeight("t" + w.fmt[1], data.contiguous(), per_tile(w.scale), per_tile(w.offset), w.group, w.shape)
+
+
+def untile(w: QWeight) -> QWeight:
+    """The row-major q8 / q4 weight of a t8 / t4 one (:func:`tile`'s inverse)."""
+    N, K = w.shape
+    tiles, blocks = -(-N // TILE), K // 32
+    if w.fmt == "t4":
+        halves = w.data.view(tiles, blocks, 4, 2, 2 * TILE)
+        pairs = torch.stack([halves & 15, halves >> 4], dim=3)  # [tiles, blocks, c, n, h, 32]
+    else:
+        pairs = w.data
+    q = pairs.reshape(tiles, blocks, 16, TILE, 2).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks, 32)[:N]
+    data = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(N, K // 2) if w.fmt == "t4" else q.reshape(N, K)
+    rows = lambda t: None if t is None else t.transpose(1, 2).reshape(tiles * TILE, -1)[:N].contiguous()  # noqa: E731
+    return QWeight("q" + w.fmt[1], data.contiguous(), rows(w.scale), rows(w.offset), w.group, w.shape)
 
 
 def concat(parts: list[QWeight]) -> list[QWeight]:
@@ -217,11 +268,31 @@ class QuantKernels:
         # At this level bf16 activations multiply the weights rounded to bf16 (vdpbf16ps: the products
         # exact, the sums float32); float32 activations always multiply the float32 expansion.
         self.bf16_dot = bool(bf16_dot())
+        tile_rows = kernels.function("wlinear_tile_rows")
+        tile_rows.restype = ctypes.c_int
+        self.tile_rows = tile_rows()  # 0: this level has no tiled kernel; q8 / q4 stay row-major
+
+    def tiles(self, w: QWeight) -> bool:
+        """Whether :class:`QuantLinear` holds ``w`` in tiles here: q8 / q4 in groups of 32 or more."""
+        return bool(self.tile_rows) and w.fmt in ("q8", "q4") and w.group >= 32
 
     def multiplied_weight(self, w: "QWeight", x_dtype: torch.dtype) -> torch.Tensor:
         """The float32 weight [N, K] that :meth:`linear` multiplies activations of ``x_dtype`` by."""
         dense = w.dequantize()
-        return dense.bfloat16().float() if self.bf16_dot and x_dtype == torch.bfloat16 else dense
+        bf16_dot = self.bf16_dot and x_dtype == torch.bfloat16 and w.fmt in ("q8", "q4", "bf16")
+        return dense.bfloat16().float() if bf16_dot else dense
+
+    @staticmethod
+    def multiplied_activation(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+        """The float32 x [M, K] that :meth:`linear` multiplies ``w`` by: x itself, or for a tiled weight
+        each 32 of a row rounded to int16 steps of its largest |x| / 32767 (nearest even)."""
+        if w.fmt not in ("t8", "t4"):
+            return x.float()
+        M, K = x.shape
+        blocks = x.float().reshape(M, K // 32, 32)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+        return ((blocks * inv).round() * (amax / 32767)).reshape(M, K)
 
     def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:
         """y [M, ldy]'s first N columns (a view) = x [M, K] @ w^T + bias (float32 or None)."""
@@ -248,7 +319,7 @@ class QuantLinear(nn.Module):
             if p.shape[1] % 32 or (p.fmt != "bf16" and (p.group < 16 or p.group & (p.group - 1))):
                 raise ValueError(f"{p.fmt} weight {p.shape}: K must be a multiple of 32 and the group a power of two "
                                  f">= 16 (group {p.group})")
-        self.parts = concat(parts)
+        self.parts = [tile(p) if kernels.tiles(p) else p for p in concat(parts)]
         self.in_features = self.parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in self.parts)
         self.bias = None if bias is None else bias.detach().float().contiguous()

@@ -144,8 +144,8 @@ def quant_kernels():
 def check_quantized_against_dequantized(path, method: str, image, ids: list[int]) -> None:
     """--quantization int8|int4: the experts (quantized as they are read), the blocks' and the vision
     encoder's linears run through the weight-only kernels; the float model given the dequantized
-    weights computes the same hidden states up to float32 summation order (1e-5 relative) and the same
-    coordinate bin, while the float32 checkpoint's differ (non-vacuity: something was quantized)."""
+    weights computes the same hidden states up to float32 summation order (1e-5 relative; 1e-3 with
+    tiles, whose activations are rounded to int16) and the same coordinate bin, while the float32 checkpoint's differ (non-vacuity: something was quantized)."""
     from gpu_worker.moondream import Experts, Moondream
     from gpu_worker.quant import QuantLinear
 
@@ -166,6 +166,8 @@ def check_quantized_against_dequantized(path, method: str, image, ids: list[int]
             s = start(model, model.image_prefix(torch.from_numpy(image[0]), image[1]))
             hidden[key] = s.feed(ids)[1]
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    assert rel(hidden["q"], hidden["d"]) < 1e-5
+    # Tiled weights multiply activations rounded to int16 per 32 k (2^-16 of the block's largest
+    # value): 1e-4 relative measured after every layer, against 4e-2 or more for the original weights.
+    assert rel(hidden["q"], hidden["d"]) < (1e-3 if kernels.tile_rows else 1e-5)
     assert quantized.region.coord(hidden["q"][None]) == dequantized.region.coord(hidden["d"][None])
     assert rel(hidden["q"], hidden["f"]) > 1e-3

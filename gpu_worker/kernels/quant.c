@@ -244,6 +244,12 @@ static inline __attribute__((always_inline)) void block_rows(
  * dividing K. K a multiple of 32 for every format (quant.py checks). */
 void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale, const float *offset, int64_t G,
              const float *bias, void *y, int y_bf, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
+#if VW == 16
+    if (fmt == FMT_T4 || fmt == FMT_T8) {
+        tlinear(fmt, x, x_bf, w, scale, offset, G, bias, y, y_bf, ldy, M, K, N, nthreads);
+        return;
+    }
+#endif
     const int64_t blocks = (N + NB - 1) / NB;
     const int gshift = G > 0 ? __builtin_ctzll((unsigned long long)G) : 0; /* G: a power of two */
     if (M * N * K < (1 << 15)) nthreads = 1; /* a parallel region costs more than it saves */

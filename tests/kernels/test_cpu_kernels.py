@@ -307,7 +307,8 @@ def test_quantized_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels, d
         mlp.gate_up_proj = QuantLinear([quantize(mlp.gate_up_proj.weight.detach(), "int4", 64)], None, qk)
         mlp.down_proj = QuantLinear([quantize(mlp.down_proj.weight.detach(), "int4", 32)], torch.randn(
             TINY32.hidden_size, generator=g), qk)
-    assert [p.fmt for p in model.layers[0].self_attn.qkv_proj.parts] == ["q4", "q8", "bf16"]
+    tiled = ["t4", "t8", "bf16"] if qk.tile_rows else ["q4", "q8", "bf16"]  # tiles at the VW 16 levels
+    assert [p.fmt for p in model.layers[0].self_attn.qkv_proj.parts] == tiled
     _one_call_equals_python_loop(model, kernels, dtype)
     halves = v.split(Hkv * D // 2)
     model.layers[1].self_attn.qkv_proj = QuantLinear(  # four parts: more than the table holds

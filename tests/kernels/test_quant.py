@@ -94,17 +94,21 @@ def weights(N: int, K: int) -> dict[str, QWeight]:
 def test_the_kernel_is_a_float32_matmul_and_each_row_is_alone(kernels, fmt, x_dtype):
     N, K = 37, 256  # N: not a multiple of the kernel's 4-row blocks
     w = weights(N, K)[fmt]
-    dense = kernels.multiplied_weight(w, x_dtype).double()  # at bf16-dot levels with bf16 x: rounded to bf16
-    assert kernels.bf16_dot == (kernels.level in ("avx512_bf16", "amx"))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    layer = quant.QuantLinear([w], bias, kernels)
+    held = layer.parts[0]  # tiled (t8 / t4) where the level has the tiled kernel
+    assert held.fmt == (("t" + w.fmt[1]) if kernels.tiles(w) else w.fmt)
+    assert kernels.tiles(w) == (kernels.level in ("avx512", "avx512_bf16", "amx") and fmt in ("q8", "q4", "q4/64"))
+    dense = kernels.multiplied_weight(held, x_dtype).double()  # at bf16-dot levels with bf16 x: rounded to bf16
+    assert kernels.bf16_dot == (kernels.level in ("avx512_bf16", "amx"))
     for M in (1, 2, 3, 5, 9):  # around the kernel's blocks of rows (2 or 4), streamed and buffered
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(x_dtype)
-        layer = quant.QuantLinear([w], bias, kernels)
         y = layer(x)
         assert y.dtype == x_dtype and y.shape == (M, N)
-        exact = x.double() @ dense.T + bias.double()
+        xm = kernels.multiplied_activation(x, held).double()  # tiled: rounded to int16 per 32 k
+        exact = xm @ dense.T + bias.double()
         # float32 sums over K terms: |error| <= K 2^-24 sum |x w| (plus bf16's rounding of the result)
-        bound = K * 2 ** -24 * (x.double().abs() @ dense.abs().T + bias.double().abs())
+        bound = K * 2 ** -24 * (xm.abs() @ dense.abs().T + bias.double().abs())
         if x_dtype == torch.bfloat16:
             bound = bound + exact.abs() * 2 ** -8
         assert ((y.double() - exact).abs() <= bound).all()
@@ -119,11 +123,23 @@ def test_a_fused_projection_of_mixed_formats_writes_each_part_in_its_columns(ker
     K = 256
     parts = [weights(16, K)["q4"], weights(8, K)["q8/Q6_K"], weights(8, K)["q4"]]
     layer = quant.QuantLinear(parts, None, kernels)
-    assert [p.fmt for p in layer.parts] == ["q4", "q8", "q4"]  # neighbours of one format would merge
+    row_major = [quant.untile(p) if p.fmt in ("t8", "t4") else p for p in layer.parts]
+    assert [p.fmt for p in row_major] == ["q4", "q8", "q4"]  # neighbours of one format would merge
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(0))
-    dense = torch.cat([p.dequantize() for p in parts]).double()
-    bound = K * 2 ** -24 * (x.double().abs() @ dense.abs().T)  # float32 sums, as above
-    assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
+    xm = [kernels.multiplied_activation(x, p).double() for p in layer.parts]
+    exact = torch.cat([a @ p.dequantize().double().T for a, p in zip(xm, layer.parts)], dim=1)
+    bound = K * 2 ** -24 * torch.cat([a.abs() @ p.dequantize().double().abs().T for a, p in zip(xm, layer.parts)],
+                                     dim=1)  # float32 sums, as above
+    assert ((layer(x).double() - exact).abs() <= bound).all()
+
+
+def test_tiles_hold_the_row_major_weight_exactly(kernels):
+    """tile() and untile() are inverses for every tiled format, N not a multiple of the tile."""
+    for w in (weights(37, 256)[f] for f in ("q8", "q4", "q4/64")):
+        back = quant.untile(quant.tile(w))
+        assert quant.tile(w).fmt == "t" + w.fmt[1] and back.fmt == w.fmt
+        for a, b in ((back.data, w.data), (back.scale, w.scale), (back.offset, w.offset)):
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_quantization_at_load_is_close_and_refuses_what_it_cannot():
@@ -212,7 +228,8 @@ def test_quantized_smollm2_agrees_with_its_float32_weights(smollm2, method, dtyp
     path, seqs, tops = smollm2
     if method == "gguf":
         model = load_gguf(path, kernels, dtype, max_model_len=512)
-        assert {p.fmt for m in model.modules() if isinstance(m, quant.QuantLinear) for p in m.parts} == {"q4", "q8"}
+        assert {p.fmt for m in model.modules() if isinstance(m, quant.QuantLinear) for p in m.parts} == (
+            {"t4", "t8"} if kernels.tile_rows else {"q4", "q8"})
     else:
         model = Llama.from_pretrained(path, dtype=torch.float32, max_model_len=512)
         assert quantize_linears(model, method, 32, kernels) == 30 * 4 + 1

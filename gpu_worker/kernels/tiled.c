@@ -1,0 +1,186 @@
+/* Weight-only linears on tiles of 16 output rows with int16 activations (the levels with VW 16).
+ *
+ * y [M, N] = x [M, K] @ W^T (+ bias), x and y float32 or bf16: W in tiles of TILE = 16 output rows, each block of 32 k of a
+ * tile stored so that one vector of 32 int16 holds 16 rows x 2 k (word 2 r + e: row r, k = 2 j + e
+ * of k-pair j). x is quantized per 32 k to int16 against the block's largest value (as the i16
+ * branch: dx = amax / 32767, q = x * (32767 / amax) rounded to nearest even); vpdpwssd with x's
+ * pair (q[2j], q[2j + 1]) broadcast adds both products of each row into its own int32 lane, so a
+ * block's 16 k-pairs give every row's exact integer sum in one vector, scaled once per block:
+ *     y[r] = sum_b (s[r, b] dx_b) isum[r, b] + sum_g o[r, g] xs_g + bias[r]
+ * with xs_g = sum of dx_b * sum(q_b) over group g's blocks. The scaling costs 3 ops per 16 dot
+ * products at any M, the lanes are the outputs (no horizontal sums), and a tile's weights are
+ * unpacked once for up to MB rows of x (streamed) or once into an int16 buffer for more.
+ *
+ * Against quant.c's row-major expansion to float32 this is 2.3-3.1x at one row of x, 1.6-2.6x at
+ * four and 1.3x at 32 (BENCHMARKS.md "Tiles of 16 output rows with int16 activations"). x's
+ * rounding to int16 is QuantKernels.multiplied_activation (gpu_worker/quant.py).
+ *
+ * Layouts (gpu_worker/quant.py's tile() repacks a row-major q4 / q8 weight):
+ *   t4  per tile, per block: 4 chunks of 64 bytes; chunk c's half h (32 bytes): byte p's low nibble
+ *       is word p of k-pair 4c + h, its high nibble word p of k-pair 4c + 2 + h (q in 0..15);
+ *       scale, offset [N / 16][K / G][16] float32
+ *   t8  per tile, per block: 16 k-pairs of 32 int8 (word p of k-pair j); scale (offset) as t4
+ * Batch invariance: the same integers and the same float32 ops in the same order whatever M.
+ */
+#include "quant.h"
+#include "vec.h"
+
+#if VW == 16
+#define TILE 16
+#define MB 4 /* rows of x per pass over a tile: MB int32 and MB float32 accumulators */
+
+typedef __m512i vi;
+
+static inline vi dot_pairs(vi acc, vi a, vi b) { /* acc + the pairwise products of int16 a, b */
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* Row x [K] -> q [K] int16 (k order), dx [K / 32], xs [K / G]. */
+static void tq_quantize_row(const void *x, int x_bf, int64_t K, int gshift, int16_t *q, float *dx, float *xs) {
+    for (int64_t g = 0; g < K >> gshift; g++) xs[g] = 0.f;
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512 x0 = v_load(x, 32 * b, 16, x_bf), x1 = v_load(x, 32 * b + 16, 16, x_bf);
+        const int finite = !(_mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float inv = amax > 0.f && finite ? 32767.f / amax : 0.f;
+        dx[b] = finite ? amax / 32767.f : NAN;
+        const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm512_cvtepi32_epi16(a));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), _mm512_cvtepi32_epi16(c));
+        xs[(32 * b) >> gshift] += dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
+    }
+}
+
+/* The 16 k-pair vectors of one block of one tile, in k-pair order. */
+static inline __attribute__((always_inline)) void tq_unpack(const int fmt, const uint8_t *blk, vi wv[16]) {
+    if (fmt == FMT_Q4) {
+        const vi low = _mm512_set1_epi16(15);
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+            const vi h0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v));
+            const vi h1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1));
+            wv[4 * c] = _mm512_and_si512(h0, low);
+            wv[4 * c + 1] = _mm512_and_si512(h1, low);
+            wv[4 * c + 2] = _mm512_srli_epi16(h0, 4);
+            wv[4 * c + 3] = _mm512_srli_epi16(h1, 4);
+        }
+    } else {
+        for (int j = 0; j < 16; j++) wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
+    }
+}
+
+/* Rows m0 .. m0 + MBC - 1 of x against tile t -> y. `buf` (int16 [K / 32][16][32]) or NULL: streamed. */
+static inline __attribute__((always_inline)) void tq_tile(const int fmt, const uint8_t *w, const float *scale,
+                                                          const float *offset, int gshift, const int16_t *buf,
+                                                          const int16_t *qx, const float *dx, const float *xs,
+                                                          int64_t K, int64_t N, int64_t t, int64_t m0, const int MBC,
+                                                          const float *bias, void *y, int y_bf, int64_t ldy) {
+    const int64_t blocks = K / 32, groups = K >> gshift, bytes = fmt == FMT_Q4 ? 256 : 512;
+    const uint8_t *tw = w + t * blocks * bytes;
+    __m512 acc[MB];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        vi wv[16];
+        if (buf)
+            for (int j = 0; j < 16; j++) wv[j] = _mm512_loadu_si512(buf + (b * 16 + j) * 32);
+        else {
+            _mm_prefetch((const char *)(tw + (b + 4) * bytes), _MM_HINT_T0);
+            tq_unpack(fmt, tw + b * bytes, wv);
+        }
+        const __m512 sv = _mm512_loadu_ps(scale + (t * groups + ((32 * b) >> gshift)) * TILE);
+        for (int m = 0; m < MBC; m++) {
+            const int32_t *pairs = (const int32_t *)(qx + (m0 + m) * K + 32 * b);
+            vi isum = _mm512_madd_epi16(wv[0], _mm512_set1_epi32(pairs[0]));
+            for (int j = 1; j < 16; j++) isum = dot_pairs(isum, wv[j], _mm512_set1_epi32(pairs[j]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])),
+                                     acc[m]);
+        }
+    }
+    const int64_t rows = N - t * TILE < TILE ? N - t * TILE : TILE;
+    for (int m = 0; m < MBC; m++) {
+        if (offset)
+            for (int64_t g = 0; g < groups; g++)
+                acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(offset + (t * groups + g) * TILE),
+                                         _mm512_set1_ps(xs[(m0 + m) * groups + g]), acc[m]);
+        if (bias) acc[m] = _mm512_add_ps(acc[m], v_load(bias, t * TILE, rows, 0));
+        v_store(y, (m0 + m) * ldy + t * TILE, rows, acc[m], y_bf);
+    }
+}
+
+/* wlinear (quant.c) for the tiled formats: the same arguments. */
+void tlinear(int fmt, const void *x, int x_bf, const void *wt, const float *scale, const float *offset, int64_t G,
+             const float *bias, void *y, int y_bf, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
+    const uint8_t *w = (const uint8_t *)wt;
+    fmt = fmt == FMT_T4 ? FMT_Q4 : FMT_Q8;
+    const int gshift = __builtin_ctzll((unsigned long long)G);
+    const int64_t tiles = (N + TILE - 1) / TILE, groups = K >> gshift;
+    if (M * N * K < (1 << 15)) nthreads = 1;
+    /* x rounded once into shared buffers by all threads; up to MB rows, by each thread into its own
+     * (the same bits, and no barrier between rounding and multiplying: a decode step's ~120 linears) */
+    const int shared = M > MB;
+    int16_t *qx = shared ? aligned_alloc(64, (size_t)(M * K * 2 + 63) / 64 * 64) : NULL;
+    float *dx = shared ? malloc((size_t)(M * (K / 32)) * sizeof(float)) : NULL;
+    float *xs = shared ? malloc((size_t)(M * groups) * sizeof(float)) : NULL;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int16_t *my_qx = qx;
+        float *my_dx = dx, *my_xs = xs;
+        if (!shared) {
+            my_qx = aligned_alloc(64, (size_t)(M * K * 2 + 63) / 64 * 64);
+            my_dx = malloc((size_t)(M * (K / 32)) * sizeof(float));
+            my_xs = malloc((size_t)(M * groups) * sizeof(float));
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < (shared ? M : 0); m++)
+            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, qx + m * K, dx + m * (K / 32),
+                            xs + m * groups);
+        for (int64_t m = 0; m < (shared ? 0 : M); m++)
+            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
+                            my_dx + m * (K / 32), my_xs + m * groups);
+        int16_t *buf = M > MB ? aligned_alloc(64, (size_t)K * TILE * 2) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (buf) {
+                const int64_t bytes = fmt == FMT_Q4 ? 256 : 512;
+                for (int64_t b = 0; b < K / 32; b++) {
+                    vi wv[16];
+                    if (fmt == FMT_Q4) tq_unpack(FMT_Q4, w + (t * (K / 32) + b) * bytes, wv);
+                    else tq_unpack(FMT_Q8, w + (t * (K / 32) + b) * bytes, wv);
+                    for (int j = 0; j < 16; j++) _mm512_storeu_si512(buf + (b * 16 + j) * 32, wv[j]);
+                }
+            }
+#define TILE_ROWS(F, R) tq_tile(F, w, scale, offset, gshift, buf, my_qx, my_dx, my_xs, K, N, t, m0, R, bias, y, y_bf, ldy)
+#define ROWS(R) (fmt == FMT_Q4 ? TILE_ROWS(FMT_Q4, R) : TILE_ROWS(FMT_Q8, R))
+            int64_t m0 = 0;
+            for (; m0 + MB <= M; m0 += MB) ROWS(MB);
+            switch (M - m0) {
+            case 1: ROWS(1); break;
+            case 2: ROWS(2); break;
+            case 3: ROWS(3); break;
+            default: break;
+            }
+#undef ROWS
+#undef TILE_ROWS
+        }
+        free(buf);
+        if (!shared) {
+            free(my_qx);
+            free(my_dx);
+            free(my_xs);
+        }
+    }
+    free(qx);
+    free(dx);
+    free(xs);
+}
+
+/* The rows of W per tile: gpu_worker/quant.py tiles q4 and q8 weights where this is not 0. */
+int wlinear_tile_rows(void) { return TILE; }
+#else
+int wlinear_tile_rows(void) { return 0; }
+#endif
