@@ -13,15 +13,15 @@ Validation rules, in the order they are applied:
 2. total size <= ``Limits.max_message_bytes``  -> ``too_long``
 3. exactly two frames, frame 1 one msgpack map with string keys and a known
    string ``type``                             -> ``bad_request``
-4. per type: required fields present, no unknown fields, every field of the
-   right type and in range                     -> ``bad_request``; a prompt
-   over ``Limits.max_prompt_chars`` / ``max_prompt_tokens`` -> ``too_long``.
-   For ``generate``: the prompt form, then every field's type, then the
-   ranges of the sampling fields.
+4. per type: no unknown fields, then every field's type (msgspec, against the
+   message's wire type: ``GenerateFields``, ...), then what a type cannot say:
+   required fields, the prompt form, lengths and ranges -> ``bad_request``; a
+   prompt over ``Limits.max_prompt_chars`` / ``max_prompt_tokens`` -> ``too_long``.
 
 The sampling fields of ``generate`` are ``SamplingParams``' fields, with the
-same names and defaults (``shared.sampling.SAMPLING_FIELDS``): this module
-checks their wire types, ``SamplingParams.validate`` their ranges.
+same names and defaults (``shared.sampling.SAMPLING_FIELDS``): the wire type
+declares their types, ``SamplingParams.validate`` checks their ranges. A type
+error is worded as ``<field> must be <MUST_BE[field]>, got <msgpack type>``.
 
 A field sent as nil is treated as absent (so clients whose encoders turn
 ``undefined``/``None`` into nil work); a required field sent as nil is missing.
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 import msgpack
+import msgspec
 
 from shared.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, SamplingParams
 
@@ -219,6 +220,77 @@ class InfoRequest:
 ClientMessage = Union[GenerateRequest, CancelRequest, PingRequest, InfoRequest]
 
 
+# --------------------------------------------------------------------------- wire types
+# What each client message may hold, as msgspec Structs: the types are declared here once and
+# checked by msgspec (in C); what a type cannot say (ranges, lengths, one prompt form, the limits)
+# is the parser's post-check. Every field is optional and nil means absent, so a message decodes
+# whatever it leaves out; what is required is the post-check's to say, in the protocol's words.
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image", forbid_unknown_fields=True):
+    pass
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str | None = None
+    content: str | list[TextPart | ImagePart] | None = None
+
+
+_SAMPLING_WIRE_TYPES = {int: int, float: float, bool: bool, tuple: list[int], dict: dict}
+
+GenerateFields = msgspec.defstruct("GenerateFields", [
+    ("type", str, "generate"), ("id", str | None, None),
+    ("prompt", str | None, None), ("messages", list[ChatMessage] | None, None),
+    ("prompt_token_ids", list[int] | None, None), ("skill", str | None, None),
+    *((f.name, _SAMPLING_WIRE_TYPES[f.type] | None, None) for f in SAMPLING_FIELDS),
+    ("stop", list[str] | None, None), ("stream", bool | None, None), ("logprobs", bool | None, None),
+    ("top_logprobs", int | None, None), ("grammar", dict | None, None), ("images", list[bytes] | None, None),
+    ("adapter", str | None, None), ("truncate_prompt_tokens", int | None, None),
+    ("add_generation_prompt", bool | None, None), ("continue_final_message", bool | None, None),
+    ("chat_template_kwargs", dict | None, None),
+    *((name, Any, None) for name in SKILL_FIELDS),  # their values are the skill's to check
+])
+
+
+class CancelFields(msgspec.Struct):
+    type: str
+    id: str | None = None
+
+
+class PingFields(msgspec.Struct):
+    type: str
+    nonce: Any = None
+
+
+class InfoFields(msgspec.Struct):
+    type: str
+
+
+WIRE_TYPES = {"generate": GenerateFields, "cancel": CancelFields, "ping": PingFields, "info": InfoFields}
+WIRE_FIELDS = {kind: frozenset(t.__struct_fields__) for kind, t in WIRE_TYPES.items()}
+
+# A wire type's error in the protocol's words: "<field> must be <MUST_BE[field]>, got <type>" (indexes
+# written []); a field's element by name[], a nested map's field by a dot.
+MUST_BE: dict[str, str] = {
+    "id": "a string", "prompt": "a string", "skill": "a skill's name (a string)", "adapter": "a string",
+    "messages": "an array of {role, content} maps", "messages[]": "a map with role and content",
+    "messages[].role": "a string", "messages[].content": "a string or an array of parts",
+    "messages[].content[]": "a map", "messages[].content[].text": "a string",
+    "token_ids": "an array of integers", "token_ids[]": "an integer",
+    **{f.name: f.must_be for f in SAMPLING_FIELDS},
+    "stop": "an array of strings", "stop[]": "a string", "stream": "a bool", "logprobs": "a bool",
+    "top_logprobs": f"an integer in [0, {MAX_TOP_LOGPROBS}]", "grammar": "a map",
+    "images": "an array of bin (encoded image files)", "images[]": "bin (an encoded image file)",
+    "truncate_prompt_tokens": "an integer >= 1", "add_generation_prompt": "a bool",
+    "continue_final_message": "a bool", "chat_template_kwargs": "a map",
+}
+TOKEN_ID_FIELDS = ("prompt_token_ids", *(f.name for f in SAMPLING_FIELDS if f.type is tuple))  # MUST_BE's token_ids
+
+
 MAX_CHOICES = 16  # choices of one request (OpenAI's n): each is a request of its own, its KV reserved
 
 
@@ -284,20 +356,17 @@ def _short(v: object, limit: int = 40) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_bool(v: object) -> bool:
-    return isinstance(v, bool)
-
-
 def _valid_id(v: object) -> bool:
     return isinstance(v, str) and 1 <= len(v) <= MAX_ID_CHARS
+
+
+def _bad(message: str) -> ProtocolError:
+    """A bad request; the envelope adds the request's id once it is known."""
+    return ProtocolError("bad_request", message)
+
+
+def _too_long(message: str) -> ProtocolError:
+    return ProtocolError("too_long", message)
 
 
 def _peek_id(payload: bytes) -> str | None:
@@ -321,86 +390,67 @@ def _peek_id(payload: bytes) -> str | None:
     return None
 
 
-class _Ctx:
-    """Carries the request id (once known) into the errors raised while validating."""
-
-    __slots__ = ("id",)
-
-    def __init__(self) -> None:
-        self.id: str | None = None
-
-    def bad(self, message: str) -> ProtocolError:
-        return ProtocolError("bad_request", message, self.id)
-
-    def too_long(self, message: str) -> ProtocolError:
-        return ProtocolError("too_long", message, self.id)
-
-
-def _check_keys(ctx: _Ctx, d: dict, where: str) -> None:
+def _check_keys(d: dict, where: str) -> None:
     for k in d:
         if not isinstance(k, str):
-            raise ctx.bad(f"{where} keys must be strings, got a {_tname(k)} key")
+            raise _bad(f"{where} keys must be strings, got a {_tname(k)} key")
 
 
-def _required_str(ctx: _Ctx, msg: dict, name: str) -> str:
-    v = msg.get(name)
-    if v is None:
-        raise ctx.bad(f"missing field {name!r}")
-    if not isinstance(v, str):
-        raise ctx.bad(f"{name} must be a string, got {_tname(v)}")
-    return v
-
-
-def _check_id(ctx: _Ctx, msg: dict) -> str:
-    v = _required_str(ctx, msg, "id")
-    if not 1 <= len(v) <= MAX_ID_CHARS:
-        raise ctx.bad(f"id must be 1 to {MAX_ID_CHARS} characters, got {len(v)}")
-    ctx.id = v
-    return v
-
-
-def _check_unknown(ctx: _Ctx, msg: dict, allowed: frozenset, what: str) -> None:
+def _check_unknown(msg: dict, allowed: frozenset, what: str) -> None:
     extra = sorted(k for k in msg if k not in allowed)
     if extra:
         names = ", ".join(_short(k) for k in extra[:5])
         more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
         s = "s" if len(extra) > 1 else ""
-        raise ctx.bad(f"unknown field{s} {names}{more} for {what}")
+        raise _bad(f"unknown field{s} {names}{more} for {what}")
 
 
-def _opt_bool(ctx: _Ctx, msg: dict, name: str, default: bool) -> bool:
-    """An optional bool field: ``default`` when absent or nil."""
-    v = msg.get(name)
-    if v is None:
-        return default
-    if not _is_bool(v):
-        raise ctx.bad(f"{name} must be a bool, got {_tname(v)}")
-    return v
+# --------------------------------------------------------------------------- wire types -> errors
+
+_PATH_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]")
 
 
-def _opt_str(ctx: _Ctx, msg: dict, name: str) -> str | None:
-    """An optional non-empty string field: None when absent or nil."""
-    v = msg.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise ctx.bad(f"{name} must be a string, got {_tname(v)}")
-    if not v:
-        raise ctx.bad(f"{name} must not be empty")
-    return v
+def _convert(value: Any, wire_type: Any, name: str = "") -> Any:
+    """``value`` as ``wire_type`` (msgspec checks every type), or the protocol's ``bad_request`` for the
+    first value of a wrong type (``name`` is the path's root where ``value`` is one field)."""
+    try:
+        return msgspec.convert(value, wire_type, strict=True)
+    except msgspec.ValidationError as e:
+        raise _wire_error(str(e), value, name) from None
 
 
-def _int_list(ctx: _Ctx, v: object, name: str, limits: Limits) -> list[int]:
-    if not isinstance(v, list):
-        raise ctx.bad(f"{name} must be an array of integers, got {_tname(v)}")
-    for i, t in enumerate(v):
-        if not _is_int(t):
-            raise ctx.bad(f"{name}[{i}] must be an integer, got {_tname(t)}")
-        if t < 0:
-            raise ctx.bad(f"{name}[{i}] must be >= 0, got {t}")
-        if limits.vocab_size is not None and t >= limits.vocab_size:
-            raise ctx.bad(f"{name}[{i}] must be < vocab size {limits.vocab_size}, got {t}")
-    return v
+def _wire_error(error: str, value: Any, name: str) -> ProtocolError:
+    """msgspec's ``"<what> - at `$.messages[0].role`"`` in the protocol's words, naming the value by
+    its path (``messages[0].role``) and its msgpack type."""
+    what, _, at = error.rpartition(" - at `")
+    if not what:
+        what, at = error, "$`"
+    key_error = at.startswith("key` in `")
+    steps = _PATH_STEP.findall(at.removeprefix("key` in `").removeprefix("$").rstrip("`"))
+    where, pattern = name, name
+    for field_name, index in steps:
+        if index:
+            value = value[int(index)] if isinstance(value, list) else None
+            where, pattern = f"{where}[{index}]", f"{pattern}[]"
+        else:
+            value = value.get(field_name) if isinstance(value, dict) else None
+            where, pattern = (f"{s}.{field_name}" if s else field_name for s in (where, pattern))
+    if key_error:
+        key = next((k for k in value if not isinstance(k, str)), None)
+        return _bad(f"{where} keys must be strings, got a {_tname(key)} key")
+    if what.startswith("Object contains unknown field `"):
+        return _bad(f"unknown field {_short(what.split('`')[1])} for {where}")
+    if what.startswith("Object missing required field `"):  # a part's own field
+        field_name = what.split("`")[1]
+        value = None
+        where, pattern = f"{where}.{field_name}", f"{pattern}.{field_name}"
+    root, dot, rest = pattern.partition("[")
+    if root in TOKEN_ID_FIELDS:
+        pattern = "token_ids" + dot + rest
+    if pattern == "messages[].content[].type":
+        return _bad(f"{where} must be one of {', '.join(_PART_TYPES)}, got {_short(value)}")
+    got = _short(value) if pattern == "truncate_prompt_tokens" else _tname(value)
+    return _bad(f"{where} must be {MUST_BE[pattern]}, got {got}")
 
 
 # --------------------------------------------------------------------------- the envelope
@@ -413,22 +463,28 @@ def parse_client_message(frames: Sequence[bytes], limits: Limits | None = None) 
     anything else for any input frames.
     """
     limits = limits or DEFAULT_LIMITS
-    ctx = _Ctx()
-    payload = _payload_frame(ctx, frames, limits)
-    msg = _decode_payload(ctx, payload)
-    kind = _message_type(ctx, msg)
-    size = len(VERSION_FRAME) + len(payload)
-    if size > limits.max_message_bytes and not (kind == "generate" and msg.get("images")):
-        raise ctx.too_long(f"message is {size} bytes, the limit is {limits.max_message_bytes}")
-    return _PARSERS[kind](ctx, msg, limits)
+    payload = _payload_frame(frames, limits)
+    msg = _decode_payload(payload)
+    id_ = msg["id"] if _valid_id(msg.get("id")) else None
+    try:
+        kind = _message_type(msg)
+        size = len(VERSION_FRAME) + len(payload)
+        if size > limits.max_message_bytes and not (kind == "generate" and msg.get("images")):
+            raise _too_long(f"message is {size} bytes, the limit is {limits.max_message_bytes}")
+        wire_type = WIRE_TYPES[kind]
+        _check_unknown(msg, WIRE_FIELDS[kind], kind)
+        return _PARSERS[kind](msg, _convert(msg, wire_type), limits)
+    except ProtocolError as e:
+        e.id = e.id or id_  # errors carry the request id whenever a valid one could be read
+        raise
 
 
-def _payload_frame(ctx: _Ctx, frames: Sequence[bytes], limits: Limits) -> bytes:
+def _payload_frame(frames: Sequence[bytes], limits: Limits) -> bytes:
     """Rules 1-3 on the frames: the version frame, the size, two frames. Returns the payload."""
     try:
         frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
     except Exception:
-        raise ctx.bad("frames must be bytes") from None
+        raise _bad("frames must be bytes") from None
     if not frames:
         raise ProtocolError("unsupported_version", "empty message: expected the version frame b'TANDEM1'")
 
@@ -448,309 +504,274 @@ def _payload_frame(ctx: _Ctx, frames: Sequence[bytes], limits: Limits) -> bytes:
     if size > cap:
         raise ProtocolError("too_long", f"message is {size} bytes, the limit is {cap}", peeked_id())
     if len(frames) < 2:
-        raise ctx.bad("missing payload frame: a message is the version frame then one msgpack map")
+        raise _bad("missing payload frame: a message is the version frame then one msgpack map")
     if len(frames) > 2:
-        ctx.id = peeked_id()
-        raise ctx.bad(f"message has {len(frames)} frames, expected 2 (further frames are reserved)")
+        raise ProtocolError("bad_request", f"message has {len(frames)} frames, expected 2 (further frames are "
+                            "reserved)", peeked_id())
     return frames[1]
 
 
-def _decode_payload(ctx: _Ctx, payload: bytes) -> dict:
-    """The payload as a map with string keys; remembers its id (if valid) for the errors after."""
+def _decode_payload(payload: bytes) -> dict:
+    """The payload as a map with string keys."""
     try:
         msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except msgpack.ExtraData:
-        raise ctx.bad("payload has trailing bytes after the msgpack map") from None
+        raise _bad("payload has trailing bytes after the msgpack map") from None
     except UnicodeDecodeError:
-        raise ctx.bad("payload contains a string that is not valid UTF-8") from None
+        raise _bad("payload contains a string that is not valid UTF-8") from None
     except msgpack.StackError:
-        raise ctx.bad("payload is nested too deeply") from None
+        raise _bad("payload is nested too deeply") from None
     except Exception as e:  # OutOfData, FormatError, unhashable keys, ...
-        raise ctx.bad(f"payload is not valid msgpack ({type(e).__name__})") from None
+        raise _bad(f"payload is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(msg, dict):
-        raise ctx.bad(f"payload must be a msgpack map, got {_tname(msg)}")
-    _check_keys(ctx, msg, "payload")
-    if _valid_id(msg.get("id")):
-        ctx.id = msg["id"]
+        raise _bad(f"payload must be a msgpack map, got {_tname(msg)}")
+    _check_keys(msg, "payload")
     return msg
 
 
-def _message_type(ctx: _Ctx, msg: dict) -> str:
-    t = _required_str(ctx, msg, "type")
-    if t not in _PARSERS:
-        raise ctx.bad(f"unknown message type {_short(t)}; expected one of {', '.join(_PARSERS)}")
+def _message_type(msg: dict) -> str:
+    t = msg.get("type")
+    if t is None:
+        raise _bad("missing field 'type'")
+    if not isinstance(t, str):
+        raise _bad(f"type must be a string, got {_tname(t)}")
+    if t not in WIRE_TYPES:
+        raise _bad(f"unknown message type {_short(t)}; expected one of {', '.join(WIRE_TYPES)}")
     return t
 
 
 # --------------------------------------------------------------------------- one parser per type
+# Each gets the message as decoded (which fields it gave) and as its wire type (every type checked).
 
 
-def _parse_generate(ctx: _Ctx, msg: dict, limits: Limits) -> GenerateRequest:
-    id_ = _check_id(ctx, msg)
-    _check_unknown(ctx, msg, _GENERATE_FIELDS, "generate")
-    prompt = _parse_prompt(ctx, msg, limits)
-    sampling_values = _sampling_values(ctx, msg, limits)
-    stop = _parse_stop(ctx, msg.get("stop"))
-    stream = _opt_bool(ctx, msg, "stream", True)
-    logprobs = _opt_bool(ctx, msg, "logprobs", False)
-    top_logprobs = msg.get("top_logprobs")
-    if top_logprobs is None:
-        top_logprobs = 0
-    elif not _is_int(top_logprobs) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        got = _short(top_logprobs) if _is_int(top_logprobs) else _tname(top_logprobs)
-        raise ctx.bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {got}")
-    grammar = _parse_grammar(ctx, msg.get("grammar"))
-    images = _parse_images(ctx, msg.get("images"), prompt)
-    adapter = _opt_str(ctx, msg, "adapter")  # whether the server has it is the server's check
-    template_options = _template_options(ctx, msg, "messages" in prompt)
-    truncate = msg.get("truncate_prompt_tokens")
+def _request_id(given: str | None) -> str:
+    if given is None:
+        raise _bad("missing field 'id'")
+    if not 1 <= len(given) <= MAX_ID_CHARS:
+        raise _bad(f"id must be 1 to {MAX_ID_CHARS} characters, got {len(given)}")
+    return given
+
+
+def _parse_generate(msg: dict, g: Any, limits: Limits) -> GenerateRequest:
+    id_ = _request_id(g.id)
+    prompt = _parse_prompt(msg, g, limits)
+    stop = _parse_stop(g.stop)
+    top_logprobs = g.top_logprobs or 0
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise _bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_short(top_logprobs)}")
+    grammar = _parse_grammar(g.grammar)
+    images = _parse_images(g.images, prompt)
+    if g.adapter == "":  # whether the server has it is the server's check
+        raise _bad("adapter must not be empty")
+    options = _template_options(g, "messages" in prompt)
+    truncate = g.truncate_prompt_tokens
     if truncate is not None:
-        if not _is_int(truncate) or truncate < 1:
-            raise ctx.bad(f"truncate_prompt_tokens must be an integer >= 1, got {_short(truncate)}")
+        if truncate < 1:
+            raise _bad(f"truncate_prompt_tokens must be an integer >= 1, got {_short(truncate)}")
         if images or "skill" in prompt:
-            raise ctx.bad("truncate_prompt_tokens cannot be combined with images or a skill (their tokens "
-                          "would be cut)")
-    sampling = _sampling_params(ctx, sampling_values)  # ranges last, once every type is known good
+            raise _bad("truncate_prompt_tokens cannot be combined with images or a skill (their tokens "
+                       "would be cut)")
+    sampling = _sampling_params(g, limits)  # ranges last, once every type is known good
     given = [f for f in SKILL_FIELDS if f in msg]
     if "skill" in prompt:
         if grammar is not None or stop:
-            raise ctx.bad("grammar and stop cannot be combined with a skill (it has its own)")
+            raise _bad("grammar and stop cannot be combined with a skill (it has its own)")
         prompt["skill"] = {"skill": prompt["skill"], **{f: msg[f] for f in given}}
     elif given:
-        raise ctx.bad(f"{given[0]} is a skill field: send it with skill")
-    return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=stream,
-                           logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
-                           grammar=grammar, images=images, adapter=adapter, template_options=template_options,
+        raise _bad(f"{given[0]} is a skill field: send it with skill")
+    return GenerateRequest(id=id_, **prompt, sampling=sampling, stop=stop, stream=_default(g.stream, True),
+                           logprobs=bool(g.logprobs) or top_logprobs > 0, top_logprobs=top_logprobs,
+                           grammar=grammar, images=images, adapter=g.adapter, template_options=options,
                            truncate_prompt_tokens=truncate,
-                           explicit=frozenset(f for f in SAMPLING_FIELD_NAMES if msg.get(f) is not None))
+                           explicit=frozenset(f for f in SAMPLING_FIELD_NAMES if getattr(g, f) is not None))
 
 
-def _parse_cancel(ctx: _Ctx, msg: dict, limits: Limits) -> CancelRequest:
-    id_ = _check_id(ctx, msg)
-    _check_unknown(ctx, msg, frozenset({"type", "id"}), "cancel")
-    return CancelRequest(id_)
+def _parse_cancel(msg: dict, c: CancelFields, limits: Limits) -> CancelRequest:
+    return CancelRequest(_request_id(c.id))
 
 
-def _parse_ping(ctx: _Ctx, msg: dict, limits: Limits) -> PingRequest:
-    _check_unknown(ctx, msg, frozenset({"type", "nonce"}), "ping")
-    nonce = msg.get("nonce")
+def _parse_ping(msg: dict, p: PingFields, limits: Limits) -> PingRequest:
     try:  # it is echoed back, so it must survive re-encoding
-        msgpack.packb(nonce, use_bin_type=True)
+        msgpack.packb(p.nonce, use_bin_type=True)
     except Exception:
-        raise ctx.bad("nonce cannot be echoed (nested too deeply)") from None
-    return PingRequest(nonce)
+        raise _bad("nonce cannot be echoed (nested too deeply)") from None
+    return PingRequest(p.nonce)
 
 
-def _parse_info(ctx: _Ctx, msg: dict, limits: Limits) -> InfoRequest:
-    _check_unknown(ctx, msg, frozenset({"type"}), "info")
+def _parse_info(msg: dict, i: InfoFields, limits: Limits) -> InfoRequest:
     return InfoRequest()
 
 
 _PARSERS = {"generate": _parse_generate, "cancel": _parse_cancel, "ping": _parse_ping, "info": _parse_info}
 
 
+def _default(v: Any, default: Any) -> Any:
+    return default if v is None else v
+
+
 # --------------------------------------------------------------------------- generate's fields
 
 
-def _parse_prompt(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
+def _parse_prompt(msg: dict, g: Any, limits: Limits) -> dict[str, Any]:
     """The one prompt form given, as ``{field: validated value}``."""
     try:
         name = prompt_field(msg)
     except ValueError as e:
-        raise ctx.bad(str(e)) from None
-    parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids,
-             "skill": _parse_skill}[name]
-    return {name: parse(ctx, msg[name], limits)}
+        raise _bad(str(e)) from None
+    check = {"prompt": _check_text, "messages": _check_messages, "prompt_token_ids": _check_prompt_token_ids,
+             "skill": _check_skill}[name]
+    return {name: check(getattr(g, name), limits)}
 
 
 def parse_prompt(name: str, value: object, limits: Limits | None = None) -> Any:
     """One prompt form (``prompt``, ``messages`` or ``prompt_token_ids``) checked as a generate's is
     (``ProtocolError`` naming the field): for what renders prompts outside a generate (HTTP ``/tokenize``)."""
-    parse = {"prompt": _parse_text, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids}[name]
-    return parse(_Ctx(), value, limits or DEFAULT_LIMITS)
+    check = {"prompt": _check_text, "messages": _check_messages, "prompt_token_ids": _check_prompt_token_ids}[name]
+    g = _convert({name: value}, GenerateFields)
+    return check(getattr(g, name), limits or DEFAULT_LIMITS)
 
 
 def template_options(msg: Mapping[str, Any]) -> dict[str, Any]:
     """The chat template's options a map gives (``CHAT_TEMPLATE_FIELDS``), checked as a generate's
     (``ProtocolError`` naming the field): for HTTP ``/tokenize``."""
-    return _template_options(_Ctx(), msg, True)
+    return _template_options(_convert({f: msg.get(f) for f in CHAT_TEMPLATE_FIELDS}, GenerateFields), True)
 
 
-def _template_options(ctx: _Ctx, msg: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+def _template_options(g: Any, chat: bool) -> dict[str, Any]:
     """apply_chat_template's keyword arguments (vLLM's rules: continuing the final message opens no
     new one; the kwargs are template variables, not its own arguments)."""
-    given = [f for f in CHAT_TEMPLATE_FIELDS if msg.get(f) is not None]
+    given = [f for f in CHAT_TEMPLATE_FIELDS if getattr(g, f) is not None]
     if not given:
         return {}
     if not chat:
-        raise ctx.bad(f"{given[0]} renders chat messages: send it with messages")
-    add = _opt_bool(ctx, msg, "add_generation_prompt", True)
-    continued = _opt_bool(ctx, msg, "continue_final_message", False)
+        raise _bad(f"{given[0]} renders chat messages: send it with messages")
+    add = _default(g.add_generation_prompt, True)
+    continued = _default(g.continue_final_message, False)
     if add and continued:
-        raise ctx.bad("continue_final_message needs add_generation_prompt: false (the final message is "
-                      "continued, no new one is opened)")
-    variables = msg.get("chat_template_kwargs") or {}
-    if not isinstance(variables, dict):
-        raise ctx.bad(f"chat_template_kwargs must be a map, got {_tname(variables)}")
-    _check_keys(ctx, variables, "chat_template_kwargs")
+        raise _bad("continue_final_message needs add_generation_prompt: false (the final message is "
+                   "continued, no new one is opened)")
+    variables = g.chat_template_kwargs or {}
+    _check_keys(variables, "chat_template_kwargs")
     taken = sorted(set(variables) & _TEMPLATE_ARGUMENTS)
     if taken:
-        raise ctx.bad(f"chat_template_kwargs.{taken[0]} is not a template variable (send it as a field of "
-                      "its own, if it is one)")
+        raise _bad(f"chat_template_kwargs.{taken[0]} is not a template variable (send it as a field of "
+                   "its own, if it is one)")
     return {**variables, "add_generation_prompt": add, "continue_final_message": continued}
 
 
 def parse_token_ids(value: object, name: str, limits: Limits | None = None) -> list[int]:
     """Token ids of the vocabulary (``ProtocolError`` naming ``name``); may be empty (HTTP ``/detokenize``)."""
-    return _int_list(_Ctx(), value, name, limits or DEFAULT_LIMITS)
+    return _check_token_ids(_convert(value, list[int], name), name, limits or DEFAULT_LIMITS)
 
 
-def _parse_skill(ctx: _Ctx, v: object, limits: Limits) -> str:
-    if not isinstance(v, str) or not v:
-        raise ctx.bad(f"skill must be a skill's name (a string), got {_tname(v)}")
+def _check_token_ids(ids: list[int], name: str, limits: Limits) -> list[int]:
+    if ids and min(ids) < 0:
+        i = next(i for i, t in enumerate(ids) if t < 0)
+        raise _bad(f"{name}[{i}] must be >= 0, got {ids[i]}")
+    if ids and limits.vocab_size is not None and max(ids) >= limits.vocab_size:
+        i = next(i for i, t in enumerate(ids) if t >= limits.vocab_size)
+        raise _bad(f"{name}[{i}] must be < vocab size {limits.vocab_size}, got {ids[i]}")
+    return ids
+
+
+def _check_skill(v: str, limits: Limits) -> str:
+    if not v:
+        raise _bad(f"skill must be {MUST_BE['skill']}, got str")
     return v
 
 
-def _parse_text(ctx: _Ctx, v: object, limits: Limits) -> str:
-    if not isinstance(v, str):
-        raise ctx.bad(f"prompt must be a string, got {_tname(v)}")
+def _check_text(v: str, limits: Limits) -> str:
     if not v:
-        raise ctx.bad("prompt must not be empty")
+        raise _bad("prompt must not be empty")
     if len(v) > limits.max_prompt_chars:
-        raise ctx.too_long(f"prompt is {len(v)} characters, the limit is {limits.max_prompt_chars}")
+        raise _too_long(f"prompt is {len(v)} characters, the limit is {limits.max_prompt_chars}")
     return v
 
 
-def _parse_token_ids(ctx: _Ctx, v: object, limits: Limits) -> list[int]:
-    if isinstance(v, list):  # cheap checks first
-        if not v:
-            raise ctx.bad("prompt_token_ids must not be empty")
-        if len(v) > limits.max_prompt_tokens:
-            raise ctx.too_long(f"prompt_token_ids has {len(v)} tokens, the limit is {limits.max_prompt_tokens}")
-    return _int_list(ctx, v, "prompt_token_ids", limits)
-
-
-def _parse_messages(ctx: _Ctx, v: object, limits: Limits) -> list[dict[str, str]]:
-    if not isinstance(v, list):
-        raise ctx.bad(f"messages must be an array of {{role, content}} maps, got {_tname(v)}")
+def _check_prompt_token_ids(v: list[int], limits: Limits) -> list[int]:
     if not v:
-        raise ctx.bad("messages must not be empty")
+        raise _bad("prompt_token_ids must not be empty")
+    if len(v) > limits.max_prompt_tokens:
+        raise _too_long(f"prompt_token_ids has {len(v)} tokens, the limit is {limits.max_prompt_tokens}")
+    return _check_token_ids(v, "prompt_token_ids", limits)
+
+
+def _check_messages(v: list[ChatMessage], limits: Limits) -> list[dict[str, Any]]:
+    if not v:
+        raise _bad("messages must not be empty")
     if len(v) > limits.max_messages:
-        raise ctx.too_long(f"messages has {len(v)} entries, the limit is {limits.max_messages} "
-                           "(each message takes at least one token of the context)")
-    out = [_parse_chat_message(ctx, m, f"messages[{i}]") for i, m in enumerate(v)]
+        raise _too_long(f"messages has {len(v)} entries, the limit is {limits.max_messages} "
+                        "(each message takes at least one token of the context)")
+    out = [_chat_message(m, f"messages[{i}]") for i, m in enumerate(v)]
     total = sum(len(_content_text(m["content"])) for m in out)
     if total > limits.max_prompt_chars:
-        raise ctx.too_long(
-            f"messages hold {total} characters of content, the limit is {limits.max_prompt_chars}"
-        )
+        raise _too_long(f"messages hold {total} characters of content, the limit is {limits.max_prompt_chars}")
     return out
 
 
-def _parse_chat_message(ctx: _Ctx, m: object, where: str) -> dict[str, str]:
-    if not isinstance(m, dict):
-        raise ctx.bad(f"{where} must be a map with role and content, got {_tname(m)}")
-    _check_keys(ctx, m, where)
-    _check_unknown(ctx, m, _MESSAGE_FIELDS, where)
-    role, content = m.get("role"), m.get("content")
-    if role is None:
-        raise ctx.bad(f"{where}.role is required")
-    if not isinstance(role, str):
-        raise ctx.bad(f"{where}.role must be a string, got {_tname(role)}")
-    if role not in ROLES:
-        raise ctx.bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}")
-    if content is None:
-        raise ctx.bad(f"{where}.content is required")
-    if isinstance(content, list):
-        return {"role": role, "content": _parse_parts(ctx, content, f"{where}.content")}
-    if not isinstance(content, str):
-        raise ctx.bad(f"{where}.content must be a string or an array of parts, got {_tname(content)}")
-    return {"role": role, "content": content}
-
-
-def _parse_parts(ctx: _Ctx, parts: list, where: str) -> list[dict[str, str]]:
-    """``[{"type": "text", "text": str} | {"type": "image"}]``: text and the places of images."""
-    out = []
-    for i, part in enumerate(parts):
-        at = f"{where}[{i}]"
-        if not isinstance(part, dict):
-            raise ctx.bad(f"{at} must be a map, got {_tname(part)}")
-        _check_keys(ctx, part, at)
-        kind = part.get("type")
-        if kind not in _PART_TYPES:
-            raise ctx.bad(f"{at}.type must be one of {', '.join(_PART_TYPES)}, got {_short(kind)}")
-        if kind == "text":
-            _check_unknown(ctx, part, frozenset({"type", "text"}), at)
-            if not isinstance(part.get("text"), str):
-                raise ctx.bad(f"{at}.text must be a string, got {_tname(part.get('text'))}")
-            out.append({"type": "text", "text": part["text"]})
-        else:
-            _check_unknown(ctx, part, frozenset({"type"}), at)
-            out.append({"type": "image"})
-    return out
+def _chat_message(m: ChatMessage, where: str) -> dict[str, Any]:
+    if m.role is None:
+        raise _bad(f"{where}.role is required")
+    if m.role not in ROLES:
+        raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(m.role)}")
+    if m.content is None:
+        raise _bad(f"{where}.content is required")
+    if isinstance(m.content, str):
+        return {"role": m.role, "content": m.content}
+    parts = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in m.content]
+    return {"role": m.role, "content": parts}
 
 
 def _content_text(content: str | list[dict[str, str]]) -> str:
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
-def _parse_images(ctx: _Ctx, v: object, prompt: dict[str, Any]) -> tuple[bytes, ...]:
-    """Only the envelope (count, types, sizes); decoding and placement are checked by the server."""
+def _parse_images(v: list[bytes] | None, prompt: dict[str, Any]) -> tuple[bytes, ...]:
+    """Only the envelope (count, sizes); decoding and placement are checked by the server."""
     messages = prompt.get("messages")
     image_parts = sum(1 for m in messages or () if isinstance(m["content"], list)
                       for p in m["content"] if p["type"] == "image")
     if v is None:
         if image_parts:
-            raise ctx.bad(f"messages hold {image_parts} image parts but no images were sent")
+            raise _bad(f"messages hold {image_parts} image parts but no images were sent")
         return ()
-    if not isinstance(v, list):
-        raise ctx.bad(f"images must be an array of bin (encoded image files), got {_tname(v)}")
     if "prompt_token_ids" in prompt:
-        raise ctx.bad("images cannot be combined with prompt_token_ids: send prompt or messages")
+        raise _bad("images cannot be combined with prompt_token_ids: send prompt or messages")
     if len(v) > MAX_IMAGES:
-        raise ctx.bad(f"images: too many images: {len(v)} (at most {MAX_IMAGES} per request)")
+        raise _bad(f"images: too many images: {len(v)} (at most {MAX_IMAGES} per request)")
     for i, data in enumerate(v):
-        if not isinstance(data, (bytes, bytearray)):
-            raise ctx.bad(f"images[{i}] must be bin (an encoded image file), got {_tname(data)}")
         if len(data) > MAX_IMAGE_BYTES:
-            raise ctx.bad(f"images[{i}]: image is {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES} "
-                          "(20 MiB)")
+            raise _bad(f"images[{i}]: image is {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES} "
+                       "(20 MiB)")
     if "skill" in prompt:
         if len(v) > 1:
-            raise ctx.bad(f"images: a skill takes one image, got {len(v)}")
+            raise _bad(f"images: a skill takes one image, got {len(v)}")
     elif "prompt" in prompt:
         marks = prompt["prompt"].count("<image>")
         if marks != len(v):
-            raise ctx.bad(f"images: the prompt has {marks} <image> placeholders but {len(v)} images were sent")
+            raise _bad(f"images: the prompt has {marks} <image> placeholders but {len(v)} images were sent")
     elif image_parts and image_parts != len(v):
-        raise ctx.bad(f"images: messages hold {image_parts} image parts but {len(v)} images were sent")
-    return tuple(bytes(d) for d in v)
+        raise _bad(f"images: messages hold {image_parts} image parts but {len(v)} images were sent")
+    return tuple(v)
 
 
-_WIRE_TYPE_OK = {int: _is_int, float: _is_num, bool: _is_bool}
-
-
-def _sampling_values(ctx: _Ctx, msg: dict, limits: Limits) -> dict[str, Any]:
-    """The sampling fields given (SamplingParams' fields, same names on the wire), type-checked.
-
-    Absent or nil takes SamplingParams' default; ranges are left to SamplingParams.
-    """
+def _sampling_params(g: Any, limits: Limits) -> SamplingParams:
+    """SamplingParams from the sampling fields given (absent or nil: its default). Range checks live in
+    one place, shared with the worker: SamplingParams.validate() names the field."""
     values: dict[str, Any] = {}
     for f in SAMPLING_FIELDS:
-        v = msg.get(f.name)
+        v = getattr(g, f.name)
         if v is None:
             continue
         if f.type is tuple:  # token ids
-            values[f.name] = tuple(_int_list(ctx, v, f.name, limits))
-        elif f.type is dict:  # token id -> number (keys: integers, or decimal strings as JSON has them)
-            if not isinstance(v, dict):
-                raise ctx.bad(f"{f.name} must be {f.must_be}, got {_tname(v)}")
-            values[f.name] = v
-        elif not _WIRE_TYPE_OK[f.type](v):
-            raise ctx.bad(f"{f.name} must be {f.must_be}, got {_tname(v)}")
-        else:
-            values[f.name] = _as_float(v) if f.type is float else v
-    return values
+            v = tuple(_check_token_ids(v, f.name, limits))
+        elif f.type is float:
+            v = _as_float(v)
+        values[f.name] = v
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        raise _bad(str(e)) from None
 
 
 def _as_float(v: int | float) -> float:
@@ -760,42 +781,26 @@ def _as_float(v: int | float) -> float:
         return math.inf
 
 
-def _sampling_params(ctx: _Ctx, values: dict[str, Any]) -> SamplingParams:
-    # Range checks live in one place, shared with the worker: SamplingParams.validate()
-    # names the field. Types were checked before, so its messages only quote short numbers.
-    try:
-        return SamplingParams(**values)
-    except ValueError as e:
-        raise ctx.bad(str(e)) from None
-
-
-def _parse_stop(ctx: _Ctx, v: object) -> tuple[str, ...]:
+def _parse_stop(v: list[str] | None) -> tuple[str, ...]:
     if v is None:
         return ()
-    if not isinstance(v, list):
-        raise ctx.bad(f"stop must be an array of strings, got {_tname(v)}")
     if len(v) > MAX_STOP:
-        raise ctx.bad(f"stop may hold at most {MAX_STOP} strings, got {len(v)}")
-    for i, s in enumerate(v):
-        if not isinstance(s, str):
-            raise ctx.bad(f"stop[{i}] must be a string, got {_tname(s)}")
-        if not s:
-            raise ctx.bad(f"stop[{i}] must not be empty")
+        raise _bad(f"stop may hold at most {MAX_STOP} strings, got {len(v)}")
+    if not all(v):
+        raise _bad(f"stop[{v.index('')}] must not be empty")
     return tuple(v)
 
 
-def _parse_grammar(ctx: _Ctx, v: object) -> dict[str, Any] | None:
+def _parse_grammar(v: dict | None) -> dict[str, Any] | None:
     """Only the shape: a map with a string ``kind`` (the grammar module checks the rest)."""
     if v is None:
         return None
-    if not isinstance(v, dict):
-        raise ctx.bad(f"grammar must be a map, got {_tname(v)}")
-    _check_keys(ctx, v, "grammar")
+    _check_keys(v, "grammar")
     kind = v.get("kind")
     if kind is None:
-        raise ctx.bad("grammar.kind is required")
+        raise _bad("grammar.kind is required")
     if not isinstance(kind, str):
-        raise ctx.bad(f"grammar.kind must be a string, got {_tname(kind)}")
+        raise _bad(f"grammar.kind must be a string, got {_tname(kind)}")
     return v
 
 
