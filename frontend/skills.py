@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from frontend.protocol import DEFAULT_MAX_OBJECTS, MAX_GRAMMAR_OBJECTS, SKILL_SAMPLING, SKILLS, SkillError
+from frontend.protocol.wire import DEFAULT_MAX_OBJECTS, MAX_GRAMMAR_OBJECTS, SKILL_SAMPLING, SKILLS, SkillError
 
 CAPTION_LENGTHS = {
     "short": ("Describe this image in one short sentence.", 64),

@@ -28,7 +28,7 @@ from frontend.cli import serve_options
 from frontend.cli.options import (ENGINE_OPTIONS, GroupedCommand, config_file_option, engine_options,
                                   normalize_endpoint, option, sampling_options, server_options)
 from frontend.client import DEFAULT_ENDPOINT
-from frontend.protocol import DEFAULT_MAX_OBJECTS
+from frontend.protocol.wire import DEFAULT_MAX_OBJECTS
 from shared.models import DEFAULT_MODEL, REGISTRY, builtin
 from shared.sampling import SAMPLING_FIELD_NAMES
 from frontend.cluster import MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
@@ -287,7 +287,8 @@ def _generate_local(kw, echo, config) -> dict:
     """One request through a ``Service`` of its own (worker process and the frontend's delivery), on
     the server's path (``server.Gate``): the same message, checks, rendering and errors as --connect."""
     from frontend.client import generate_message
-    from frontend.protocol import ProtocolError, encode_message
+    from frontend.protocol.parse import ProtocolError
+    from frontend.protocol.encode import encode_message
     from frontend.server.zmq_server import Gate
     from frontend.server.service import Service
 

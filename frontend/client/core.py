@@ -15,8 +15,8 @@ import msgpack
 import zmq
 
 from frontend.client.errors import ConnectionClosed, DuplicateId, RequestTimeout, TandemError
-from frontend.protocol import (CHAT_TEMPLATE_FIELDS, DEFAULT_MAX_OBJECTS, MAX_CHOICES, MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME,
-                               choice_request, prompt_field)
+from frontend.protocol.wire import (CHAT_TEMPLATE_FIELDS, DEFAULT_MAX_OBJECTS, MAX_CHOICES, MAX_ID_CHARS, MODEL_FIELDS,
+                                    OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME, choice_request, prompt_field)
 from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
 from shared.families import native_skills

@@ -17,7 +17,7 @@ from shared.moondream_config import (ANSWER_FIRST, COORD_ID, DECIDE, EOS_ID, GRO
                                      MOONDREAM2_RULES, REASON, SkillRules)
 
 from frontend.moondream import prompts
-from frontend.protocol import SKILLS, SkillError
+from frontend.protocol.wire import SKILLS, SkillError
 PREFIX_LEN = 730  # the image block: BOS + 729 image positions, filled by the worker
 MAX_REFS = 64
 

@@ -53,7 +53,7 @@ from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
 from frontend.moondream import skills as moondream_skills
-from frontend.protocol import SKILL_SAMPLING
+from frontend.protocol.wire import SKILL_SAMPLING
 from frontend.server.detokenizer import IncrementalDetokenizer
 from frontend.images.intake import ImageIntake, Render, intake_family
 from frontend.server.request import Request

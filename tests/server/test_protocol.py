@@ -1,4 +1,4 @@
-"""frontend.protocol: validation with precise messages, fuzzing, encoders."""
+"""frontend.protocol (parse, encode): validation with precise messages, fuzzing, encoders."""
 from __future__ import annotations
 
 import math
@@ -7,23 +7,10 @@ import random
 import msgpack
 import pytest
 
-from frontend.protocol import (
-    DEFAULT_LIMITS,
-    ERROR_CODES,
-    VERSION_FRAME,
-    CancelRequest,
-    GenerateRequest,
-    InfoRequest,
-    Limits,
-    PingRequest,
-    ProtocolError,
-    encode_chunk,
-    encode_done,
-    encode_error,
-    encode_info,
-    encode_pong,
-    parse_client_message,
-)
+from frontend.protocol.wire import (DEFAULT_LIMITS, ERROR_CODES, VERSION_FRAME, CancelRequest, GenerateRequest,
+                                    InfoRequest, Limits, PingRequest)
+from frontend.protocol.parse import ProtocolError, parse_client_message
+from frontend.protocol.encode import encode_chunk, encode_done, encode_error, encode_info, encode_pong
 from shared.sampling import SAMPLING_FIELDS, SamplingParams
 
 
