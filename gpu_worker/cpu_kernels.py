@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from shared.arith import ceil_div
-from shared.models import cache_root
+from shared.models.cache import cache_root
 
 log = logging.getLogger(__name__)
 

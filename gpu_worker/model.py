@@ -13,7 +13,7 @@ Qwen3 (``LlamaConfig.qk_norm``) normalises each head of q and k (RMSNorm over ``
 the rotary embedding. The fused CPU kernels do not have that step: such a model never takes them
 for its layers (``Llama.cpu_kernels`` stays None, logged), only for its matmuls.
 
-The EOS ids are not the model's business: ``shared.models.ModelInfo`` reads them, for both processes.
+The EOS ids are not the model's business: ``shared.models.info.ModelInfo`` reads them, for both processes.
 
 The forward does no host syncs and allocates only shape-determined tensors, so a
 decode step can be captured in a CUDA graph and replayed with new Batch contents.

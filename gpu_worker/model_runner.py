@@ -33,7 +33,9 @@ import torch
 from shared.arith import ceil_div
 from shared.config import QUANTIZATIONS, EngineConfig
 from shared.families import family_of, read_config
-from shared.models import GGUF_FILE, ModelInfo, builtin, resolve_model
+from shared.models.gguf_files import GGUF_FILE
+from shared.models.info import ModelInfo
+from shared.models.registry import builtin, resolve_model
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.vision_config import ImageProcessorParams
 

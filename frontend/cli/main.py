@@ -29,7 +29,7 @@ from frontend.cli.options import (ENGINE_OPTIONS, GroupedCommand, config_file_op
                                   normalize_endpoint, option, sampling_options, server_options)
 from frontend.client import DEFAULT_ENDPOINT
 from frontend.protocol.wire import DEFAULT_MAX_OBJECTS
-from shared.models import DEFAULT_MODEL, REGISTRY, builtin
+from shared.models.registry import DEFAULT_MODEL, REGISTRY, builtin
 from shared.sampling import SAMPLING_FIELD_NAMES
 from frontend.cluster import MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 
@@ -331,7 +331,8 @@ Example:
 """)
 @log_level_option()
 def models() -> None:
-    from shared.models import cache_root, list_models
+    from shared.models.cache import cache_root
+    from shared.models.registry import list_models
 
     for m in list_models():
         state = ("ready" if m["cached"] else "not prepared (tandem pull NAME)") if m["files"] else \
@@ -352,7 +353,7 @@ Example:
 @click.argument("name", default=DEFAULT_MODEL)
 @log_level_option()
 def pull(name: str) -> None:
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
 
     model = builtin(name)
     if model is None:

@@ -47,7 +47,8 @@ from shared.finish import FinishReason
 from shared.lora_config import read_adapters
 from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
                              SubmitSkill)
-from shared.models import ModelInfo, load_tokenizer
+from shared.models.info import ModelInfo
+from shared.models.registry import load_tokenizer
 from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config

@@ -318,7 +318,7 @@ def test_device_error_fails_requests_and_engine_keeps_serving():
 def test_default_model_answers_paris():
     """The embedded default model, converted from GGUF, greedy, with the chat template."""
     from frontend.server.tokenization import chat_prompt_ids
-    from shared.models import load_tokenizer
+    from shared.models.registry import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     ids = chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}])
@@ -413,7 +413,7 @@ def test_bf16_cpu_weights_are_prepacked_unless_disabled():
 
 
 def test_the_default_context_is_the_models_limit_bounded_by_the_kv_cache():
-    from shared.models import TINY_RANDOM_CONFIG
+    from shared.models.random_weights import TINY_RANDOM_CONFIG
 
     limit = TINY_RANDOM_CONFIG["max_position_embeddings"]
     roomy = make_engine(max_batch=2)  # 1200 pages of 8 tokens: the whole limit fits

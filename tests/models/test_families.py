@@ -23,7 +23,8 @@ from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama  # noqa: E402
 from shared.families import FAMILIES, UnsupportedModel, family_of  # noqa: E402
 from shared.finish import FinishReason  # noqa: E402
-from shared.models import ModelInfo, resolve_model  # noqa: E402
+from shared.models.info import ModelInfo  # noqa: E402
+from shared.models.registry import resolve_model  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

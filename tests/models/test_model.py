@@ -96,7 +96,7 @@ def test_matches_transformers_tiny(tiny):
 @pytest.fixture(scope="module")
 def smollm2_path():
     try:
-        from shared.models import resolve_model
+        from shared.models.registry import resolve_model
     except ImportError as e:
         unavailable(f"shared.models not importable ({e}); cannot locate smollm2-135m")
     try:

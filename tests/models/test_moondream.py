@@ -83,7 +83,7 @@ def test_random_weights_follow_the_recipe_scales():
     """``Moondream.random`` (random-moondream2, drawn on the device) gives every tensor of the
     layout its kind's scale, is deterministic for a seed, and random-moondream2 has moondream2's
     592 tensors and 1.93 B parameters (MOONDREAM.md §5)."""
-    from shared.models import builtin
+    from shared.models.registry import builtin
     from shared.moondream_random import NORMS, TINY_CONFIG, tensor_shapes
 
     cfg = MoondreamConfig.from_dict(TINY_CONFIG)
@@ -236,7 +236,7 @@ def test_service_serves_a_moondream_directory(checkpoints, encode):
 
 def test_tiny_random_moondream_is_built_in():
     """The registry's random Moondream loads and answers a detect on an image of any size."""
-    from shared.models import ModelInfo
+    from shared.models.info import ModelInfo
     info = ModelInfo.load("tiny-random-moondream")
     assert info.family.name == "moondream" and info.vision and info.vocab_size == 51200
     engine = make_engine("tiny-random-moondream")

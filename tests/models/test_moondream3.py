@@ -400,7 +400,7 @@ def test_random_moondream3_quantizes_its_experts_as_it_draws_them():
     """random-moondream3's recipe on a small config: the experts are drawn stack by stack and held
     quantized (no float stack left), at the recipe's scale; the built-in tiny-random-moondream3
     answers a detect through the engine at --quantization int4."""
-    from shared.models import ModelInfo
+    from shared.models.info import ModelInfo
     from shared.moondream_random import MD3_TINY_CONFIG
     kernels = kernels_or_skip()
     model = Moondream.random(MoondreamConfig.from_dict(MD3_TINY_CONFIG), quantize=("int4", 32, kernels))
@@ -428,7 +428,7 @@ def test_bench_moondream3_cpu_runs_end_to_end(capsys):
     import json
 
     from bench import moondream3_cpu
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
     kernels_or_skip()
     out = moondream3_cpu.main(["--model", "tiny-random-moondream3", "--tokens", "3", "--objects", "1", "--json"])
     assert json.loads(capsys.readouterr().out)["params"] == out["params"]

@@ -33,7 +33,8 @@ from gpu_worker.image_prefill import image_rows_in_chunk  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama, LlamaConfig  # noqa: E402
 from gpu_worker.vision import VisionConfig, VisionEncoder, normalize_tiles  # noqa: E402
-from shared.models import ModelInfo, resolve_model  # noqa: E402
+from shared.models.info import ModelInfo  # noqa: E402
+from shared.models.registry import resolve_model  # noqa: E402
 from shared.vision_config import ImageProcessorParams  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

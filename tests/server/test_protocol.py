@@ -541,7 +541,7 @@ def test_chat_template_options_go_with_messages_as_vllm_takes_them():
 
 def test_chat_template_options_reach_the_template():
     from frontend.server.tokenization import chat_prompt_ids
-    from shared.models import load_tokenizer
+    from shared.models.registry import load_tokenizer
 
     tok = load_tokenizer("tiny-random")
     tok.chat_template = ("{% if loud %}!{% endif %}{% for m in messages %}[{{ m.role }}] {{ m.content }}"
