@@ -136,7 +136,8 @@ def main() -> None:
 @option("Sampling", "--stop", multiple=True, help="Stop string (repeatable); never part of the output.")
 @option("Output", "--grammar", type=click.Choice(["point", "box"]), default=None,
         help="Constrain the answer to points or boxes (normalised coordinates).")
-@option("Output", "--max-objects", default=DEFAULT_MAX_OBJECTS, show_default=True, help="With --grammar: the most points or boxes.")
+@option("Output", "--max-objects", type=int, help=f"The most points or boxes: with --grammar (default {DEFAULT_MAX_OBJECTS}), or "
+        "--skill point/detect (default: the model's own).")
 @option("Output", "--regex", default=None, help="Constrain the answer to a regular expression.")
 @option("Output", "--json-schema", "json_schema", type=click.File("r"), default=None,
         help="Constrain the answer to a JSON schema (file).")
@@ -189,7 +190,7 @@ def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, reg
             raise click.UsageError("use at most one of --grammar, --regex, --json-schema")
         spec = None
         if grammar:
-            spec = {"kind": grammar, "max_objects": max_objects}
+            spec = {"kind": grammar, "max_objects": max_objects or DEFAULT_MAX_OBJECTS}
         elif regex is not None:
             spec = {"kind": "regex", "pattern": regex}
         elif json_schema is not None:

@@ -339,7 +339,7 @@ def _parse_generate(msg: dict, g: Any, limits: Limits) -> GenerateRequest:
             raise _bad("truncate_prompt_tokens cannot be combined with images or a skill (their tokens "
                        "would be cut)")
     sampling = _sampling_params(g, limits)  # ranges last, once every type is known good
-    given = [f for f in SKILL_FIELDS if f in msg]
+    given = [f for f in SKILL_FIELDS if msg.get(f) is not None]  # nil means absent, as everywhere
     if "skill" in prompt:
         if grammar is not None or stop:
             raise _bad("grammar and stop cannot be combined with a skill (it has its own)")

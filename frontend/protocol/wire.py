@@ -14,6 +14,7 @@ from typing import Any, Mapping, Union
 
 import msgspec
 
+from shared.moondream_config import MOONDREAM2_RULES
 from shared.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, SamplingParams
 
 VERSION_FRAME = b"TANDEM1"
@@ -46,9 +47,10 @@ PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "skill")  # exactly o
 SKILL_FIELDS = ("length", "question", "reasoning", "spatial_refs", "object", "max_objects")
 SKILLS = ("caption", "query", "point", "detect")
 # Moondream's API defaults (its reference's caption/query sampling and max_objects), whichever model
-# answers a skill: natively (frontend/moondream/) or as a prompted request (frontend/skills.py).
+# answers a skill: natively (frontend/moondream/) or as a prompted request (frontend/skills.py). A
+# Moondream model's own default max_objects is its SkillRules' (Moondream 2's is this one).
 SKILL_SAMPLING = {"temperature": 0.5, "top_p": 0.3}
-DEFAULT_MAX_OBJECTS = 50
+DEFAULT_MAX_OBJECTS = MOONDREAM2_RULES.default_max_objects
 MAX_GRAMMAR_OBJECTS = 100  # the most items a point/box grammar (frontend/grammars) takes
 OUTPUT_FIELDS = ("stop", "stream", "logprobs", "top_logprobs", "grammar")  # optional, besides the sampling fields
 # How the chat template renders messages (vLLM's names; only with messages).
@@ -81,6 +83,20 @@ DEFAULT_LIMITS = Limits()
 
 class SkillError(ValueError):
     """A skill's fields are wrong (a bad request, naming the field)."""
+
+
+def skill_text(name: str, value: Any) -> str:
+    """A skill's text field (``question``, ``object``): a non-empty string."""
+    if not isinstance(value, str) or not value.strip():
+        raise SkillError(f"{name} must be a non-empty string")
+    return value
+
+
+def skill_max_objects(value: Any, limit: int, name: str = "max_objects") -> int:
+    """A point/detect skill's ``max_objects``: an integer in [1, limit]."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+        raise SkillError(f"{name} must be an integer in [1, {limit}]")
+    return value
 
 
 # --------------------------------------------------------------------------- requests

@@ -563,3 +563,12 @@ def test_truncate_prompt_tokens():
         assert err(gen(truncate_prompt_tokens=value)).message == says
     e = err(gen(prompt="<image>", images=[b"x"], truncate_prompt_tokens=2))
     assert e.message.startswith("truncate_prompt_tokens cannot be combined with images")
+
+
+def test_a_skill_field_sent_as_nil_is_absent():
+    """nil means absent for a skill's own fields too: the skill's default applies (a Moondream
+    model's own max_objects), never a nil the skill would refuse."""
+    point = {"type": "generate", "id": "s", "skill": "point", "object": "cat", "images": [b"x"]}
+    assert parse({**point, "max_objects": None}).skill == {"skill": "point", "object": "cat"}
+    assert parse({**point, "max_objects": 3}).skill == {"skill": "point", "object": "cat", "max_objects": 3}
+    assert err(gen(max_objects=None, question=1)).message == "question is a skill field: send it with skill"
