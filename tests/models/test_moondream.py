@@ -7,12 +7,14 @@ the reference's token ids and float32 values exactly, in float32.
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import moondream_greedy as greedy
 import numpy as np
 import pytest
 import torch
+from moondream_cases import done_fields, expected_done, fixture_png, skill_of
 
 from bench.moondream_fixture import EXPECTED, IMAGES, case_id, encoder, engine_answer, engine_request, write_checkpoints
 from frontend.moondream import prompts
@@ -257,31 +259,7 @@ def test_tiny_random_moondream_is_built_in():
         engine.close()
 
 
-def png(name: str) -> bytes:
-    import io
-
-    from PIL import Image
-    h, w, salt = EXPECTED["images"][name]
-    buf = io.BytesIO()
-    Image.fromarray(make_image(h, w, salt)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def skill_of(case):
-    keys = {"caption": ("length",), "query": ("question", "reasoning", "spatial_refs"),
-            "point": ("object", "max_objects"), "detect": ("object", "max_objects")}[case["skill"]]
-    return {"skill": case["skill"], **{k: case[k] for k in keys if k in case}}
-
-
-def expected_done(case):
-    """The fixture case as a skill's ``done`` fields (boxes clamped to [0, 1], as Photon returns them)."""
-    if case["skill"] == "point":
-        return {"output": {"points": case["points"]}}
-    if case["skill"] == "detect":
-        return {"output": {"objects": [{k: min(max(v, 0.0), 1.0) for k, v in o.items()} for o in case["objects"]]}}
-    if case.get("reasoning"):
-        return {"token_ids": case["token_ids"], "reasoning_token_ids": case["reasoning_token_ids"]}
-    return {"token_ids": case["token_ids"]}
+png = functools.partial(fixture_png, EXPECTED["images"])
 
 
 def test_service_skills_match_the_reference(checkpoints):
@@ -302,9 +280,7 @@ def test_service_skills_match_the_reference(checkpoints):
         for i, case in enumerate(EXPECTED["cases"]):
             kind, payload = done[i]
             assert kind == "done", payload
-            if "reasoning_token_ids" in expected_done(case):
-                payload = {**payload, "reasoning_token_ids": payload["reasoning"]["token_ids"]}
-            assert {k: payload[k] for k in expected_done(case)} == expected_done(case), case_id(case)
+            assert done_fields(payload, case) == expected_done(case), case_id(case)
         a = png("dev-a.png")
         for skill, images, field in (
                 ({"skill": "query", "question": "Why?", "spatial_refs": [[0.1, 1.5]]}, [a], "spatial_refs"),
