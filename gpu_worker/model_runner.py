@@ -311,7 +311,7 @@ class ModelRunner:
             graph = None
             chunks = [(int(p), 1, self.block_tables[r]) for r, p in zip(inp.decode_rows, inp.decode_pos)]
             b = Batch.build(chunks + inp.prefill_chunks, self.page_size, device="cpu")
-            fields = [b.positions.numpy(), b.slot_mapping.numpy(), b.block_tables.numpy(), b.query_index.numpy(),
+            fields = [b.positions.numpy(), b.kv_index.numpy(), b.block_tables.numpy(), b.query_index.numpy(),
                       b.query_pos.numpy(), b.token_to_padded.numpy(), inp.decode_rows, inp.prefill_ids,
                       inp.logits_index]
             if inp.image_segments:
@@ -393,9 +393,9 @@ class ModelRunner:
         """Batch fields (positions .. token_to_padded) for one token per row: Qmax == 1, T == S."""
         tables = self.block_tables[rows, :pages]
         n = len(rows)
-        slots = tables[np.arange(n), pos // self.page_size] * self.page_size + pos % self.page_size
+        kv_index = tables[np.arange(n), pos // self.page_size] * self.page_size + pos % self.page_size
         index = np.arange(n)
-        return [pos, slots, tables, index[:, None], pos[:, None], index]
+        return [pos, kv_index, tables, index[:, None], pos[:, None], index]
 
     def gather_pending(self, rows: torch.Tensor) -> torch.Tensor:
         ids = self.pending[rows]
