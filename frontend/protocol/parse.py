@@ -177,16 +177,17 @@ def _check_unknown(msg: dict, allowed: frozenset, what: str) -> None:
 _PATH_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]")
 
 
-def _convert(value: Any, wire_type: Any, name: str = "") -> Any:
+def _convert(value: Any, wire_type: Any, name: str = "", kind: str = "") -> Any:
     """``value`` as ``wire_type`` (msgspec checks every type), or the protocol's ``bad_request`` for the
-    first value of a wrong type (``name`` is the path's root where ``value`` is one field)."""
+    first value of a wrong type (where ``value`` is one field: ``name`` the path's root, ``kind`` its
+    key in MUST_BE when that is not its name)."""
     try:
         return msgspec.convert(value, wire_type, strict=True)
     except msgspec.ValidationError as e:
-        raise _wire_error(str(e), value, name) from None
+        raise _wire_error(str(e), value, name, kind or name) from None
 
 
-def _wire_error(error: str, value: Any, name: str) -> ProtocolError:
+def _wire_error(error: str, value: Any, name: str, kind: str) -> ProtocolError:
     """msgspec's ``"<what> - at `$.messages[0].role`"`` in the protocol's words, naming the value by
     its path (``messages[0].role``) and its msgpack type."""
     what, _, at = error.rpartition(" - at `")
@@ -194,7 +195,7 @@ def _wire_error(error: str, value: Any, name: str) -> ProtocolError:
         what, at = error, "$`"
     key_error = at.startswith("key` in `")
     steps = _PATH_STEP.findall(at.removeprefix("key` in `").removeprefix("$").rstrip("`"))
-    where, pattern = name, name
+    where, pattern = name, kind
     for field_name, index in steps:
         if index:
             value = value[int(index)] if isinstance(value, list) else None
@@ -203,7 +204,7 @@ def _wire_error(error: str, value: Any, name: str) -> ProtocolError:
             value = value.get(field_name) if isinstance(value, dict) else None
             where, pattern = (f"{s}.{field_name}" if s else field_name for s in (where, pattern))
     if key_error:
-        key = next((k for k in value if not isinstance(k, str)), None)
+        key = next((k for k in value or () if not isinstance(k, str)), None)
         return _bad(f"{where} keys must be strings, got a {_tname(key)} key")
     if what.startswith("Object contains unknown field `"):
         return _bad(f"unknown field {_short(what.split('`')[1])} for {where}")
@@ -211,11 +212,13 @@ def _wire_error(error: str, value: Any, name: str) -> ProtocolError:
         field_name = what.split("`")[1]
         value = None
         where, pattern = f"{where}.{field_name}", f"{pattern}.{field_name}"
-    root, dot, rest = pattern.partition("[")
+    root, bracket, rest = pattern.partition("[")
     if root in TOKEN_ID_FIELDS:
-        pattern = "token_ids" + dot + rest
+        pattern = "token_ids" + bracket + rest
     if pattern == "messages[].content[].type":
         return _bad(f"{where} must be one of {', '.join(PART_TYPES)}, got {_short(value)}")
+    if pattern not in MUST_BE:  # a wire type without its words: msgspec's own, never a crash
+        return _bad(f"{where or 'payload'}: {what}")
     got = _short(value) if pattern == "truncate_prompt_tokens" else _tname(value)
     return _bad(f"{where} must be {MUST_BE[pattern]}, got {got}")
 
@@ -428,7 +431,7 @@ def _template_options(g: Any, chat: bool) -> dict[str, Any]:
 
 def parse_token_ids(value: object, name: str, limits: Limits | None = None) -> list[int]:
     """Token ids of the vocabulary (``ProtocolError`` naming ``name``); may be empty (HTTP ``/detokenize``)."""
-    return _check_token_ids(_convert(value, list[int], name), name, limits or DEFAULT_LIMITS)
+    return _check_token_ids(_convert(value, list[int], name, "token_ids"), name, limits or DEFAULT_LIMITS)
 
 
 def _check_token_ids(ids: list[int], name: str, limits: Limits) -> list[int]:

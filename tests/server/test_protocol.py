@@ -572,3 +572,24 @@ def test_a_skill_field_sent_as_nil_is_absent():
     assert parse({**point, "max_objects": None}).skill == {"skill": "point", "object": "cat"}
     assert parse({**point, "max_objects": 3}).skill == {"skill": "point", "object": "cat", "max_objects": 3}
     assert err(gen(max_objects=None, question=1)).message == "question is a skill field: send it with skill"
+
+
+def test_the_helpers_for_http_word_their_errors_as_a_generate_does():
+    """``parse_token_ids`` / ``parse_prompt`` / ``template_options`` (HTTP /tokenize, /detokenize) name
+    the field as the caller calls it, in the same words as a generate's errors."""
+    from frontend.protocol.parse import parse_prompt, parse_token_ids, template_options
+
+    def says(fn, *args):
+        with pytest.raises(ProtocolError) as ei:
+            fn(*args)
+        return ei.value.message
+
+    assert parse_token_ids([0, 5], "tokens") == [0, 5] and parse_token_ids([], "tokens") == []
+    assert says(parse_token_ids, "1 2", "tokens") == "tokens must be an array of integers, got str"
+    assert says(parse_token_ids, [1, True], "tokens") == "tokens[1] must be an integer, got bool"
+    assert says(parse_token_ids, [1, 100], "tokens", Limits(vocab_size=100)) == "tokens[1] must be < vocab size 100, got 100"
+    assert says(parse_prompt, "messages", [{"role": "user", "content": [{"type": "text"}]}]) == \
+        "messages[0].content[0].text must be a string, got nil"
+    assert says(parse_prompt, "messages", [{"role": "user", "content": "x", 3: 1}]) == \
+        "messages[0] keys must be strings, got a int key"
+    assert says(template_options, {"continue_final_message": "yes"}) == "continue_final_message must be a bool, got str"
