@@ -305,7 +305,7 @@ class CpuKernels:
                         kv_heads: int) -> torch.Tensor:
         """Moondream's rotary (``moondream.apply_partial_rope``, the same bits) on q and k of the
         fused qkv rows [T, (H + 2 Hkv) D] bf16 at ``positions`` (float32 tables [len, rot / 2]);
-        k and v written into the cache rows ``kv_index``; -> q [T, H, D]."""
+        k and v written at ``kv_index`` in the caches; -> q [T, H, D]."""
         T, width = qkv.shape
         D = width // (heads + 2 * kv_heads)
         qkv = qkv.contiguous()
@@ -341,7 +341,7 @@ class CpuKernels:
                 kv_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
                 head_dim: int) -> torch.Tensor:
         """Rotary on q and k of the fused qkv rows [T, (H + 2 Hkv) D] at ``positions`` (float32 tables
-        [len, D / 2]); k and v written into the cache rows ``kv_index``; -> q [T, H, D]."""
+        [len, D / 2]); k and v written at ``kv_index`` in the caches; -> q [T, H, D]."""
         T = qkv.shape[0]
         q = torch.empty((T, heads, head_dim), dtype=qkv.dtype)
         self._fn["rope_kv", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),

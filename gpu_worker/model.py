@@ -178,7 +178,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     writing this forward's k, v [T, Hkv, D] into the cache -> [T, H * D]. ``mask``: see
     :func:`attention_mask`."""
     Hkv, D = k.shape[1], k.shape[2]
-    # Write the new K/V into their cache rows first, so the gather below sees
+    # Write the new K/V at their kv_index first, so the gather below sees
     # the whole sequence (cached prefix + this chunk) in one place.
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
     k_cache.view(-1, Hkv, D).index_copy_(0, batch.kv_index, k.to(k_cache.dtype))

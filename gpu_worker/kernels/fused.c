@@ -4,7 +4,7 @@
  * gather, SDPA's mask, silu); here they are five calls:
  *
  *   add_rmsnorm   x += y (optional); h = rmsnorm(x) * w
- *   rope_kv       rope on q and k of the fused qkv row; k, v written into their cache rows (kv_index)
+ *   rope_kv       rope on q and k of the fused qkv row; k, v written at their kv_index in the cache
  *   attention     each query token attends over its sequence's pages in place (no gather copy, no mask)
  *   silu_mul      silu(gate) * up
  *

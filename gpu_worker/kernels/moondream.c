@@ -5,8 +5,8 @@
 /* Moondream's rotary and cache write in one pass over the fused qkv rows [T, (H + 2 Hkv) D] at
  * positions pos[t]: of each q and k head, the first `rot` dims rotated (their halves as real and
  * imaginary parts, written interleaved), in float32 and rounded to bf16 once, the rest copied
- * (as apply_partial_rope: the same bits); q -> q_out [T, H, D], k and v -> cache rows kv_index[t] of
- * [cache rows, Hkv, D]. Tables cos_t, sin_t [positions, rot / 2] float32. */
+ * (as apply_partial_rope: the same bits); q -> q_out [T, H, D], k and v -> kv_index[t] of the
+ * cache [pages * page_size, Hkv, D]. Tables cos_t, sin_t [positions, rot / 2] float32. */
 void partial_rope_kv_bf16(const bf16 *qkv, const float *cos_t, const float *sin_t, const int64_t *pos,
                           const int64_t *kv_index, bf16 *k_cache, bf16 *v_cache, bf16 *q_out, int64_t T, int64_t H,
                           int64_t Hkv, int64_t D, int64_t rot, int nthreads) {

@@ -577,7 +577,7 @@ def test_moondream_text_rows_are_the_same_bits_however_they_are_chunked_and_batc
 @pytest.mark.parametrize("D", [64, 72])  # 72: 18 rotated pairs, a vector tail at every width
 def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels, D):
     """``partial_rope_kv`` (bf16): q is ``apply_partial_rope``'s bits, k lands rotated and v as it
-    is in its cache rows, kv_index (pages handed out backwards, a row mid-page), nothing else written."""
+    is at its kv_index (pages handed out backwards, one mid-page), nothing else written."""
     from gpu_worker.moondream import apply_partial_rope, rope_tables
 
     H, Hkv, T = 4, 2, 37
@@ -585,7 +585,7 @@ def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels
     g = torch.Generator().manual_seed(5)
     qkv = (3 * torch.randn(T, (H + 2 * Hkv) * D, generator=g)).bfloat16()
     positions = torch.arange(5, 5 + T)
-    kv_index = torch.arange(T).flip(0) * 2 + 1  # every other row, backwards
+    kv_index = torch.arange(T).flip(0) * 2 + 1  # every other place, backwards
     k_cache, v_cache = (torch.zeros(2 * T + 2, Hkv, D, dtype=torch.bfloat16) for _ in range(2))
     q = kernels.partial_rope_kv(qkv, cos_t, sin_t, positions, kv_index, k_cache, v_cache, H, Hkv)
     eq, ek, ev = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
