@@ -165,7 +165,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attention_mask(batch: Batch, kv: PagedKVCache, group: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """The [S, 1, group * Qmax, L] mask of :func:`paged_attention`, shared by all layers: query (s, q)
     sees key j iff j <= limit[s, q], by default its position (causal). Rows are tiled
-    ``group`` times to match the GQA folding (row g * Qmax + q). Slots past the sequence's length
+    ``group`` times to match the GQA folding (row g * Qmax + q). Keys past the sequence's length
     are masked out by the same rule, so stale cache contents never leak in."""
     limit = batch.query_pos if limit is None else limit
     key_index = torch.arange(batch.block_tables.shape[1] * kv.k.shape[2], device=limit.device)

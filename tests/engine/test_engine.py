@@ -359,16 +359,16 @@ def test_unconstrained_rows_are_sampled_before_masks_are_awaited():
 
 
 def test_warmup_captures_each_bucket_once_and_reports_progress():
-    """Warm-up visits every (slot, batch bucket, page bucket) once and reports done/total
+    """Warm-up visits every (step buffer, batch bucket, page bucket) once and reports done/total
     after each (the worker forwards it to the frontend; capture itself needs CUDA)."""
     eng = make_engine()
     try:
         runner = eng.runner
         runner.use_graphs = True  # CPU: record the captures instead of making them
         keys, seen = [], []
-        runner._graph_for = lambda slot, batch, pages: keys.append((slot, batch, pages))
+        runner._graph_for = lambda buffer, batch, pages: keys.append((buffer, batch, pages))
         runner.warmup(progress=lambda done, total: seen.append((done, total)))
-        assert len(keys) == len(set(keys)) == 12  # 2 slots x 3 batch sizes x 2 page buckets
+        assert len(keys) == len(set(keys)) == 12  # 2 step buffers x 3 batch sizes x 2 page buckets
         assert seen == [(i + 1, 12) for i in range(12)]
     finally:
         eng.close()

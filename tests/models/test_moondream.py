@@ -180,9 +180,9 @@ def test_engine_one_at_a_time_never_reads_values_back(checkpoints, encode):
         runner = engine.runner
         read_step = runner.read_step
 
-        def poisoned(slot, num, top=False, *, runner=runner, read_step=read_step):  # bound now: the loop rebinds
-            out = read_step(slot, num, top)
-            runner.slots[slot].values.fill_(float("nan"))
+        def poisoned(buffer, num, top=False, *, runner=runner, read_step=read_step):  # bound now: the loop rebinds
+            out = read_step(buffer, num, top)
+            runner.step_buffers[buffer].values.fill_(float("nan"))
             return out
 
         runner.read_step = poisoned

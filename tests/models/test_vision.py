@@ -512,9 +512,9 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
     launches, handed_back, submitted = [], Counter(), []
     forward = engine.runner.enqueue_forward
 
-    def record(slot, inp):
+    def record(buffer, inp):
         launches.append((list(inp.encode), list(inp.image_segments), [c[1] for c in inp.prefill_chunks]))
-        forward(slot, inp)
+        forward(buffer, inp)
 
     engine.runner.enqueue_forward = record
 
