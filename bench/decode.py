@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.arith import ceil_div
-from shared.models import DEFAULT_MODEL, REGISTRY, builtin
+from shared.models.registry import DEFAULT_MODEL, REGISTRY, builtin
 from shared.moondream_config import moondream_version
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,7 +111,7 @@ class Loaded:
     path: str | None  # HF directory for file models, None for random-*
     dtype: object  # torch.dtype
     torch_device: str
-    eos: tuple[int, ...] = ()  # the model's EOS ids (shared.models.ModelInfo's, or a built-in config's)
+    eos: tuple[int, ...] = ()  # the model's EOS ids (shared.models.info.ModelInfo's, or a built-in config's)
 
 
 def resolve_device(spec: str) -> str:
@@ -142,7 +142,7 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
         cfg = LlamaConfig.from_hf_config(model.random_config)
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)
         return Loaded(name, llama, None, dtype, torch_device, model_eos_ids(EngineConfig(model=name)))
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
 
     path = resolve_model(name)
     cfg = LlamaConfig.from_pretrained(path)

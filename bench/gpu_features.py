@@ -105,7 +105,7 @@ def _random_adapters(model: str, root: Path) -> dict[str, str]:
     to change the greedy tokens."""
     from bench.lora import write_random_adapter
     from gpu_worker.model import LlamaConfig
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
 
     config = LlamaConfig.from_pretrained(resolve_model(model, quiet=True))
     out = {}
@@ -196,7 +196,7 @@ def _image_requests(vlm: str, image: bytes, n_text: int = 1) -> tuple[list[dict]
     """Two requests with ``image`` (IMAGE_TEXTS), then ``n_text`` text requests; and the prepared image."""
     from frontend.images.idefics3 import image_prompt_ids, prepare_images
     from gpu_worker.image_prefill import ImageInput
-    from shared.models import load_tokenizer, resolve_model
+    from shared.models.registry import load_tokenizer, resolve_model
     from shared.vision_config import ImageProcessorParams
 
     path = resolve_model(vlm, quiet=True)

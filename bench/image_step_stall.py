@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
 
     from gpu_worker.engine import Engine, EngineConfig
     from gpu_worker.image_prefill import ImageInput
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
     from shared.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=str(resolve_model(args.model, quiet=True)), device=args.device,

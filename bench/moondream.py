@@ -44,7 +44,7 @@ from gpu_worker.image_prefill import ImageInput
 from gpu_worker.moondream import Moondream
 from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, SkillTask
 from shared.config import EngineConfig
-from shared.models import builtin, resolve_model
+from shared.models.registry import builtin, resolve_model
 from shared.moondream_config import MoondreamConfig, moondream_version
 from shared.moondream_random import byte_tokenizer, make_image
 from shared.sampling import SamplingParams

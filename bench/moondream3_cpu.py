@@ -41,7 +41,7 @@ from gpu_worker.moondream import Moondream
 from gpu_worker.moondream_skills import ANSWER_FIRST, DECIDE, SkillTask
 from gpu_worker.quant import QuantKernels, QuantLinear
 from shared.config import EngineConfig
-from shared.models import builtin
+from shared.models.registry import builtin
 from shared.moondream_config import MoondreamConfig
 from shared.moondream_random import byte_tokenizer
 from shared.sampling import SamplingParams

@@ -339,7 +339,7 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="Tandem's model (a built-in or a HF directory)")

@@ -20,7 +20,7 @@ import statistics
 import sys
 
 from gpu_worker.engine import Engine, EngineConfig
-from shared.models import DEFAULT_MODEL, load_tokenizer
+from shared.models.registry import DEFAULT_MODEL, load_tokenizer
 from shared.sampling import SamplingParams
 
 WORDS = ("river stone light garden paper window cloud market teacher bridge music winter ocean "

@@ -17,7 +17,7 @@ import time
 
 from frontend.server.service import Service, ServiceConfig
 from gpu_worker.engine import Engine, EngineConfig
-from shared.models import DEFAULT_MODEL
+from shared.models.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 
 

@@ -4,8 +4,7 @@ The HTTP routes (``frontend/http/moondream.py``) and the Python client build
 their requests here, so a skill's prompt, sampling defaults and grammar are
 the same whichever way it is asked for:
 
-- ``query`` / ``caption``: temperature 0.2, top_p 0.9 (Moondream's defaults),
-  free text;
+- ``query`` / ``caption``: ``SKILL_SAMPLING`` (Moondream's defaults), free text;
 - ``point`` / ``detect``: greedy, constrained by the ``point`` / ``box``
   grammar (``frontend/grammars``), so the answer always parses to
   ``{"points": [...]}`` / ``{"objects": [...]}``.
@@ -22,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from frontend.protocol import DEFAULT_MAX_OBJECTS, MAX_GRAMMAR_OBJECTS, SKILL_SAMPLING, SKILLS, SkillError
+from frontend.protocol.wire import (DEFAULT_MAX_OBJECTS, MAX_GRAMMAR_OBJECTS, SKILL_SAMPLING, SKILLS, SkillError,
+                                    skill_max_objects, skill_text)
 
 CAPTION_LENGTHS = {
     "short": ("Describe this image in one short sentence.", 64),
@@ -41,25 +41,24 @@ def caption(length: str = "normal", settings: Mapping[str, Any] | None = None) -
 
 
 def query(question: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    _text("question", question)
+    skill_text("question", question)
     return _request(question, SKILL_SAMPLING, 512, settings)
 
 
 def point(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    _text("object", obj)
+    skill_text("object", obj)
     return _located(f"Point at every {obj} in the image.", "point", settings)
 
 
 def detect(obj: str, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    _text("object", obj)
+    skill_text("object", obj)
     return _located(f"Give the bounding box of every {obj} in the image.", "box", settings)
 
 
 def _located(prompt: str, kind: str, settings: Mapping[str, Any] | None) -> dict[str, Any]:
     s = _settings(settings)
-    max_objects = s.pop("max_objects", DEFAULT_MAX_OBJECTS)
-    if not isinstance(max_objects, int) or isinstance(max_objects, bool) or not 1 <= max_objects <= MAX_GRAMMAR_OBJECTS:
-        raise SkillError(f"settings.max_objects must be an integer in [1, {MAX_GRAMMAR_OBJECTS}]")
+    max_objects = skill_max_objects(s.pop("max_objects", DEFAULT_MAX_OBJECTS), MAX_GRAMMAR_OBJECTS,
+                                    "settings.max_objects")
     per_item = 12 if kind == "point" else 24  # tokens per item (frontend/grammars), plus EOS
     req = _request(prompt, GREEDY, per_item * max_objects + 2, s)
     req["grammar"] = {"kind": kind, "max_objects": max_objects}
@@ -83,11 +82,6 @@ def _settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: settings[k] for k in SETTINGS if settings.get(k) is not None}
 
 
-def _text(name: str, value: Any) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise SkillError(f"{name} must be a non-empty string")
-
-
 def native(skill: str, fields: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The generate fields of a skill for a model with its own skills (Moondream 2): ``skill``
     and its fields, rendered and validated by the server (``frontend/moondream/skills.py``);
@@ -102,16 +96,17 @@ def native(skill: str, fields: Mapping[str, Any], settings: Mapping[str, Any] | 
 
 
 def skill_request(skill: str, *, length: str = "normal", question: str | None = None, obj: str | None = None,
-                  max_objects: int = DEFAULT_MAX_OBJECTS, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  max_objects: int | None = None, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The generate fields that ask ``skill`` of one image (the Python client's entry point):
-    the user message is the image part, then the skill's text."""
+    the user message is the image part, then the skill's text. ``max_objects`` None: the default."""
     s = dict(settings or {})
     if skill == "caption":
         req = caption(length, s)
     elif skill == "query":
         req = query(question, s)
     elif skill in ("point", "detect"):
-        s.setdefault("max_objects", max_objects)
+        if max_objects is not None:
+            s.setdefault("max_objects", max_objects)
         req = (point if skill == "point" else detect)(obj, s)
     else:
         raise SkillError(f"unknown skill {skill!r}; known: {', '.join(SKILLS)}")

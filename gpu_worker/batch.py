@@ -19,7 +19,7 @@ from shared.arith import ceil_div
 
 
 # Field order of Batch, also the order copy_from walks.
-_FIELDS = ("positions", "slot_mapping", "block_tables", "query_index", "query_pos", "token_to_padded")
+_FIELDS = ("positions", "kv_index", "block_tables", "query_index", "query_pos", "token_to_padded")
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Batch:
     """
 
     positions: torch.Tensor  # [T] absolute position of each token
-    slot_mapping: torch.Tensor  # [T] page * page_size + offset, where the token's K/V goes
+    kv_index: torch.Tensor  # [T] page * page_size + offset, where the token's K/V goes
     block_tables: torch.Tensor  # [S, P] page ids per sequence, unused entries 0
     query_index: torch.Tensor  # [S, Qmax] index into T of each query token (padding -> 0)
     query_pos: torch.Tensor  # [S, Qmax] position of each query token (padding -> 0); key j visible iff j <= pos
@@ -116,10 +116,10 @@ class Batch:
         seq_of_tok = np.repeat(np.arange(num_seqs), lens)
         offset = np.arange(total) - tok_starts[seq_of_tok]
         positions = starts[seq_of_tok] + offset
-        slot_mapping = block_tables[seq_of_tok, positions // page_size] * page_size + positions % page_size
+        kv_index = block_tables[seq_of_tok, positions // page_size] * page_size + positions % page_size
 
         # Padded [S, Qmax] query layout; padding points at token 0 / position 0
-        # so it stays finite (key slot 0 is always visible).
+        # so it stays finite (key 0 is always visible).
         qmax = int(lens.max())
         q = np.arange(qmax)[None, :]
         valid = q < lens[:, None]
@@ -127,7 +127,7 @@ class Batch:
         query_pos = np.where(valid, starts[:, None] + q, 0)
         token_to_padded = seq_of_tok * qmax + offset
 
-        host = dict(positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
+        host = dict(positions=positions, kv_index=kv_index, block_tables=block_tables,
                     query_index=query_index, query_pos=query_pos, token_to_padded=token_to_padded)
         if out is None:
             return cls(**{k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in host.items()})

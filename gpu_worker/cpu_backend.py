@@ -124,13 +124,13 @@ def fused_layers(model: nn.Module, x: torch.Tensor, batch: Batch, kv: PagedKVCac
     weights = layer_table(model, kernels)
     if weights is not None:  # every layer in one C call: the same kernels, no Python between them
         return kernels.layers(x, weights, kv.k, kv.v, model.rope_cos, model.rope_sin, batch.positions,
-                              batch.slot_mapping, batch.block_tables, seq_of_token, H, Hkv, D,
+                              batch.kv_index, batch.block_tables, seq_of_token, H, Hkv, D,
                               cfg.intermediate_size, eps)
     h = kernels.add_rmsnorm(x, None, model.layers[0].input_layernorm.weight, eps)
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         k_cache, v_cache = kv.k[i], kv.v[i]
-        q = kernels.rope_kv(attn.qkv_proj(h), model.rope_cos, model.rope_sin, batch.positions, batch.slot_mapping,
+        q = kernels.rope_kv(attn.qkv_proj(h), model.rope_cos, model.rope_sin, batch.positions, batch.kv_index,
                             k_cache, v_cache, H, Hkv, D)
         o = kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv)
         h = kernels.add_rmsnorm(x, attn.o_proj(o), layer.post_attention_layernorm.weight, eps)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from shared.arith import ceil_div
-from shared.models import cache_root
+from shared.models.cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class CpuKernels:
         return packed
 
     def layers(self, x: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+               sin: torch.Tensor, positions: torch.Tensor, kv_index: torch.Tensor, block_tables: torch.Tensor,
                seq_of_token: torch.Tensor, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                eps: float) -> torch.Tensor:
         """Every decoder layer in one call (``kernels/layers.c``): x [T, hidden] updated in place as the
@@ -270,7 +270,7 @@ class CpuKernels:
         act = torch.empty((T, intermediate), dtype=x.dtype)
         self._fn["layers", x.dtype](x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(),
                                 v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
+                                kv_index.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
                                 seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden, intermediate, eps,
                                 max_len, qkv.data_ptr(), q.data_ptr(), o.data_ptr(), proj.data_ptr(), gate_up.data_ptr(),
                                 act.data_ptr(), scratch.data_ptr(), threads)
@@ -301,17 +301,17 @@ class CpuKernels:
         return out
 
     def partial_rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                        slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+                        kv_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
                         kv_heads: int) -> torch.Tensor:
         """Moondream's rotary (``moondream.apply_partial_rope``, the same bits) on q and k of the
         fused qkv rows [T, (H + 2 Hkv) D] bf16 at ``positions`` (float32 tables [len, rot / 2]);
-        k and v written into the cache slots ``slot_mapping``; -> q [T, H, D]."""
+        k and v written at ``kv_index`` in the caches; -> q [T, H, D]."""
         T, width = qkv.shape
         D = width // (heads + 2 * kv_heads)
         qkv = qkv.contiguous()
         q = torch.empty((T, heads, D), dtype=torch.bfloat16)
         self._fn["partial_rope_kv_bf16"](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                         slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+                                         kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
                                          T, heads, kv_heads, D, 2 * cos.shape[1], torch.get_num_threads())
         return q
 
@@ -338,14 +338,14 @@ class CpuKernels:
         return h
 
     def rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+                kv_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
                 head_dim: int) -> torch.Tensor:
         """Rotary on q and k of the fused qkv rows [T, (H + 2 Hkv) D] at ``positions`` (float32 tables
-        [len, D / 2]); k and v written into the cache slots ``slot_mapping``; -> q [T, H, D]."""
+        [len, D / 2]); k and v written at ``kv_index`` in the caches; -> q [T, H, D]."""
         T = qkv.shape[0]
         q = torch.empty((T, heads, head_dim), dtype=qkv.dtype)
         self._fn["rope_kv", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                       slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+                                       kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
                                        T, heads, kv_heads, head_dim, torch.get_num_threads())
         return q
 

@@ -6,7 +6,7 @@ The engine is written once against this small interface:
   right away inside ``torch.cuda.stream(s)``, which only *enqueues* kernels. On
   the CPU, a stream is one executor thread running submitted functions in order,
   so launches are asynchronous exactly as on a GPU and the same pipelined code
-  (event waits, slot reuse, copy ordering) runs, and races show up, in CI.
+  (event waits, step-buffer reuse, copy ordering) runs, and races show up, in CI.
 - ``stream.record()`` returns an event; ``event.synchronize()`` blocks the host
   until the stream reached it; ``other.wait(event)`` orders a stream after it.
 - ``mark()`` records a timestamped event on the compute stream. A step's work

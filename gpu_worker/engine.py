@@ -65,7 +65,7 @@ from .image_prefill import ImageInput, ImagePrefill
 from .lora_slots import LoraSlots, token_lora_slots
 from .model_runner import LaunchInputs, ModelRunner
 from .moondream_skills import SkillTask
-from .pipeline import NUM_SLOTS, Pipeline
+from .pipeline import NUM_STEP_BUFFERS, Pipeline
 from .sampler import FLAG_LENGTH, FLAG_STOP
 from .scheduler import Plan, Scheduler
 from .sequence import Sequence
@@ -92,7 +92,7 @@ class Engine:
         # LoRA adapters (None without --lora): device slots, referenced by sequences like their KV pages.
         self.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora) if self.runner.lora else None
         self.scheduler = Scheduler(self.alloc, cfg.prefill_budget, self.lora_slots)
-        self.pipeline = Pipeline(NUM_SLOTS)  # holds each Launch from launch to commit
+        self.pipeline = Pipeline(NUM_STEP_BUFFERS)  # holds each Launch from launch to commit
         self.pipelined = cfg.pipeline
         self.awaiting_masks: Launch | None = None  # its constrained rows are sampled by the next tick()
         self.stats_ = EngineStats()
@@ -313,7 +313,7 @@ class Engine:
         launch = Launch(bool(plan.prefill), seqs, [])
         launch.inputs, launch.sample_seqs = inp, _ = self._inputs(plan, launch)
         launch.kv_ends = [int(p) + 1 for p in inp.decode_pos] + [c.start + c.length for c in plan.prefill]
-        launch.step, launch.pipeline_slot = self.pipeline.launch(launch)
+        launch.step, launch.step_buffer = self.pipeline.launch(launch)
         for seq in seqs:
             seq.inflight_refs += 1
         if self.lora_slots is not None:
@@ -321,7 +321,7 @@ class Engine:
         if self.config.debug:
             self.alloc.check_exclusive(seqs, inp.decode_pos, plan.prefill)
         launch.marks.append(self.device.mark())
-        self.runner.enqueue_forward(launch.pipeline_slot, inp)
+        self.runner.enqueue_forward(launch.step_buffer, inp)
         launch.marks.append(self.device.mark())
         return launch
 
@@ -397,7 +397,7 @@ class Engine:
                     self._fail(launch.sample_seqs[i], "mask_timeout",
                                "the constraint mask for this request did not arrive in time")
         launch.marks.append(self.device.mark())
-        self.runner.enqueue_sample(launch.pipeline_slot, launch.inputs, rows, np.ascontiguousarray(words, dtype=np.int32))
+        self.runner.enqueue_sample(launch.step_buffer, launch.inputs, rows, np.ascontiguousarray(words, dtype=np.int32))
         launch.marks.append(self.device.mark())
         self._enqueue_copy(launch, targets)
         return launch
@@ -413,13 +413,13 @@ class Engine:
                                   np.int64)
         launch.marks.append(self.device.mark())
         if not len(constrained):
-            self.runner.enqueue_sample(launch.pipeline_slot, launch.inputs)
+            self.runner.enqueue_sample(launch.step_buffer, launch.inputs)
             launch.marks.append(self.device.mark())
             self._enqueue_copy(launch, targets)
             return None
         free = np.setdiff1d(np.arange(len(launch.sample_seqs)), constrained)
         if len(free):
-            self.runner.enqueue_sample(launch.pipeline_slot, launch.inputs, free)
+            self.runner.enqueue_sample(launch.step_buffer, launch.inputs, free)
         launch.marks.append(self.device.mark())
         launch.constrained = constrained
         return launch
@@ -427,13 +427,13 @@ class Engine:
     def _enqueue_copy(self, launch: Launch, targets: list[np.ndarray]) -> None:
         """The step's ids to the host, and into the caller's next host array if one is left."""
         launch.copy_into = targets.pop(0) if targets else None
-        launch.copy_done = self.runner.enqueue_copy(launch.pipeline_slot, launch.inputs, launch.copy_into)
+        launch.copy_done = self.runner.enqueue_copy(launch.step_buffer, launch.inputs, launch.copy_into)
 
     # ------------------------------------------------------------------ commit
     def _commit(self) -> tuple[CommittedStep | None, list[Sequence], list[int]]:
         """Phase 3: commit the oldest launched step. Returns it (None if its device work failed),
         the sequences released, and the steps dropped after a device failure."""
-        step, pipeline_slot, launch = self.pipeline.pop_commit()
+        step, step_buffer, launch = self.pipeline.pop_commit()
         assert launch.copy_done is not None, step
         t = time.perf_counter()
         self.device_wait_since = time.monotonic()
@@ -453,7 +453,7 @@ class Engine:
         if launch.images:
             self.images.committed(launch.images)
         n = len(launch.sample_seqs)
-        tokens, flags, logprobs, values, top = self.runner.read_step(pipeline_slot, n, launch.inputs.want_top)
+        tokens, flags, logprobs, values, top = self.runner.read_step(step_buffer, n, launch.inputs.want_top)
         live, finish, cached = self._commit_rows(launch.sample_seqs, tokens, flags, logprobs, values)
         committed = CommittedStep(step, launch.prefill, launch.sample_seqs, tokens.astype(np.int32), finish, live,
                                   cached, logprobs.astype(np.float32) if launch.inputs.want_logprobs else None,

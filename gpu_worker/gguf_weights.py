@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from gpu_worker.model import Llama, LlamaConfig
 from gpu_worker.quant import QuantEmbedding, QuantKernels, QuantLinear, QWeight, from_gguf, quantize
-from shared.models import GGUF_FILE, gguf_tensor_name, unpermute_rope_rows
+from shared.models.gguf_files import GGUF_FILE, gguf_tensor_name, unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        # Zero-initialised so never-written slots hold finite values: masked
+        # Zero-initialised so never-written places hold finite values: masked
         # attention weights are exactly 0, but 0 * NaN would still be NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -13,7 +13,7 @@ Qwen3 (``LlamaConfig.qk_norm``) normalises each head of q and k (RMSNorm over ``
 the rotary embedding. The fused CPU kernels do not have that step: such a model never takes them
 for its layers (``Llama.cpu_kernels`` stays None, logged), only for its matmuls.
 
-The EOS ids are not the model's business: ``shared.models.ModelInfo`` reads them, for both processes.
+The EOS ids are not the model's business: ``shared.models.info.ModelInfo`` reads them, for both processes.
 
 The forward does no host syncs and allocates only shape-determined tensors, so a
 decode step can be captured in a CUDA graph and replayed with new Batch contents.
@@ -164,12 +164,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attention_mask(batch: Batch, kv: PagedKVCache, group: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """The [S, 1, group * Qmax, L] mask of :func:`paged_attention`, shared by all layers: query (s, q)
-    sees key slot j iff j <= limit[s, q], by default its position (causal). Rows are tiled
-    ``group`` times to match the GQA folding (row g * Qmax + q). Slots past the sequence's length
+    sees key j iff j <= limit[s, q], by default its position (causal). Rows are tiled
+    ``group`` times to match the GQA folding (row g * Qmax + q). Keys past the sequence's length
     are masked out by the same rule, so stale cache contents never leak in."""
     limit = batch.query_pos if limit is None else limit
-    key_slots = torch.arange(batch.block_tables.shape[1] * kv.k.shape[2], device=limit.device)
-    return (key_slots <= limit.repeat(1, group)[:, :, None])[:, None]
+    key_index = torch.arange(batch.block_tables.shape[1] * kv.k.shape[2], device=limit.device)
+    return (key_index <= limit.repeat(1, group)[:, :, None])[:, None]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, batch: Batch,
@@ -178,11 +178,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     writing this forward's k, v [T, Hkv, D] into the cache -> [T, H * D]. ``mask``: see
     :func:`attention_mask`."""
     Hkv, D = k.shape[1], k.shape[2]
-    # Write the new K/V into their slots first, so the gather below sees
+    # Write the new K/V at their kv_index first, so the gather below sees
     # the whole sequence (cached prefix + this chunk) in one place.
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
-    k_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, Hkv, D).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, Hkv, D).index_copy_(0, batch.kv_index, k.to(k_cache.dtype))
+    v_cache.view(-1, Hkv, D).index_copy_(0, batch.kv_index, v.to(v_cache.dtype))
     return attend_pages(q, layer_idx, batch, kv, mask)
 
 
@@ -194,7 +194,7 @@ def attend_pages(q: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
 
     # Gather each sequence's pages into a contiguous [S, L, Hkv, D], L = P * page_size;
-    # key slot j of that layout is position j of the sequence. index_select copies whole
+    # key j of that layout is position j of the sequence. index_select copies whole
     # pages (4x faster than k_cache[block_tables] on a CPU, BENCHMARKS.md "The CPU forward").
     S, P = batch.block_tables.shape
     pages = batch.block_tables.view(-1)

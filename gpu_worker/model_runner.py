@@ -2,9 +2,9 @@
 
 Per batch row the device keeps the *pending token* (the last sampled id, which
 the next forward gathers without the host ever seeing it) and the row's
-sampling parameters. Per pipeline slot (``pipeline.py``) it keeps the
+sampling parameters. Per step buffer (``pipeline.py``) it keeps the
 page-locked host buffers the sampled ids are copied into, and on CUDA the
-decode graphs captured for that slot (one per batch-size bucket and page-count
+decode graphs captured for that step buffer (one per batch-size bucket and page-count
 bucket). A Moondream row also keeps its skill state and pending region values
 on the device (``moondream_skills.SkillRows``): sampling advances them, the
 next forward embeds them, and the values are copied back with the ids.
@@ -33,7 +33,9 @@ import torch
 from shared.arith import ceil_div
 from shared.config import QUANTIZATIONS, EngineConfig
 from shared.families import family_of, read_config
-from shared.models import GGUF_FILE, ModelInfo, builtin, resolve_model
+from shared.models.gguf_files import GGUF_FILE
+from shared.models.info import ModelInfo
+from shared.models.registry import builtin, resolve_model
 from shared.sampling import MAX_TOP_LOGPROBS
 from shared.vision_config import ImageProcessorParams
 
@@ -47,7 +49,7 @@ from .gguf_weights import quantize_linears
 from .model import Llama
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
-from .pipeline import NUM_SLOTS
+from .pipeline import NUM_STEP_BUFFERS
 from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
 from .vision import VisionEncoder
 
@@ -90,8 +92,8 @@ class LaunchInputs:
     prefill_size: np.ndarray | None = None
 
 
-class SlotBuffers:
-    """Per-slot page-locked destinations of the device-to-host copy."""
+class StepBuffers:
+    """Per step buffer: the page-locked destinations of the device-to-host copy."""
 
     def __init__(self, device: Device, max_rows: int) -> None:
         self.tokens = device.pinned_empty((max_rows,), torch.int64)
@@ -252,7 +254,7 @@ class ModelRunner:
         # Host copy of every row's page table, written at admission, so a decode
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
-        self.slots = [SlotBuffers(device, max_rows) for _ in range(NUM_SLOTS)]
+        self.step_buffers = [StepBuffers(device, max_rows) for _ in range(NUM_STEP_BUFFERS)]
         # A model whose forward reads values back to the host (Moondream 3's expert counts) is never captured.
         self.use_graphs = config.cuda_graphs and device.is_cuda and getattr(self.model, "graph_capturable", True)
         self.graphs: dict[tuple[int, int, int, str | None], "_DecodeGraph"] = {}
@@ -289,12 +291,12 @@ class ModelRunner:
         return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
 
     # -- forward ----------------------------------------------------------------
-    def enqueue_forward(self, slot: int, inp: LaunchInputs) -> None:
-        """Enqueue the forward; its logits land in ``self.slots[slot].logits``."""
+    def enqueue_forward(self, buffer: int, inp: LaunchInputs) -> None:
+        """Enqueue the forward; its logits land in ``self.step_buffers[buffer].logits``."""
         num_decode = len(inp.decode_rows)
         if len(inp.prefill_ids) == 0:  # pure decode: vectorised metadata, maybe a CUDA graph
             pages = int(inp.decode_pos.max()) // self.page_size + 1
-            graph = self._graph_for(slot, num_decode, pages)
+            graph = self._graph_for(buffer, num_decode, pages)
             rows, pos = inp.decode_rows, inp.decode_pos
             if graph is not None:
                 rows = np.concatenate([rows, np.full(graph.batch_size - num_decode, self.max_rows)])
@@ -307,7 +309,7 @@ class ModelRunner:
             graph = None
             chunks = [(int(p), 1, self.block_tables[r]) for r, p in zip(inp.decode_rows, inp.decode_pos)]
             b = Batch.build(chunks + inp.prefill_chunks, self.page_size, device="cpu")
-            fields = [b.positions.numpy(), b.slot_mapping.numpy(), b.block_tables.numpy(), b.query_index.numpy(),
+            fields = [b.positions.numpy(), b.kv_index.numpy(), b.block_tables.numpy(), b.query_index.numpy(),
                       b.query_pos.numpy(), b.token_to_padded.numpy(), inp.decode_rows, inp.prefill_ids,
                       inp.logits_index]
             if inp.image_segments:
@@ -315,7 +317,7 @@ class ModelRunner:
         lora = self._lora_slots(inp, graph)
         if lora is not None:
             fields.append(lora)  # last: popped after the upload
-        buf = self.slots[slot]
+        buf = self.step_buffers[buffer]
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -389,9 +391,9 @@ class ModelRunner:
         """Batch fields (positions .. token_to_padded) for one token per row: Qmax == 1, T == S."""
         tables = self.block_tables[rows, :pages]
         n = len(rows)
-        slots = tables[np.arange(n), pos // self.page_size] * self.page_size + pos % self.page_size
+        kv_index = tables[np.arange(n), pos // self.page_size] * self.page_size + pos % self.page_size
         index = np.arange(n)
-        return [pos, slots, tables, index[:, None], pos[:, None], index]
+        return [pos, kv_index, tables, index[:, None], pos[:, None], index]
 
     def gather_pending(self, rows: torch.Tensor) -> torch.Tensor:
         ids = self.pending[rows]
@@ -404,14 +406,14 @@ class ModelRunner:
         return ids
 
     # -- sampling -----------------------------------------------------------------
-    def enqueue_sample(self, slot: int, inp: LaunchInputs, part: np.ndarray | None = None,
+    def enqueue_sample(self, buffer: int, inp: LaunchInputs, part: np.ndarray | None = None,
                        mask_words: np.ndarray | None = None) -> None:
         """Enqueue sampling of some of the step's rows (``part``: indices into the
         sampling rows; None = all), with ``mask_words`` (one bitmask per row of
         ``part``) if they are constrained. A step may sample in several parts, so
         unconstrained rows are sampled before the host waits for any mask.
         """
-        buf = self.slots[slot]
+        buf = self.step_buffers[buffer]
         num = len(inp.sample_rows)
         meta = [inp.sample_rows, inp.sample_pos] + ([part] if part is not None else [])
         masks = None
@@ -457,12 +459,12 @@ class ModelRunner:
 
         self.device.compute.submit(run)
 
-    def enqueue_copy(self, slot: int, inp: LaunchInputs, dest: np.ndarray | None = None):
+    def enqueue_copy(self, buffer: int, inp: LaunchInputs, dest: np.ndarray | None = None):
         """After the step's sampling parts: copy the sampled ids (and flags, logprobs)
-        to the slot's page-locked buffers, and the ids to ``dest[:rows]`` (an int32 host
+        to the step buffer's page-locked arrays, and the ids to ``dest[:rows]`` (an int32 host
         array such as a token-ring entry) if given, on the copy stream. Returns the
         copy-done event: the only thing the commit waits on."""
-        buf = self.slots[slot]
+        buf = self.step_buffers[buffer]
         num = len(inp.sample_rows)
         want_lp, want_top = inp.want_logprobs or inp.want_top, inp.want_top
 
@@ -495,11 +497,11 @@ class ModelRunner:
         self.device.copy.submit(copy)
         return self.device.copy.record()
 
-    def read_step(self, slot: int, num: int, top: bool = False) -> tuple:
+    def read_step(self, buffer: int, num: int, top: bool = False) -> tuple:
         """The committed step's sampled ids, flags, logprobs, Moondream's region values [num, 3]
         (None for other models) and, with ``top``, the most likely (ids, logprobs) [num, K] (else None),
         after the copy event."""
-        buf = self.slots[slot]
+        buf = self.step_buffers[buffer]
         buf.keep = []
         values = buf.values[:num].numpy().copy() if self.skills is not None else None
         top_out = (buf.top_ids[:num].numpy().copy(), buf.top_logprobs[:num].numpy().copy()) if top else None
@@ -507,7 +509,7 @@ class ModelRunner:
                 values, top_out)
 
     # -- CUDA graphs ----------------------------------------------------------------
-    def _graph_for(self, slot: int, batch: int, pages: int) -> "_DecodeGraph | None":
+    def _graph_for(self, buffer: int, batch: int, pages: int) -> "_DecodeGraph | None":
         if not self.use_graphs:
             return None
         b = _bucket(batch, tuple(x for x in BATCH_BUCKETS if x <= self.max_rows) + (self.max_rows,))
@@ -515,21 +517,21 @@ class ModelRunner:
         if b is None or p is None:
             return None
         # The LoRA kernel is Python control flow, frozen into a graph when it is captured.
-        key = (slot, b, p, self.lora.kernel if self.lora is not None else None)
+        key = (buffer, b, p, self.lora.kernel if self.lora is not None else None)
         if key not in self.graphs:
             t0 = time.perf_counter()
             self.graphs[key] = _DecodeGraph(self, b, p, self._graph_pool)
             took = time.perf_counter() - t0
             self.graph_capture_s += took
-            log.info("captured decode graph slot=%d batch=%d pages=%d in %.0f ms", slot, b, p, took * 1e3)
+            log.info("captured decode graph buffer=%d batch=%d pages=%d in %.0f ms", buffer, b, p, took * 1e3)
         return self.graphs[key]
 
     def warmup(self, batch_sizes=(1, 8, 32), pages=(8, 16), progress=None) -> None:
         """Capture the common decode graphs before serving; ``progress(done, total)`` after each."""
         if not self.use_graphs:
             return
-        todo = [(slot, b, min(p, self.max_pages_per_seq))
-                for slot in range(NUM_SLOTS) for b in batch_sizes if b <= self.max_rows for p in pages]
+        todo = [(buffer, b, min(p, self.max_pages_per_seq))
+                for buffer in range(NUM_STEP_BUFFERS) for b in batch_sizes if b <= self.max_rows for p in pages]
         for i, key in enumerate(todo):
             self._graph_for(*key)
             if progress is not None:

@@ -255,7 +255,7 @@ class TextAttention:
             k = apply_partial_rope(k.view(T, Hkv, D), self.cos, self.sin)
             return paged_attention(q, k, v.reshape(T, Hkv, D), layer, self.batch, self.kv, self.mask)
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        q = self.kernels.partial_rope_kv(qkv, *self.tables, self.batch.positions, self.batch.slot_mapping,
+        q = self.kernels.partial_rope_kv(qkv, *self.tables, self.batch.positions, self.batch.kv_index,
                                          k_cache, v_cache, H, Hkv)
         return self.kernels.paged_attention(q, k_cache, v_cache, self.batch.block_tables, self.starts, self.last)
 

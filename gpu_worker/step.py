@@ -1,7 +1,7 @@
 """The records one step leaves on its way through the engine (docs/DESIGN.md §4.1).
 
 - ``Launch``: from ``Engine._launch`` to its commit; the pipeline holds it in the step's
-  pipeline slot meanwhile, so a slot is never reused before its step is committed or dropped.
+  step buffer meanwhile, so a step buffer is never reused before its step is committed or dropped.
 - ``CommittedStep``: the commit's result (phase 3), one entry per sampled row.
 - ``Tick``: everything one ``Engine.tick`` produced, which the caller publishes (the engine
   never calls back into it).
@@ -25,8 +25,8 @@ class Launch:
     prefill: bool  # the launch holds prefill chunks (else pure decode)
     seqs: list[Sequence]  # every sequence in the launch
     kv_ends: list[int]  # per sequence of ``seqs``: the end of the positions whose KV this launch writes
-    step: int = -1  # its step number and pipeline slot, from ``Pipeline.launch``
-    slot: int = -1
+    step: int = -1  # its step number and step buffer, from ``Pipeline.launch``
+    step_buffer: int = -1
     sample_seqs: list[Sequence] = field(default_factory=list)  # one per logits row, in row order
     inputs: LaunchInputs | None = None
     marks: list = field(default_factory=list)  # compute-stream marks: forward begin/end, sampling begin/end

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any
 
-from shared.models import DEFAULT_MODEL
+from shared.models.registry import DEFAULT_MODEL
 
 
 def _about(default: Any, help: str) -> Any:

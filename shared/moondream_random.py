@@ -1,6 +1,6 @@
 """Random Moondream 2 and 3 checkpoints in the real layout, built deterministically (torch-free).
 
-Used by the built-ins ``tiny-random-moondream`` and ``tiny-random-moondream3`` (``shared/models.py``)
+Used by the built-ins ``tiny-random-moondream`` and ``tiny-random-moondream3`` (``shared/models/registry.py``)
 and by the tests, whose "dev" and "md3dev" variants must match the reference's fixtures bit for bit.
 
 The recipe (one for both versions): every tensor of the layout is drawn from its own numpy

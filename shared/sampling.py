@@ -6,7 +6,7 @@ all import it. Invalid values raise ``ValueError`` naming the field.
 Every other layer derives its sampling fields from :class:`SamplingParams`
 through :data:`SAMPLING_FIELDS`: the control-message struct between the
 processes (``shared.messages.Sampling``), the client protocol's ``generate``
-parsing (``frontend.protocol``, same names and defaults on the wire), the
+parsing (``frontend.protocol.parse``, same names and defaults on the wire), the
 client's option names (``frontend.client``) and the command line. To add a
 field: declare it here with its ``must_be`` and ``help``, and check its range
 in :meth:`SamplingParams.validate`.

@@ -28,8 +28,8 @@ from frontend.cli import serve_options
 from frontend.cli.options import (ENGINE_OPTIONS, GroupedCommand, config_file_option, engine_options,
                                   normalize_endpoint, option, sampling_options, server_options)
 from frontend.client import DEFAULT_ENDPOINT
-from frontend.protocol import DEFAULT_MAX_OBJECTS
-from shared.models import DEFAULT_MODEL, REGISTRY, builtin
+from frontend.protocol.wire import DEFAULT_MAX_OBJECTS
+from shared.models.registry import DEFAULT_MODEL, REGISTRY, builtin
 from shared.sampling import SAMPLING_FIELD_NAMES
 from frontend.cluster import MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
 
@@ -136,7 +136,8 @@ def main() -> None:
 @option("Sampling", "--stop", multiple=True, help="Stop string (repeatable); never part of the output.")
 @option("Output", "--grammar", type=click.Choice(["point", "box"]), default=None,
         help="Constrain the answer to points or boxes (normalised coordinates).")
-@option("Output", "--max-objects", default=DEFAULT_MAX_OBJECTS, show_default=True, help="With --grammar: the most points or boxes.")
+@option("Output", "--max-objects", type=int, help=f"The most points or boxes: with --grammar (default {DEFAULT_MAX_OBJECTS}), or "
+        "--skill point/detect (default: the model's own).")
 @option("Output", "--regex", default=None, help="Constrain the answer to a regular expression.")
 @option("Output", "--json-schema", "json_schema", type=click.File("r"), default=None,
         help="Constrain the answer to a JSON schema (file).")
@@ -189,7 +190,7 @@ def generate(ctx, prompt, connect, timeout, raw, stop, grammar, max_objects, reg
             raise click.UsageError("use at most one of --grammar, --regex, --json-schema")
         spec = None
         if grammar:
-            spec = {"kind": grammar, "max_objects": max_objects}
+            spec = {"kind": grammar, "max_objects": max_objects or DEFAULT_MAX_OBJECTS}
         elif regex is not None:
             spec = {"kind": "regex", "pattern": regex}
         elif json_schema is not None:
@@ -287,7 +288,8 @@ def _generate_local(kw, echo, config) -> dict:
     """One request through a ``Service`` of its own (worker process and the frontend's delivery), on
     the server's path (``server.Gate``): the same message, checks, rendering and errors as --connect."""
     from frontend.client import generate_message
-    from frontend.protocol import ProtocolError, encode_message
+    from frontend.protocol.parse import ProtocolError
+    from frontend.protocol.encode import encode_message
     from frontend.server.zmq_server import Gate
     from frontend.server.service import Service
 
@@ -330,7 +332,8 @@ Example:
 """)
 @log_level_option()
 def models() -> None:
-    from shared.models import cache_root, list_models
+    from shared.models.cache import cache_root
+    from shared.models.registry import list_models
 
     for m in list_models():
         state = ("ready" if m["cached"] else "not prepared (tandem pull NAME)") if m["files"] else \
@@ -351,7 +354,7 @@ Example:
 @click.argument("name", default=DEFAULT_MODEL)
 @log_level_option()
 def pull(name: str) -> None:
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
 
     model = builtin(name)
     if model is None:

@@ -2,7 +2,7 @@
 
 - Defaults and help of the engine options are :class:`shared.config.EngineConfig`'s,
   of the sampling options :class:`shared.sampling.SamplingParams`'s; the list of
-  built-in models under ``--model`` is the registry's (``shared.models``).
+  built-in models under ``--model`` is the registry's (``shared.models.registry``).
 - :func:`option` is ``click.option`` with a help section (``group``);
   :class:`GroupedCommand` prints the options section by section, in
   :data:`GROUPS` order.
@@ -22,7 +22,7 @@ from frontend.server.metrics import COMPAT
 from shared.config import INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
 from shared.lora_config import KERNELS
 from shared.generation_config import SAMPLING_DEFAULTS
-from shared.models import REGISTRY
+from shared.models.registry import REGISTRY
 from shared.sampling import SAMPLING_FIELDS
 
 MODEL_DEFAULTS = frozenset(SAMPLING_DEFAULTS.values())  # the sampling fields a model's generation_config.json sets

@@ -1,7 +1,7 @@
 """Python client for the Tandem protocol (``docs/PROTOCOL.md``).
 
-Needs only ``pyzmq`` and ``msgpack`` (no torch). Of Tandem it imports only
-pure-Python modules: ``frontend.protocol`` (the wire constants and generate's
+Needs only ``pyzmq``, ``msgpack`` and ``msgspec`` (no torch). Of Tandem it imports only
+pure-Python modules: ``frontend.protocol.wire`` (the wire constants and generate's
 field names) and ``shared.sampling`` (the sampling fields).
 
     from frontend.client import Client

@@ -20,7 +20,7 @@ from frontend.client.core import (
     decode_reply,
 )
 from frontend.client.errors import ConnectionClosed, TandemError
-from frontend.protocol import encode_message as _encode
+from frontend.protocol.encode import encode_message as _encode
 
 
 async def _aget(q: asyncio.Queue, timeout: float | None) -> dict | None:

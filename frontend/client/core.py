@@ -15,8 +15,8 @@ import msgpack
 import zmq
 
 from frontend.client.errors import ConnectionClosed, DuplicateId, RequestTimeout, TandemError
-from frontend.protocol import (CHAT_TEMPLATE_FIELDS, DEFAULT_MAX_OBJECTS, MAX_CHOICES, MAX_ID_CHARS, MODEL_FIELDS, OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME,
-                               choice_request, prompt_field)
+from frontend.protocol.wire import (CHAT_TEMPLATE_FIELDS, MAX_CHOICES, MAX_ID_CHARS, MODEL_FIELDS,
+                                    OUTPUT_FIELDS, SKILL_FIELDS, VERSION_FRAME, choice_request, prompt_field)
 from frontend.skills import native as skills_native
 from frontend.skills import skill_output, skill_request
 from shared.families import native_skills
@@ -460,12 +460,14 @@ class ClientBase:
         """``{"answer": str}``."""
         return self._skill("query", image, kw, question=question)
 
-    def point(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS, **kw: Any) -> dict[str, list]:
-        """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar."""
+    def point(self, image: Any, object: str, max_objects: int | None = None, **kw: Any) -> dict[str, list]:
+        """``{"points": [{"x", "y"}, ...]}`` (in [0, 1]), decoded under the point grammar; ``max_objects``
+        None: the model's default (Moondream's ``DEFAULT_MAX_OBJECTS``, a Moondream model's own)."""
         return self._skill("point", image, kw, obj=object, max_objects=max_objects)
 
-    def detect(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS, **kw: Any) -> dict[str, list]:
-        """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar."""
+    def detect(self, image: Any, object: str, max_objects: int | None = None, **kw: Any) -> dict[str, list]:
+        """``{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}``, decoded under the box grammar
+        (``max_objects`` as :meth:`point`'s)."""
         return self._skill("detect", image, kw, obj=object, max_objects=max_objects)
 
     def _skill(self, skill: str, image: Any, options: dict[str, Any], **args: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from frontend.client.core import (
     new_id,
 )
 from frontend.client.errors import ConnectionClosed, TandemError
-from frontend.protocol import encode_message as _encode
+from frontend.protocol.encode import encode_message as _encode
 
 
 def _get(q: queue.Queue, timeout: float | None) -> dict | None:

@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 from shared.page_names import chain
 from shared.config import EngineConfig
 from shared.families import native_skills
-from shared.models import load_tokenizer
+from shared.models.registry import load_tokenizer
 
 from ..http.app import build_app as build_http_app
 from ..http.bridge import TERMINAL, Call

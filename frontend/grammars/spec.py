@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from frontend.protocol import MAX_GRAMMAR_OBJECTS as MAX_OBJECTS_LIMIT
+from frontend.protocol.wire import MAX_GRAMMAR_OBJECTS as MAX_OBJECTS_LIMIT
 
 KINDS = ("point", "box", "regex", "json_schema", "ebnf")
 TEXT_KINDS = ("regex", "ebnf")  # their output is the text itself

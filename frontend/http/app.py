@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from frontend.server.metrics import CONTENT_TYPE, Metrics
-from ..protocol import Unencodable
+from ..protocol.encode import Unencodable
 from . import moondream, openai, openapi, playground, tokens
 from .common import ClientGone, Context, server_info
 from .errors import HttpError, bad_request

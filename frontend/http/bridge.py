@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from frontend.client.core import CLOSED, Demux, cancel_message, decode_reply, info_query
-from ..protocol import encode_message
+from ..protocol.encode import encode_message
 
 TERMINAL = ("done", "error")
 

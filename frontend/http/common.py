@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
-from ..protocol import DEFAULT_LIMITS, Limits
+from ..protocol.wire import DEFAULT_LIMITS, Limits
 from .bridge import Bridge, Call
 from .errors import HttpError, bad_request
 from .openapi import check_body

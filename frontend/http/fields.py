@@ -25,7 +25,7 @@ from typing import Any
 
 from shared.sampling import SAMPLING_FIELDS
 
-from ..protocol import MAX_CHOICES
+from ..protocol.wire import MAX_CHOICES
 from .errors import bad_request
 
 PASS, READ, NO_EFFECT, REFUSED = "passed to the sampler", "read by the route", "no effect", "refused"

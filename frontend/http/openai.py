@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse
 
 from shared.sampling import MAX_TOP_LOGPROBS
 
-from ..protocol import CHAT_TEMPLATE_FIELDS, MAX_CHOICES, choice_request
+from ..protocol.wire import CHAT_TEMPLATE_FIELDS, MAX_CHOICES, choice_request
 from .bridge import Call
 from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
                      session_of, sse, sse_response, terminal_or_raise, unless_gone)

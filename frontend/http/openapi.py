@@ -4,13 +4,13 @@ body, which ``common.read_json`` enforces: the document states what the validati
 Built from the definitions the validation itself uses, not written a second time: the OpenAI
 routes' fields from ``fields.FIELDS`` (honoured, without effect or refused; the sampling fields'
 type, default and help from ``shared.sampling.SAMPLING_FIELDS``), the roles and the stop-string count from
-``frontend.protocol``, the caption lengths from ``frontend.skills``, the error statuses from
+``frontend.protocol.wire``, the caption lengths from ``frontend.skills``, the error statuses from
 ``errors.STATUS``, and the routes from the application itself (a route without a description
 here is an error when the document is built).
 
 What a body may hold is checked in two layers, as documented: the field's JSON type here (a
 wrong type is a 400 naming it, before anything else reads the body), then ranges, sizes and
-shapes by the server's protocol (``frontend/protocol.py``: also a 400, or a 413 for sizes).
+shapes by the server's protocol (``frontend/protocol/parse.py``: also a 400, or a 413 for sizes).
 Unknown fields are ignored, as OpenAI does.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from ..protocol import CHAT_TEMPLATE_FIELDS, MAX_STOP, ROLES
+from ..protocol.wire import CHAT_TEMPLATE_FIELDS, MAX_STOP, ROLES
 from ..skills import CAPTION_LENGTHS
 from .errors import STATUS, bad_request
 from .fields import CHAT, COMPLETIONS, route_fields

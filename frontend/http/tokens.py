@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse
 
 from frontend.server.tokenization import chat_prompt_ids, decode_ids, text_prompt_ids
 
-from ..protocol import CHAT_TEMPLATE_FIELDS, ProtocolError, parse_prompt, parse_token_ids, template_options
+from ..protocol.wire import CHAT_TEMPLATE_FIELDS
+from ..protocol.parse import ProtocolError, parse_prompt, parse_token_ids, template_options
 from .common import Context, check_model, read_json
 from .errors import HttpError, bad_request
 from .openai import chat_messages

@@ -34,7 +34,7 @@ from PIL import Image
 from shared.arith import ceil_div
 from shared.vision_config import ImageProcessorParams
 
-from frontend.protocol import MAX_IMAGE_BYTES, MAX_IMAGE_SIDE, MAX_IMAGES  # noqa: F401 - the contract's limits
+from frontend.protocol.wire import MAX_IMAGE_BYTES, MAX_IMAGE_SIDE, MAX_IMAGES  # noqa: F401 - the contract's limits
 
 MAX_RESIZED_SIDE = 4096  # transformers' Idefics3 MAX_IMAGE_SIZE
 

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from shared.arith import ceil_div
 from shared.messages import SubmitImage
-from shared.models import ModelInfo
+from shared.models.info import ModelInfo
 from shared.shm.images import ImageSlotWriter
 from shared.vision_config import ImageProcessorParams
 

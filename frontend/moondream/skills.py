@@ -17,7 +17,7 @@ from shared.moondream_config import (ANSWER_FIRST, COORD_ID, DECIDE, EOS_ID, GRO
                                      MOONDREAM2_RULES, REASON, SkillRules)
 
 from frontend.moondream import prompts
-from frontend.protocol import SKILLS, SkillError
+from frontend.protocol.wire import SKILLS, SkillError, skill_max_objects, skill_text
 PREFIX_LEN = 730  # the image block: BOS + 729 image positions, filled by the worker
 MAX_REFS = 64
 
@@ -38,12 +38,6 @@ class Plan:
         """The Submit message's ``skill`` field."""
         return {"phase": self.phase, "detect": self.detect, "limit": self.limit,
                 "answer_limit": self.answer_limit, "coords": self.coords, "sizes": self.sizes}
-
-
-def _text(name: str, v: Any) -> str:
-    if not isinstance(v, str) or not v.strip():
-        raise SkillError(f"{name} must be a non-empty string")
-    return v
 
 
 def _refs(v: Any, has_image: bool) -> list[list[float]]:
@@ -80,7 +74,7 @@ def plan(request: dict[str, Any], encode: Callable[[str], list[int]], has_image:
         n = max_tokens or 768
         return Plan(skill, prompts.caption_ids(length), ANSWER_FIRST, n, limit=n)
     if skill == "query":
-        question = _text("question", request.get("question"))
+        question = skill_text("question", request.get("question"))
         refs = _refs(request.get("spatial_refs"), has_image)
         reasoning = request.get("reasoning", False)
         if not isinstance(reasoning, bool):
@@ -94,12 +88,10 @@ def plan(request: dict[str, Any], encode: Callable[[str], list[int]], has_image:
             return Plan(skill, ids, REASON, 2 * n + 1, limit=n, answer_limit=n, coords=coords,
                         sizes=[list(s) for s in sizes])
         return Plan(skill, ids, ANSWER_FIRST, n, limit=n, coords=coords, sizes=[list(s) for s in sizes])
-    obj = _text("object", request.get("object"))
+    obj = skill_text("object", request.get("object"))
     if len(encode(" " + obj)) > max_question_tokens:
         raise SkillError(f"object: more than {max_question_tokens} tokens")
-    n = request.get("max_objects", rules.default_max_objects)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= rules.max_objects:
-        raise SkillError(f"max_objects must be an integer in [1, {rules.max_objects}]")
+    n = skill_max_objects(request.get("max_objects", rules.default_max_objects), rules.max_objects)
     detect = skill == "detect"
     ids = (prompts.detect_ids if detect else prompts.point_ids)(encode, obj)
     return Plan(skill, ids, DECIDE, (3 if detect else 2) * n + 1, limit=n, detect=detect)

@@ -47,13 +47,14 @@ from shared.finish import FinishReason
 from shared.lora_config import read_adapters
 from shared.messages import (Cancel, ImagesCopied, Released, RequestFailed, Sampling, Stats, StatsRequest, Submit,
                              SubmitSkill)
-from shared.models import ModelInfo, load_tokenizer
+from shared.models.info import ModelInfo
+from shared.models.registry import load_tokenizer
 from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shared.shm import CACHED_SHIFT, RingCorrupt, TokenFlag, mask_stamp
 from shared.vision_config import read_config
 
 from frontend.moondream import skills as moondream_skills
-from frontend.protocol import SKILL_SAMPLING
+from frontend.protocol.wire import SKILL_SAMPLING
 from frontend.server.detokenizer import IncrementalDetokenizer
 from frontend.images.intake import ImageIntake, Render, intake_family
 from frontend.server.request import Request

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from shared.control import ChannelClosed, ControlChannel
 from shared.messages import Progress, Ready, Shutdown
-from shared.models import ModelInfo
+from shared.models.info import ModelInfo
 from shared.shm import Arena, Layout, Side
 
 if TYPE_CHECKING:

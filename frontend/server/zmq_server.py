@@ -35,7 +35,9 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from frontend import logs
-from frontend import protocol as P
+from frontend.protocol.wire import CancelRequest, ClientMessage, GenerateRequest, InfoRequest, Limits, PingRequest
+from frontend.protocol.parse import ProtocolError, parse_client_message
+from frontend.protocol.encode import encode_chunk, encode_done, encode_error, encode_info, encode_pong
 from frontend.client import DEFAULT_ENDPOINT
 from frontend.client.core import new_id
 from frontend.server.connections import Connections
@@ -62,52 +64,52 @@ INFO_STATS = ("kv_pages_free", "kv_pages_total", "rows_free", "rows_total", "wai
 class Gate:
     """The one path from a client's ``generate`` into ``Service``: this server's (and through it
     the HTTP frontend's) and ``tandem generate``'s without ``--connect``, so the same input gets
-    the same answer everywhere. ``parse`` validates the message (``protocol.py``); ``submit``
+    the same answer everywhere. ``parse`` validates the message (``protocol/parse.py``); ``submit``
     renders the prompt (text, chat messages or token ids; with images, once the image pool knows
     their tiling), compiles the grammar, checks what needs the model (an empty prompt, the
     context length, images on a text model) and submits. Bad input raises ``ProtocolError``
     (``bad_request``, ``too_long``, ``context_length_exceeded``) naming the field; nothing has been submitted then."""
 
-    def __init__(self, service: Service, limits: P.Limits | None = None) -> None:
+    def __init__(self, service: Service, limits: Limits | None = None) -> None:
         self.service = service
         self.max_model_len = int(service.info["max_model_len"])  # the worker's (context_length: why that long)
         # a prompt needs one token less than the context: at least one is generated
-        self.limits = limits or P.Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
+        self.limits = limits or Limits(vocab_size=service.vocab_size, max_messages=self.max_model_len - 1)
         self.grammars = GrammarCompiler(service.tokenizer, service.vocab_size, service.model.eos_token_ids)
 
-    def parse(self, frames: Sequence[bytes]) -> P.ClientMessage:
+    def parse(self, frames: Sequence[bytes]) -> ClientMessage:
         """A client message, validated (``ProtocolError`` otherwise)."""
-        return P.parse_client_message(frames, self.limits)
+        return parse_client_message(frames, self.limits)
 
-    def submit(self, msg: P.GenerateRequest, on_event: Callable[[Request, str, dict], None] | None = None,
+    def submit(self, msg: GenerateRequest, on_event: Callable[[Request, str, dict], None] | None = None,
                user_data: Any = None) -> Request:
         """Render, check and submit one request; its events go to ``on_event``."""
         service = self.service
         if msg.images and not service.model.vision:
-            raise P.ProtocolError("bad_request", "images: this model takes no images (it has no vision encoder)",
+            raise ProtocolError("bad_request", "images: this model takes no images (it has no vision encoder)",
                                   msg.id)
         if msg.skill is not None:
             return self._submit_skill(msg, on_event, user_data)
         if msg.images and service.model.family.native_skills:
             if msg.messages is None:
-                raise P.ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
+                raise ProtocolError("bad_request", "images: a Moondream model takes its image with a skill request "
                                       "(skill: caption, query, point or detect) or a chat message", msg.id)
             try:  # a chat about an image: Moondream's query skill
                 skill = moondream_skills.chat_query(msg.messages)
             except ValueError as e:
-                raise P.ProtocolError("bad_request", str(e), msg.id) from None
+                raise ProtocolError("bad_request", str(e), msg.id) from None
             return self._submit_skill(replace(msg, skill=skill), on_event, user_data)
         try:
             ids = self._prompt_ids(msg) if not msg.images else None
             constraint = self.grammars.compile(msg.grammar).matcher() if msg.grammar is not None else None
         except GrammarError as e:
-            raise P.ProtocolError("bad_request", f"grammar: {e}", msg.id) from None
+            raise ProtocolError("bad_request", f"grammar: {e}", msg.id) from None
         except ValueError as e:
-            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+            raise ProtocolError("bad_request", str(e), msg.id) from None
         if ids is not None and not ids:
-            raise P.ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
+            raise ProtocolError("bad_request", "the prompt is empty after tokenization", msg.id)
         if ids is not None and len(ids) >= self.max_model_len:
-            raise P.ProtocolError("context_length_exceeded", f"the prompt has {len(ids)} tokens; the context holds "
+            raise ProtocolError("context_length_exceeded", f"the prompt has {len(ids)} tokens; the context holds "
                                   f"{self.max_model_len} (prompt + at least one generated token)", msg.id)
         kw = dict(stop=msg.stop, constraint=constraint, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
                   on_event=on_event, user_data=user_data, adapter=msg.adapter)
@@ -117,15 +119,15 @@ class Gate:
                 return service.submit_images(list(msg.images), self._image_renderer(msg), sampling, **kw)
             return service.submit(ids, sampling, **kw)
         except ValueError as e:
-            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+            raise ProtocolError("bad_request", str(e), msg.id) from None
 
-    def sampling(self, msg: P.GenerateRequest):
+    def sampling(self, msg: GenerateRequest):
         """The request's sampling parameters: the fields it sets, the model's defaults
         (generation_config.json) for those it leaves out, the protocol's defaults for the rest."""
         defaults = {k: v for k, v in self.service.model.sampling_defaults.items() if k not in msg.explicit}
         return replace(msg.sampling, **defaults) if defaults else msg.sampling
 
-    def _submit_skill(self, msg: P.GenerateRequest, on_event, user_data) -> Request:
+    def _submit_skill(self, msg: GenerateRequest, on_event, user_data) -> Request:
         """A skill request: the model renders its own prompt (Moondream: its token templates); the
         sampling fields the client set override the skill's defaults."""
         s = msg.sampling
@@ -135,9 +137,9 @@ class Gate:
                                              temperature=pick("temperature"), top_p=pick("top_p"), seed=pick("seed"),
                                              on_event=on_event, user_data=user_data)
         except ValueError as e:
-            raise P.ProtocolError("bad_request", str(e), msg.id) from None
+            raise ProtocolError("bad_request", str(e), msg.id) from None
 
-    def _prompt_ids(self, msg: P.GenerateRequest) -> list[int]:
+    def _prompt_ids(self, msg: GenerateRequest) -> list[int]:
         tok = self.service.tokenizer
         if msg.prompt_token_ids is not None:
             ids = list(msg.prompt_token_ids)
@@ -147,7 +149,7 @@ class Gate:
             ids = text_prompt_ids(tok, msg.prompt)
         return ids[-msg.truncate_prompt_tokens:] if msg.truncate_prompt_tokens else ids
 
-    def _image_renderer(self, msg: P.GenerateRequest) -> Callable:
+    def _image_renderer(self, msg: GenerateRequest) -> Callable:
         tok, params = self.service.tokenizer, self.service.image_params
         if msg.messages is not None:
             return lambda images: image_chat_prompt_ids(tok, msg.messages, images, params, **msg.template_options)
@@ -165,7 +167,7 @@ class ClientRequest:
 
 class Server:
     def __init__(self, service: Service, bind: str = DEFAULT_ENDPOINT, *, max_queue: int = MAX_QUEUE,
-                 limits: P.Limits | None = None, notifier: Notifier | None = None,
+                 limits: Limits | None = None, notifier: Notifier | None = None,
                  drain_timeout_s: float = 0.0, curve: CurveServer | None = None,
                  metrics_compat: str | None = None) -> None:
         self.service = service
@@ -284,21 +286,21 @@ class Server:
             try:
                 msg = self.gate.parse(body)
                 self._handle(identity, msg)
-            except P.ProtocolError as e:
+            except ProtocolError as e:
                 self.metrics.error(e.code)
                 self._send(identity, e.to_frames(), keep=e.id is not None)
             except Exception as e:  # noqa: BLE001 - one bad request never takes the server down
                 log.exception("internal error handling a client message")
                 self.metrics.error("internal")
                 # a generate that failed here is not live: this error is its terminal message
-                rid = msg.id if isinstance(msg, P.GenerateRequest) else None
-                error = P.encode_error(rid, "internal", f"{type(e).__name__}: {e}")
+                rid = msg.id if isinstance(msg, GenerateRequest) else None
+                error = encode_error(rid, "internal", f"{type(e).__name__}: {e}")
                 self._send(identity, error, keep=rid is not None)
 
     def _handle(self, identity: bytes, msg) -> None:
-        if isinstance(msg, P.PingRequest):
-            self._send(identity, P.encode_pong(msg.nonce), keep=False)
-        elif isinstance(msg, P.InfoRequest):
+        if isinstance(msg, PingRequest):
+            self._send(identity, encode_pong(msg.nonce), keep=False)
+        elif isinstance(msg, InfoRequest):
             info = self.service.info
             extra = {"generation": self.service.generation, "worker_ready": self.service.worker_ready,
                      "live_requests": len(self.live), "unsent": len(self.service.unsent),
@@ -317,27 +319,27 @@ class Server:
                 extra["adapters_loaded"] = stats.get("adapters_loaded", [])  # the adapters in device slots
             except (TimeoutError, KeyError):
                 pass  # a busy or restarting worker: answer without the engine figures
-            self._send(identity, P.encode_info(
+            self._send(identity, encode_info(
                 model=self.service.config.model, max_batch=info.get("max_batch", 0),
                 max_model_len=self.gate.max_model_len, pipeline=bool(info.get("pipeline")),
                 device=str(info.get("device")), **extra), keep=False)
-        elif isinstance(msg, P.CancelRequest):
+        elif isinstance(msg, CancelRequest):
             req = self.live.get((identity, msg.id))
             if req is not None:
                 self.service.cancel(req)  # emits the terminal done(cancelled)
         else:
             self._generate(identity, msg)
 
-    def _generate(self, identity: bytes, msg: P.GenerateRequest) -> None:
+    def _generate(self, identity: bytes, msg: GenerateRequest) -> None:
         key = (identity, msg.id)
         if key in self.live:
-            raise P.ProtocolError("duplicate_id", f"request id {msg.id!r} is already live on this connection",
+            raise ProtocolError("duplicate_id", f"request id {msg.id!r} is already live on this connection",
                                   msg.id)
         if self.draining:
-            raise P.ProtocolError("overloaded", "the server is shutting down; retry on another instance or later",
+            raise ProtocolError("overloaded", "the server is shutting down; retry on another instance or later",
                                   msg.id)
         if len(self.live) >= self.max_queue:
-            raise P.ProtocolError("overloaded", f"{len(self.live)} requests in flight; retry later", msg.id)
+            raise ProtocolError("overloaded", f"{len(self.live)} requests in flight; retry later", msg.id)
         req = self.gate.submit(msg, self._on_event, ClientRequest(identity, msg.id, msg.stream))
         if not req.ended:
             self.live[key] = req
@@ -351,7 +353,7 @@ class Server:
                 self.metrics.token_gap(now - state.t_last)
             state.t_last = now
             if state.stream:
-                sent = self._send(state.identity, P.encode_chunk(state.id, state.seq, payload["text"],
+                sent = self._send(state.identity, encode_chunk(state.id, state.seq, payload["text"],
                                                                  payload["token_ids"], payload.get("logprobs"),
                                                                  payload.get("top_logprobs")))
                 state.seq += 1
@@ -365,15 +367,15 @@ class Server:
         if kind == "done":
             self.metrics.done(payload)
             try:
-                frames = P.encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
+                frames = encode_done(state.id, payload["finish_reason"], payload["text"], payload["token_ids"],
                                        payload["usage"], payload["metrics"], payload.get("output"),
                                        payload.get("logprobs"), payload.get("reasoning"), payload.get("top_logprobs"))
             except Exception as e:  # noqa: BLE001 - a bug: still one terminal message, and the loop lives
                 log.exception("cannot encode the answer of request %r", state.id)
-                frames = P.encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")
+                frames = encode_error(state.id, "internal", f"the answer cannot be encoded ({type(e).__name__})")
         else:
             self.metrics.error(payload["code"])
-            frames = P.encode_error(state.id, payload["code"], payload["message"])
+            frames = encode_error(state.id, payload["code"], payload["message"])
         self._send(state.identity, frames)
 
     def _log_end(self, req: Request, rid: str, kind: str, payload: dict[str, Any]) -> None:

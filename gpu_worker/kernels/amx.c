@@ -193,7 +193,7 @@ void linear_gelu_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
 
 /* Attention on AMX, one head at a time (Moondream: the vision encoder's crops, and the text
  * model's rows over the paged cache). A head's keys and values come in groups of 16 rows (one
- * crop's consecutive tokens, or one page's slots), packed into tiles zero-padded to multiples of
+ * crop's consecutive tokens, or one page's keys), packed into tiles zero-padded to multiples of
  * 32 keys and 32 dims; its queries go 32 at a time: S = q k^T in float32, softmax(scale S) in
  * float32 over each row's own keys (exp(s - max), the sum kept), P rounded to bf16 (as torch's
  * flash attention rounds it for its second matmul), P v, divided by the sum and rounded to bf16
@@ -412,9 +412,9 @@ void paged_attention_amx_bf16(const bf16 *q, const bf16 *k_cache, const bf16 *v_
             int64_t keys = 0;
             for (int64_t i = 0; i < rows; i++) keys = last[first + i] + 1 > keys ? last[first + i] + 1 : keys;
             for (int64_t g = 0; g < (keys + 15) / 16; g++) {
-                const int64_t slot = tables[s * table_width + g * 16 / page_size] * page_size + g * 16 % page_size;
-                kg[g] = k_cache + slot * ld + kh * D;
-                vg[g] = v_cache + slot * ld + kh * D;
+                const int64_t kv = tables[s * table_width + g * 16 / page_size] * page_size + g * 16 % page_size;
+                kg[g] = k_cache + kv * ld + kh * D;
+                vg[g] = v_cache + kv * ld + kh * D;
             }
             attend_head(q + (first * H + h) * D, H * D, kg, vg, ld, keys, last + first, rows, D, scale,
                         out + first * H * D + h * D, H * D, &hs);

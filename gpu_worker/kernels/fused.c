@@ -4,7 +4,7 @@
  * gather, SDPA's mask, silu); here they are five calls:
  *
  *   add_rmsnorm   x += y (optional); h = rmsnorm(x) * w
- *   rope_kv       rope on q and k of the fused qkv row; k, v written into their page slots
+ *   rope_kv       rope on q and k of the fused qkv row; k, v written at their kv_index in the cache
  *   attention     each query token attends over its sequence's pages in place (no gather copy, no mask)
  *   silu_mul      silu(gate) * up
  *
@@ -78,9 +78,9 @@ static inline void rope_kv_row(const char *src, const float *ct, const float *st
     memcpy(v_dst, src + (heads + kv_heads) * head_dim * el, kv_heads * head_dim * el);
 }
 
-/* qkv [tokens, (heads + 2 kv_heads) * head_dim] at positions pos[t]; k and v go to cache slots[t]. */
+/* qkv [tokens, (heads + 2 kv_heads) * head_dim] at positions pos[t]; k and v go to cache kv_index[t]. */
 static void rope_kv(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,
-                    const int64_t *slots, void *k_cache, void *v_cache, void *q_out, int64_t tokens, int64_t heads,
+                    const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens, int64_t heads,
                     int64_t kv_heads, int64_t head_dim, int nthreads, int bf) {
     const size_t el = bf ? 2 : 4;
     const int64_t half = head_dim / 2, row = (heads + 2 * kv_heads) * head_dim, kv_row = kv_heads * head_dim;
@@ -88,8 +88,8 @@ static void rope_kv(const void *qkv, const float *cos_table, const float *sin_ta
     for (int64_t t = 0; t < tokens; t++) {
 #define ROW(B)                                                                                                    \
     rope_kv_row((const char *)qkv + t * row * el, cos_table + pos[t] * half, sin_table + pos[t] * half,           \
-                (char *)q_out + t * heads * head_dim * el, (char *)k_cache + slots[t] * kv_row * el,              \
-                (char *)v_cache + slots[t] * kv_row * el, heads, kv_heads, head_dim, B)
+                (char *)q_out + t * heads * head_dim * el, (char *)k_cache + kv_index[t] * kv_row * el,           \
+                (char *)v_cache + kv_index[t] * kv_row * el, heads, kv_heads, head_dim, B)
         SPECIALISE(bf, ROW);
 #undef ROW
     }
@@ -307,9 +307,9 @@ static void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
         add_rmsnorm(x, y, w, h, rows, dim, eps, nthreads, BF);                                                   \
     }                                                                                                            \
     void rope_kv_##SFX(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,     \
-                       const int64_t *slots, void *k_cache, void *v_cache, void *q_out, int64_t tokens,          \
+                       const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens,       \
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int nthreads) {                        \
-        rope_kv(qkv, cos_table, sin_table, pos, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads,         \
+        rope_kv(qkv, cos_table, sin_table, pos, kv_index, k_cache, v_cache, q_out, tokens, heads, kv_heads,      \
                 head_dim, nthreads, BF);                                                                         \
     }                                                                                                            \
     void attention_##SFX(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,        \

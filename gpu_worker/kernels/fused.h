@@ -7,7 +7,7 @@
     void add_rmsnorm_##SFX(void *x, const void *y, const void *w, void *h, int64_t rows, int64_t dim, float eps, \
                            int nthreads);                                                                        \
     void rope_kv_##SFX(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,     \
-                       const int64_t *slots, void *k_cache, void *v_cache, void *q_out, int64_t tokens,          \
+                       const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens,       \
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int nthreads);                         \
     void attention_##SFX(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,        \
                          int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos,         \

@@ -51,7 +51,7 @@ static void linear(const int64_t *rec, const void *x, void *y, int64_t M, int64_
 
 static void layers(void *x, void *h, const int64_t *table, int64_t n_layers, void *k_cache, void *v_cache,
                    int64_t layer_stride, const float *cos_table, const float *sin_table, const int64_t *pos,
-                   const int64_t *slots, const int64_t *tables, int64_t table_width, int64_t page_size,
+                   const int64_t *kv_index, const int64_t *tables, int64_t table_width, int64_t page_size,
                    const int64_t *seq, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t hidden,
                    int64_t inter, float eps, int64_t max_len, void *qkv, void *q, void *o, void *proj, void *gu,
                    void *act, float *att_scratch, int nthreads, int bf) {
@@ -63,7 +63,7 @@ static void layers(void *x, void *h, const int64_t *table, int64_t n_layers, voi
     for (int64_t i = 0; i < n_layers; i++) {
         char *kc = (char *)k_cache + i * layer_stride * el, *vc = (char *)v_cache + i * layer_stride * el;
         linear(LINEAR(i, 0), h, qkv, tokens, hidden, bf, nthreads);
-        SFX(rope_kv)(qkv, cos_table, sin_table, pos, slots, kc, vc, q, tokens, heads, kv_heads, D, nthreads);
+        SFX(rope_kv)(qkv, cos_table, sin_table, pos, kv_index, kc, vc, q, tokens, heads, kv_heads, D, nthreads);
         SFX(attention)(q, kc, vc, tables, table_width, page_size, seq, pos, o, tokens, heads, kv_heads, D, max_len,
                        att_scratch, nthreads);
         linear(LINEAR(i, 1), o, proj, tokens, heads * D, bf, nthreads);
@@ -81,13 +81,13 @@ static void layers(void *x, void *h, const int64_t *table, int64_t n_layers, voi
 #define EXPORT(SFX, BF)                                                                                          \
     void layers_##SFX(void *x, void *h, const int64_t *table, int64_t n_layers, void *k_cache, void *v_cache,    \
                       int64_t layer_stride, const float *cos_table, const float *sin_table, const int64_t *pos,  \
-                      const int64_t *slots, const int64_t *tables, int64_t table_width, int64_t page_size,       \
+                      const int64_t *kv_index, const int64_t *tables, int64_t table_width, int64_t page_size,    \
                       const int64_t *seq, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D,            \
                       int64_t hidden, int64_t inter, float eps, int64_t max_len, void *qkv, void *q, void *o,    \
                       void *proj, void *gu, void *act, float *att_scratch, int nthreads) {                       \
-        layers(x, h, table, n_layers, k_cache, v_cache, layer_stride, cos_table, sin_table, pos, slots, tables,  \
-               table_width, page_size, seq, tokens, heads, kv_heads, D, hidden, inter, eps, max_len, qkv, q, o,  \
-               proj, gu, act, att_scratch, nthreads, BF);                                                        \
+        layers(x, h, table, n_layers, k_cache, v_cache, layer_stride, cos_table, sin_table, pos, kv_index,       \
+               tables, table_width, page_size, seq, tokens, heads, kv_heads, D, hidden, inter, eps, max_len,     \
+               qkv, q, o, proj, gu, act, att_scratch, nthreads, BF);                                             \
     }
 
 EXPORT(bf16, 1)

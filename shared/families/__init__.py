@@ -7,7 +7,7 @@ listing what is supported, an architecture no family serves and a ``quantization
 engine cannot honour (FP8, AWQ, GPTQ...: their weights need scales this engine does not apply).
 The GGUF path and ``--quantization`` are separate: they never write a ``quantization_config``.
 
-Both processes go through here (``shared.models.ModelInfo.load``, the worker's model loading), so
+Both processes go through here (``shared.models.info.ModelInfo.load``, the worker's model loading), so
 they agree on the family, the language model's facts and the EOS ids (``shared/generation_config.py``
 adds generation_config.json's). Torch-free.
 

@@ -24,7 +24,7 @@ class AckEvent(NamedTuple):
 class AckWriter:
     """Frontend side of the ack ring.
 
-    Slot words: [(tag << 32) | seq_id, (tag << 32) | reason];
+    Entry words: [(tag << 32) | seq_id, (tag << 32) | reason];
     the second is the commit word and is written last."""
 
     def __init__(self, arena: Arena):

@@ -132,7 +132,7 @@ def test_runs_without_server_libraries():
 def test_random_model_configs():
     """The benchmarks' random Llamas have the published shapes (built on the meta device: no memory)."""
     from gpu_worker.model import Llama, LlamaConfig
-    from shared.models import REGISTRY, builtin
+    from shared.models.registry import REGISTRY, builtin
 
     sizes = {name: Llama(LlamaConfig.from_hf_config(m.random_config), device="meta").num_params()
              for name, m in REGISTRY.items() if m.random_config is not None and m.bench == "tandem bench decode"}
@@ -203,12 +203,12 @@ def test_moondream_bench_in_memory_and_its_summary(monkeypatch, capsys, tmp_path
     from bench import gpu_check
     from bench import moondream as bench_moondream
     from gpu_worker.moondream import Moondream
-    from shared import models
+    from shared.models import registry
     from shared.moondream_config import MoondreamConfig
     from shared.moondream_random import TINY_CONFIG
 
-    tiny = dataclasses.replace(models.REGISTRY["random-moondream2"], random_config=TINY_CONFIG)
-    monkeypatch.setitem(models.REGISTRY, "random-moondream2", tiny)
+    tiny = dataclasses.replace(registry.REGISTRY["random-moondream2"], random_config=TINY_CONFIG)
+    monkeypatch.setitem(registry.REGISTRY, "random-moondream2", tiny)
     out = bench_moondream.main(["--model", "random-moondream2", "--repeats", "1", "--streams", "3",
                                 "--detect-streams", "2", "--tokens", "3", "--objects", "1", "--json"])
     assert json.loads(capsys.readouterr().out) == out

@@ -28,7 +28,7 @@ from processes import ROOT
 from bench.cluster import LocalCluster
 from frontend.cluster.routing import NOT_STARTED
 from shared.config import EngineConfig
-from shared.models import TINY_RANDOM_CONFIG
+from shared.models.random_weights import TINY_RANDOM_CONFIG
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -166,7 +166,7 @@ def finalize(dev: D.Device, marks: list):
     marks.append(dev.mark())
     dev.compute.submit(lambda: None)  # sampling
     marks.append(dev.mark())
-    dev.compute.submit(lambda: None)  # release of the slot's buffers (bookkeeping)
+    dev.compute.submit(lambda: None)  # release of the step buffer's arrays (bookkeeping)
     dev.copy.wait(dev.compute.record())
     dev.copy.submit(lambda: None)  # device -> host copy of the ids
     return dev.copy.record()

@@ -318,7 +318,7 @@ def test_device_error_fails_requests_and_engine_keeps_serving():
 def test_default_model_answers_paris():
     """The embedded default model, converted from GGUF, greedy, with the chat template."""
     from frontend.server.tokenization import chat_prompt_ids
-    from shared.models import load_tokenizer
+    from shared.models.registry import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     ids = chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}])
@@ -359,16 +359,16 @@ def test_unconstrained_rows_are_sampled_before_masks_are_awaited():
 
 
 def test_warmup_captures_each_bucket_once_and_reports_progress():
-    """Warm-up visits every (slot, batch bucket, page bucket) once and reports done/total
+    """Warm-up visits every (step buffer, batch bucket, page bucket) once and reports done/total
     after each (the worker forwards it to the frontend; capture itself needs CUDA)."""
     eng = make_engine()
     try:
         runner = eng.runner
         runner.use_graphs = True  # CPU: record the captures instead of making them
         keys, seen = [], []
-        runner._graph_for = lambda slot, batch, pages: keys.append((slot, batch, pages))
+        runner._graph_for = lambda buffer, batch, pages: keys.append((buffer, batch, pages))
         runner.warmup(progress=lambda done, total: seen.append((done, total)))
-        assert len(keys) == len(set(keys)) == 12  # 2 slots x 3 batch sizes x 2 page buckets
+        assert len(keys) == len(set(keys)) == 12  # 2 step buffers x 3 batch sizes x 2 page buckets
         assert seen == [(i + 1, 12) for i in range(12)]
     finally:
         eng.close()
@@ -413,7 +413,7 @@ def test_bf16_cpu_weights_are_prepacked_unless_disabled():
 
 
 def test_the_default_context_is_the_models_limit_bounded_by_the_kv_cache():
-    from shared.models import TINY_RANDOM_CONFIG
+    from shared.models.random_weights import TINY_RANDOM_CONFIG
 
     limit = TINY_RANDOM_CONFIG["max_position_embeddings"]
     roomy = make_engine(max_batch=2)  # 1200 pages of 8 tokens: the whole limit fits

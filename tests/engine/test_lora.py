@@ -24,7 +24,7 @@ from gpu_worker.lora_slots import LoraSlots  # noqa: E402
 from gpu_worker.model import Llama  # noqa: E402
 from shared.finish import FinishReason  # noqa: E402
 from shared.lora_config import AdapterError, parse_lora_option, read_adapter  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from shared.models.registry import resolve_model  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow

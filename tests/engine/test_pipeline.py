@@ -3,16 +3,16 @@ import random
 
 import pytest
 
-from gpu_worker.pipeline import Pipeline, PipelineError, SlotState
+from gpu_worker.pipeline import Pipeline, PipelineError, BufferState
 
 
-def test_slots_alternate_and_commit_fifo():
+def test_step_buffers_alternate_and_commit_fifo():
     p = Pipeline(2)
     assert p.launch("a") == (0, 0)
     assert p.launch("b") == (1, 1)
-    assert not p.can_launch()  # both slots outstanding
+    assert not p.can_launch()  # both step buffers outstanding
     assert p.pop_commit() == (0, 0, "a")  # a step comes back with the item it was launched with
-    assert not p.can_launch()  # two-phase: slot 0 is committing, not free
+    assert not p.can_launch()  # two-phase: buffer 0 is committing, not free
     p.release(0)
     assert p.can_launch()
     assert p.launch() == (2, 0)
@@ -57,17 +57,17 @@ def test_misuse_raises(ops, message):
 def test_random_walk_keeps_invariants():
     """Random legal/illegal operations against a reference model of the invariants."""
     rng = random.Random(0)
-    for num_slots in (1, 2, 3):
-        p = Pipeline(num_slots)
+    for num_buffers in (1, 2, 3):
+        p = Pipeline(num_buffers)
         launched, committed, committing = [], [], None
         for _ in range(5000):
             op = rng.choice(["launch", "pop", "release"])
             outstanding = len(launched) - len(committed)
             if op == "launch":
-                legal = outstanding < num_slots
+                legal = outstanding < num_buffers
                 if legal:
-                    step, slot = p.launch()
-                    assert step == len(launched) and slot == step % num_slots
+                    step, buffer = p.launch()
+                    assert step == len(launched) and buffer == step % num_buffers
                     launched.append(step)
                 else:
                     with pytest.raises(PipelineError):
@@ -90,8 +90,8 @@ def test_random_walk_keeps_invariants():
                 else:
                     with pytest.raises(PipelineError):
                         p.release(len(committed))
-            # A slot is FREE exactly when no outstanding step uses it.
-            busy = {s % num_slots for s in launched[len(committed):]}
-            for i, rec in enumerate(p.slots):
-                assert (rec.state is SlotState.FREE) == (i not in busy)
+            # A step buffer is FREE exactly when no outstanding step uses it.
+            busy = {s % num_buffers for s in launched[len(committed):]}
+            for i, rec in enumerate(p.buffers):
+                assert (rec.state is BufferState.FREE) == (i not in busy)
             assert p.drained == (len(launched) == len(committed))

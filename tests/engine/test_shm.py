@@ -132,7 +132,7 @@ def test_publish_poll_roundtrip_and_64bit_step(arena):
 
 def test_entries_carry_region_values_beside_their_tokens(arena):
     """Moondream rows: (coordinate, width, height) float32 per row, bit-exact, with or without
-    logprobs; an entry without them reads as None; a wrong shape is refused before any slot is used."""
+    logprobs; an entry without them reads as None; a wrong shape is refused before any entry is used."""
     w, r = arena.token_writer(), arena.token_reader()
     values = np.array([[0.5, 0.25, 1e-3], [np.float32(0.1), 0.0, 2.0 ** -10]], np.float32)
     p = w.reserve()
@@ -229,7 +229,7 @@ print(json.dumps({"blocked": w.blocked, "sleeps": w.sleeps}))
             assert e.position == step
             check_entry(e, step, SMALL.max_rows)
             time.sleep(0.002)  # slow reader: the ring fills up
-            # the writer must not have reused the slot while we held it
+            # the writer must not have reused the entry while we held it
             assert int(meta[e.position % SMALL.ring_entries, 2]) >> 32 == (e.position + 1)
             r.consume(e.position)
             step += 1
@@ -278,15 +278,15 @@ def test_tokens_eventfd_works_in_zmq_poller(arena):
 
 
 # --------------------------------------------------- tag validation / corruption
-def slot_words(arena, slot):
-    rows = arena.region("ring_rows")[slot]
-    return [arena.region("ring_meta")[slot], rows[0], rows[1], rows[2], rows[3]]
+def entry_words(arena, entry):
+    rows = arena.region("ring_rows")[entry]
+    return [arena.region("ring_meta")[entry], rows[0], rows[1], rows[2], rows[3]]
 
 
 def test_torn_row_is_not_ready_then_corrupt(arena):
     w, r = arena.token_writer(), arena.token_reader(corrupt_after_s=0.05)
     publish_expected(w, 1)
-    meta, seq, *_ = slot_words(arena, 0)
+    meta, seq, *_ = entry_words(arena, 0)
     good = int(seq[0])
     seq[0] = (7 << 32) | (good & 0xFFFFFFFF)  # wrong tag on one row word
     assert r.poll() is None                     # not yet visible ...
@@ -303,7 +303,7 @@ def test_bad_commit_words_raise_or_wait(arena):
     meta[0, 2] = (0xDEAD << 32) | 1            # tag of no occupant -> corrupt
     with pytest.raises(RingCorrupt, match="commit tag"):
         r.poll()
-    meta[0, 2] = 0                              # never-written slot -> not ready
+    meta[0, 2] = 0                              # never-written entry -> not ready
     assert r.poll() is None
     meta[0, 2] = (1 << 32) | SMALL.max_rows + 1  # too many rows -> corrupt
     with pytest.raises(RingCorrupt, match="invalid commit"):
@@ -320,17 +320,17 @@ def test_mixed_old_and_new_words_are_never_accepted(arena):
     cap = SMALL.ring_entries
     w, r = arena.token_writer(), arena.token_reader(corrupt_after_s=3600)
     for step in range(6 * cap):
-        slot = step % cap
-        before = [a.copy() for a in slot_words(arena, slot)]
+        entry = step % cap
+        before = [a.copy() for a in entry_words(arena, entry)]
         publish_expected(w, step)
-        after = [a.copy() for a in slot_words(arena, slot)]
+        after = [a.copy() for a in entry_words(arena, entry)]
         n = 1 + (step * 5) % SMALL.max_rows
         # revert a random non-empty subset of the words the reader checks
         cells = [(0, i) for i in range(3)] + [(c, i) for c in range(1, 5) for i in range(n)]
         if expected(step, SMALL.max_rows)[4] is None:
             cells = [x for x in cells if x[0] != 4]
         pick = rng.choice(len(cells), size=int(rng.integers(1, min(5, len(cells)) + 1)), replace=False)
-        live = slot_words(arena, slot)
+        live = entry_words(arena, entry)
         for k in pick:
             c, i = cells[k]
             live[c][i] = before[c][i]

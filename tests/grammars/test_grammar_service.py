@@ -176,7 +176,7 @@ def test_stop_strings_cancel_and_length_with_grammars(service, compiler):
 
 def test_cancel_while_waiting_for_a_mask_row(compiler):
     """A constrained request cancelled before a mask row freed up never reaches the worker,
-    and takes no slot when one frees (one slot here: max_batch=1)."""
+    and takes no batch row when one frees (one row here: max_batch=1)."""
     svc = make_service(max_batch=1)
     try:
         spec = {"kind": "box", "max_objects": 2}

@@ -112,7 +112,7 @@ def test_each_finished_request_leaves_one_log_line_with_its_figures(oai, caplog)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from shared.models import load_tokenizer
+    from shared.models.registry import load_tokenizer
 
     return load_tokenizer(MODEL)
 

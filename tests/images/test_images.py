@@ -586,7 +586,7 @@ def test_close_while_images_are_prepared_ends_each_request_once_and_leaves_no_pr
 POOL_THEN_SLEEP = """
 import multiprocessing, sys, time
 from frontend.images.pool import ImagePool
-from shared.models import ModelInfo
+from shared.models.info import ModelInfo
 from shared.vision_config import ImageProcessorParams
 if __name__ == "__main__":
     pool = ImagePool(ImageProcessorParams.from_model_dir(ModelInfo.load("tiny-random-vlm").path), workers=2)

@@ -99,18 +99,18 @@ def test_rope_kv_writes_the_cache_and_ropes_q(kernels, dtype):
     freqs = torch.outer(torch.arange(64, dtype=torch.float32), 1.0 / (10000 ** (torch.arange(0, D, 2) / D)))
     cos, sin = freqs.cos(), freqs.sin()
     positions = torch.tensor([0, 7, 8, 30, 63])
-    slots = torch.tensor([3, 17, 4, 9, 30])
+    kv_index = torch.tensor([3, 17, 4, 9, 30])
     k_cache = torch.zeros(8, page_size, Hkv, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     with torch.inference_mode():
-        q = kernels.rope_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, H, Hkv, D)
+        q = kernels.rope_kv(qkv, cos, sin, positions, kv_index, k_cache, v_cache, H, Hkv, D)
         c, s = cos[positions].to(dtype), sin[positions].to(dtype)
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), c, s)
         assert torch.equal(q, qk[:, :H])
-        assert torch.equal(k_cache.view(-1, Hkv, D)[slots], qk[:, H:])
-        assert torch.equal(v_cache.view(-1, Hkv, D)[slots], qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
+        assert torch.equal(k_cache.view(-1, Hkv, D)[kv_index], qk[:, H:])
+        assert torch.equal(v_cache.view(-1, Hkv, D)[kv_index], qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
         untouched = torch.ones(k_cache.view(-1, Hkv, D).shape[0], dtype=torch.bool)
-        untouched[slots] = False
+        untouched[kv_index] = False
         assert not k_cache.view(-1, Hkv, D)[untouched].any()
 
 
@@ -406,7 +406,7 @@ def test_paged_attention_eager_still_writes_then_attends():
     v = torch.randn_like(k)
     mask = attention_mask(batch, kv, q.shape[1] // Hkv)
     out = paged_attention(q, k, v, 0, batch, kv, mask)
-    assert torch.equal(kv.k[0].reshape(-1, Hkv, q.shape[2])[batch.slot_mapping], k)
+    assert torch.equal(kv.k[0].reshape(-1, Hkv, q.shape[2])[batch.kv_index], k)
     assert out.shape == (batch.num_tokens, q.shape[1] * q.shape[2])
 
 
@@ -578,7 +578,7 @@ def test_moondream_text_rows_are_the_same_bits_however_they_are_chunked_and_batc
 @pytest.mark.parametrize("D", [64, 72])  # 72: 18 rotated pairs, a vector tail at every width
 def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels, D):
     """``partial_rope_kv`` (bf16): q is ``apply_partial_rope``'s bits, k lands rotated and v as it
-    is in the cache slots (pages handed out backwards, a slot mid-page), nothing else written."""
+    is at its kv_index (pages handed out backwards, one mid-page), nothing else written."""
     from gpu_worker.moondream import apply_partial_rope, rope_tables
 
     H, Hkv, T = 4, 2, 37
@@ -586,16 +586,16 @@ def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels
     g = torch.Generator().manual_seed(5)
     qkv = (3 * torch.randn(T, (H + 2 * Hkv) * D, generator=g)).bfloat16()
     positions = torch.arange(5, 5 + T)
-    slots = torch.arange(T).flip(0) * 2 + 1  # every other slot, backwards
+    kv_index = torch.arange(T).flip(0) * 2 + 1  # every other place, backwards
     k_cache, v_cache = (torch.zeros(2 * T + 2, Hkv, D, dtype=torch.bfloat16) for _ in range(2))
-    q = kernels.partial_rope_kv(qkv, cos_t, sin_t, positions, slots, k_cache, v_cache, H, Hkv)
+    q = kernels.partial_rope_kv(qkv, cos_t, sin_t, positions, kv_index, k_cache, v_cache, H, Hkv)
     eq, ek, ev = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     cos, sin = cos_t[positions], sin_t[positions]
     assert torch.equal(q, apply_partial_rope(eq.view(T, H, D), cos, sin))
-    assert torch.equal(k_cache[slots], apply_partial_rope(ek.reshape(T, Hkv, D), cos, sin))
-    assert torch.equal(v_cache[slots], ev.reshape(T, Hkv, D))
+    assert torch.equal(k_cache[kv_index], apply_partial_rope(ek.reshape(T, Hkv, D), cos, sin))
+    assert torch.equal(v_cache[kv_index], ev.reshape(T, Hkv, D))
     untouched = torch.ones(2 * T + 2, dtype=torch.bool)
-    untouched[slots] = False
+    untouched[kv_index] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
     assert not torch.equal(q[:, :, :D // 2], eq.view(T, H, D)[:, :, :D // 2])  # non-vacuity: it rotated
 

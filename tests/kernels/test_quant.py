@@ -174,7 +174,7 @@ def smollm2():
     from prerequisites import unavailable
 
     from frontend.server.tokenization import chat_prompt_ids
-    from shared.models import load_tokenizer, resolve_model
+    from shared.models.registry import load_tokenizer, resolve_model
 
     transformers = pytest.importorskip("transformers")
     try:

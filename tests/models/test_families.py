@@ -12,7 +12,8 @@ from prerequisites import require
 torch = require("torch")
 transformers = require("transformers")
 
-from frontend import protocol as P  # noqa: E402
+from frontend.protocol.wire import SkillError  # noqa: E402
+from frontend.protocol.encode import encode_message  # noqa: E402
 from frontend.server.service import Service, ServiceConfig  # noqa: E402
 from frontend.server.zmq_server import Gate  # noqa: E402
 from gpu_worker import families as worker_families  # noqa: E402
@@ -22,7 +23,8 @@ from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama  # noqa: E402
 from shared.families import FAMILIES, UnsupportedModel, family_of  # noqa: E402
 from shared.finish import FinishReason  # noqa: E402
-from shared.models import ModelInfo, resolve_model  # noqa: E402
+from shared.models.info import ModelInfo  # noqa: E402
+from shared.models.registry import resolve_model  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -236,7 +238,7 @@ def test_generation_config_sampling_defaults_apply_where_the_request_is_silent(t
         gate = Gate(service)
 
         def generate(**fields) -> tuple[SamplingParams, list[int]]:
-            msg = gate.parse(P.encode_message({"type": "generate", "id": "r", "prompt": "Hello there",
+            msg = gate.parse(encode_message({"type": "generate", "id": "r", "prompt": "Hello there",
                                                "max_tokens": 10, "seed": 7, **fields}))
             req = gate.submit(msg)
             service.run_until(lambda: req.ended, timeout=120)
@@ -307,7 +309,7 @@ def test_moondream_versions_render_and_read_skills_by_their_rules():
     assert (skills.plan(point, encode, True, None, rules=md2).limit, skills.plan(point, encode, True, None, rules=md3)
             .limit) == (50, 150)
     assert skills.plan({**point, "max_objects": 1000}, encode, True, None, rules=md2).limit == 1000
-    with pytest.raises(P.SkillError, match=r"max_objects must be an integer in \[1, 500\]"):
+    with pytest.raises(SkillError, match=r"max_objects must be an integer in \[1, 500\]"):
         skills.plan({**point, "max_objects": 501}, encode, True, None, rules=md3)
     plan = skills.plan({**query, "reasoning": True}, encode, True, 8, rules=md3)
     done = skills.answer(plan, [EOS_ID, 40, ANSWER_ID, 41, EOS_ID], [[0.0] * 3] * 5, lambda ids: "")

@@ -96,7 +96,7 @@ def test_matches_transformers_tiny(tiny):
 @pytest.fixture(scope="module")
 def smollm2_path():
     try:
-        from shared.models import resolve_model
+        from shared.models.registry import resolve_model
     except ImportError as e:
         unavailable(f"shared.models not importable ({e}); cannot locate smollm2-135m")
     try:
@@ -191,13 +191,13 @@ def test_batch_build_layout():
     assert b.num_tokens == 8 and b.num_seqs == 3 and b.max_query_len == 4
     assert b.positions.tolist() == [5, 6, 7, 2, 0, 1, 2, 3]
     # pos 5,6,7 -> page 3 offsets 1,2,3; pos 2 -> page 4 offset 2; pos 0..3 -> page 2.
-    assert b.slot_mapping.tolist() == [13, 14, 15, 18, 8, 9, 10, 11]
+    assert b.kv_index.tolist() == [13, 14, 15, 18, 8, 9, 10, 11]
     # P = most pages any chunk needs (2); longer tables are cut to P, shorter padded with 0.
     assert b.block_tables.tolist() == [[7, 3], [4, 0], [2, 8]]
     assert b.query_index.tolist() == [[0, 1, 2, 0], [3, 0, 0, 0], [4, 5, 6, 7]]
     assert b.query_pos.tolist() == [[5, 6, 7, 0], [2, 0, 0, 0], [0, 1, 2, 3]]
     assert b.token_to_padded.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
-    for t in (b.positions, b.slot_mapping, b.block_tables, b.query_index, b.query_pos, b.token_to_padded):
+    for t in (b.positions, b.kv_index, b.block_tables, b.query_index, b.query_pos, b.token_to_padded):
         assert t.dtype == torch.int64
     # Unpadding inverts padding: query_index.flatten()[token_to_padded] == arange(T).
     assert b.query_index.flatten()[b.token_to_padded].tolist() == list(range(8))
@@ -205,7 +205,7 @@ def test_batch_build_layout():
     # Fixed P and padded S (CUDA-graph bucket); dummies are one token at position 0 on page 0.
     d = Batch.build([(6, 1, [5, 1]), (1, 1, [3])], page_size=4, num_pages_per_seq=4, pad_sequences_to=4)
     assert d.block_tables.tolist() == [[5, 1, 0, 0], [3, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
-    assert d.positions.tolist() == [6, 1, 0, 0] and d.slot_mapping.tolist() == [6, 13, 0, 0]
+    assert d.positions.tolist() == [6, 1, 0, 0] and d.kv_index.tolist() == [6, 13, 0, 0]
     assert d.query_index.tolist() == [[0], [1], [2], [3]] and d.token_to_padded.tolist() == [0, 1, 2, 3]
 
     # In-place fill keeps tensor identity (what a captured CUDA graph needs).
@@ -215,7 +215,7 @@ def test_batch_build_layout():
     assert d.positions.tolist() == [9, 0, 0, 0] and d.block_tables[0].tolist() == [2, 4, 6, 0]
     other = Batch.build([(3, 1, [8]), (0, 1, [1])], 4, num_pages_per_seq=4, pad_sequences_to=4)
     d.copy_from(other)
-    assert d.slot_mapping.tolist() == [35, 4, 0, 0] and d.block_tables.data_ptr() == ptr
+    assert d.kv_index.tolist() == [35, 4, 0, 0] and d.block_tables.data_ptr() == ptr
 
     with pytest.raises(ValueError):  # shape mismatch with the static batch
         Batch.build([(0, 1, [1])], 4, num_pages_per_seq=4, out=d)

@@ -7,12 +7,14 @@ the reference's token ids and float32 values exactly, in float32.
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import moondream_greedy as greedy
 import numpy as np
 import pytest
 import torch
+from moondream_cases import done_fields, expected_done, fixture_png, skill_of
 
 from bench.moondream_fixture import EXPECTED, IMAGES, case_id, encoder, engine_answer, engine_request, write_checkpoints
 from frontend.moondream import prompts
@@ -83,7 +85,7 @@ def test_random_weights_follow_the_recipe_scales():
     """``Moondream.random`` (random-moondream2, drawn on the device) gives every tensor of the
     layout its kind's scale, is deterministic for a seed, and random-moondream2 has moondream2's
     592 tensors and 1.93 B parameters (MOONDREAM.md §5)."""
-    from shared.models import builtin
+    from shared.models.registry import builtin
     from shared.moondream_random import NORMS, TINY_CONFIG, tensor_shapes
 
     cfg = MoondreamConfig.from_dict(TINY_CONFIG)
@@ -178,9 +180,9 @@ def test_engine_one_at_a_time_never_reads_values_back(checkpoints, encode):
         runner = engine.runner
         read_step = runner.read_step
 
-        def poisoned(slot, num, top=False, *, runner=runner, read_step=read_step):  # bound now: the loop rebinds
-            out = read_step(slot, num, top)
-            runner.slots[slot].values.fill_(float("nan"))
+        def poisoned(buffer, num, top=False, *, runner=runner, read_step=read_step):  # bound now: the loop rebinds
+            out = read_step(buffer, num, top)
+            runner.step_buffers[buffer].values.fill_(float("nan"))
             return out
 
         runner.read_step = poisoned
@@ -244,7 +246,7 @@ def test_quantized_moondream2_is_the_float_model_on_its_dequantized_weights(chec
 def test_tiny_random_moondream_is_built_in(quantization):
     """The registry's random Moondream loads and answers a detect on an image of any size, in its own
     float32 weights and quantized at load."""
-    from shared.models import ModelInfo
+    from shared.models.info import ModelInfo
     info = ModelInfo.load("tiny-random-moondream")
     assert info.family.name == "moondream" and info.vision and info.vocab_size == 51200
     engine = make_engine("tiny-random-moondream", quantization=quantization)
@@ -268,31 +270,7 @@ def test_tiny_random_moondream_is_built_in(quantization):
         engine.close()
 
 
-def png(name: str) -> bytes:
-    import io
-
-    from PIL import Image
-    h, w, salt = EXPECTED["images"][name]
-    buf = io.BytesIO()
-    Image.fromarray(make_image(h, w, salt)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def skill_of(case):
-    keys = {"caption": ("length",), "query": ("question", "reasoning", "spatial_refs"),
-            "point": ("object", "max_objects"), "detect": ("object", "max_objects")}[case["skill"]]
-    return {"skill": case["skill"], **{k: case[k] for k in keys if k in case}}
-
-
-def expected_done(case):
-    """The fixture case as a skill's ``done`` fields (boxes clamped to [0, 1], as Photon returns them)."""
-    if case["skill"] == "point":
-        return {"output": {"points": case["points"]}}
-    if case["skill"] == "detect":
-        return {"output": {"objects": [{k: min(max(v, 0.0), 1.0) for k, v in o.items()} for o in case["objects"]]}}
-    if case.get("reasoning"):
-        return {"token_ids": case["token_ids"], "reasoning_token_ids": case["reasoning_token_ids"]}
-    return {"token_ids": case["token_ids"]}
+png = functools.partial(fixture_png, EXPECTED["images"])
 
 
 def test_service_skills_match_the_reference(checkpoints):
@@ -313,9 +291,7 @@ def test_service_skills_match_the_reference(checkpoints):
         for i, case in enumerate(EXPECTED["cases"]):
             kind, payload = done[i]
             assert kind == "done", payload
-            if "reasoning_token_ids" in expected_done(case):
-                payload = {**payload, "reasoning_token_ids": payload["reasoning"]["token_ids"]}
-            assert {k: payload[k] for k in expected_done(case)} == expected_done(case), case_id(case)
+            assert done_fields(payload, case) == expected_done(case), case_id(case)
         a = png("dev-a.png")
         for skill, images, field in (
                 ({"skill": "query", "question": "Why?", "spatial_refs": [[0.1, 1.5]]}, [a], "spatial_refs"),

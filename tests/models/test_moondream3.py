@@ -10,9 +10,12 @@ closeness of the logits and hidden states themselves, and tell the tau GELU's er
 """
 from __future__ import annotations
 
+import functools
+
 import moondream_greedy as greedy
 import pytest
 import torch
+from moondream_cases import done_fields, expected_done, fixture_png, skill_of
 
 from bench.moondream_fixture import EXPECTED3, IMAGES, case_id, encoder, engine_answer, engine_request, md3_checkpoints
 from frontend.moondream import prompts
@@ -199,42 +202,7 @@ def test_bf16_pipelined_equals_blocking(checkpoints, encode):
 
 # ---- every door -----------------------------------------------------------------------------------
 
-def png(name: str) -> bytes:
-    import io
-
-    from PIL import Image
-
-    from shared.moondream_random import make_image
-    h, w, salt = EXPECTED3["images"][name]
-    buf = io.BytesIO()
-    Image.fromarray(make_image(h, w, salt)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def skill_of(case):
-    keys = {"caption": ("length",), "query": ("question", "reasoning", "spatial_refs"),
-            "point": ("object", "max_objects"), "detect": ("object", "max_objects")}[case["skill"]]
-    return {"skill": case["skill"], **{k: case[k] for k in keys if k in case}}
-
-
-def expected_done(case):
-    """The fixture case as a skill's ``done`` fields (boxes clamped to [0, 1], as Photon returns them)."""
-    if case["skill"] == "point":
-        return {"output": {"points": case["points"]}}
-    if case["skill"] == "detect":
-        return {"output": {"objects": [{k: min(max(v, 0.0), 1.0) for k, v in o.items()} for o in case["objects"]]}}
-    if case.get("reasoning"):
-        return {"token_ids": case["token_ids"], "reasoning": {"token_ids": case["reasoning_token_ids"],
-                                                              "grounding": case["grounding"]}}
-    return {"token_ids": case["token_ids"]}
-
-
-def done_fields(done: dict, case) -> dict:
-    want = expected_done(case)
-    got = {k: done.get(k) for k in want}
-    if "reasoning" in want:
-        got["reasoning"] = {k: done["reasoning"][k] for k in want["reasoning"]}
-    return got
+png = functools.partial(fixture_png, EXPECTED3["images"])
 
 
 @pytest.mark.parametrize("name", ["plain", "eos"])
@@ -363,7 +331,7 @@ def test_random_moondream3_quantizes_its_experts_as_it_draws_them():
     """random-moondream3's recipe on a small config: the experts are drawn stack by stack and held
     quantized (no float stack left), at the recipe's scale; the built-in tiny-random-moondream3
     answers a detect through the engine at --quantization int4."""
-    from shared.models import ModelInfo
+    from shared.models.info import ModelInfo
     from shared.moondream_random import MD3_TINY_CONFIG
     kernels = greedy.quant_kernels()
     model = Moondream.random(MoondreamConfig.from_dict(MD3_TINY_CONFIG), quantize=("int4", 32, kernels))
@@ -391,7 +359,7 @@ def test_bench_moondream3_cpu_runs_end_to_end(capsys):
     import json
 
     from bench import moondream3_cpu
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
     greedy.quant_kernels()
     out = moondream3_cpu.main(["--model", "tiny-random-moondream3", "--tokens", "3", "--objects", "1", "--json"])
     assert json.loads(capsys.readouterr().out)["params"] == out["params"]

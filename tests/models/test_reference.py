@@ -1,6 +1,6 @@
 """Tandem's greedy tokens equal Hugging Face transformers' on the default model.
 
-SmolLM2-135M-Instruct as Tandem converts it (``shared.models``), in float32,
+SmolLM2-135M-Instruct as Tandem converts it (``shared/models/gguf_files.py``), in float32,
 through the whole serving path (``Service``: a worker process, the pipelined
 engine, the frontend's delivery), against transformers' ``generate`` loading the
 same converted directory. Three chat prompts, batched on both sides (left
@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from frontend.server.service import Service, ServiceConfig  # noqa: E402
 from frontend.server.tokenization import chat_prompt_ids  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from shared.models.registry import resolve_model  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow

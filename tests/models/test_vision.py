@@ -33,7 +33,8 @@ from gpu_worker.image_prefill import image_rows_in_chunk  # noqa: E402
 from gpu_worker.kv_cache import PagedKVCache  # noqa: E402
 from gpu_worker.model import Llama, LlamaConfig  # noqa: E402
 from gpu_worker.vision import VisionConfig, VisionEncoder, normalize_tiles  # noqa: E402
-from shared.models import ModelInfo, resolve_model  # noqa: E402
+from shared.models.info import ModelInfo  # noqa: E402
+from shared.models.registry import resolve_model  # noqa: E402
 from shared.vision_config import ImageProcessorParams  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -511,9 +512,9 @@ def test_a_launch_encodes_only_the_tiles_its_chunks_reach(pipeline, ours, vlm_pa
     launches, handed_back, submitted = [], Counter(), []
     forward = engine.runner.enqueue_forward
 
-    def record(slot, inp):
+    def record(buffer, inp):
         launches.append((list(inp.encode), list(inp.image_segments), [c[1] for c in inp.prefill_chunks]))
-        forward(slot, inp)
+        forward(buffer, inp)
 
     engine.runner.enqueue_forward = record
 

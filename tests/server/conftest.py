@@ -5,7 +5,7 @@ import pytest
 import zmq
 from live_server import LiveServer, Raw
 
-from shared.models import load_tokenizer
+from shared.models.registry import load_tokenizer
 
 
 @pytest.fixture(scope="module")

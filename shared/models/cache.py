@@ -1,0 +1,62 @@
+"""Where built models live, and how one is built: once, atomically.
+
+A cache entry is a directory under :func:`cache_root` holding ``tandem-cache-version``
+(:data:`CACHE_VERSION`); one without it, or with another version, is rebuilt. A build writes into a
+temporary sibling and renames it, so a killed build leaves no half entry.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Bump when the converted layout changes so stale caches are rebuilt.
+CACHE_VERSION = "2"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $TANDEM_CACHE/models, else $XDG_CACHE_HOME/tandem/models, else
+    ~/.cache/tandem/models (an empty or relative XDG_CACHE_HOME is ignored, as the XDG spec says)."""
+    if os.environ.get("TANDEM_CACHE"):
+        return Path(os.environ["TANDEM_CACHE"]).expanduser() / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "tandem" / "models"
+
+
+def progress(msg: str, done: int, total: int, t0: float) -> None:
+    """One-line progress bar on stderr (conversion is the only long step)."""
+    width = 30
+    filled = int(width * done / max(total, 1))
+    bar = "#" * filled + "-" * (width - filled)
+    end = "\n" if done >= total else "\r"
+    sys.stderr.write(f"{msg} [{bar}] {done}/{total} {time.time() - t0:5.1f}s{end}")
+    sys.stderr.flush()
+
+
+def is_cached(name: str) -> bool:
+    return (cache_root() / name / "tandem-cache-version").read_text().strip() == CACHE_VERSION \
+        if (cache_root() / name / "tandem-cache-version").exists() else False
+
+
+def build_atomically(target: Path, builder, quiet: bool) -> None:
+    """Build into a temporary sibling, then rename: a killed conversion leaves no half cache."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        builder(tmp, quiet)
+        (tmp / "tandem-cache-version").write_text(CACHE_VERSION)
+        if target.exists():
+            shutil.rmtree(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished first; its result is equivalent.
+            if not is_cached(target.name):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
