@@ -136,7 +136,8 @@ class Router:
         loads = {r: replace(load, sent=self.sent(r)) for r, load in loads.items()}
         chosen = choose(self.preference(session, pages, loads), loads, self.max_overload, self._turns)
         self._turns += 1
-        self.moved(request_id, chosen)
+        self._routed[request_id] = chosen
+        self._sent[chosen] = self.sent(chosen) + 1
         for page in pages:
             self._pages[page] = chosen
             self._pages.move_to_end(page)
@@ -157,15 +158,9 @@ class Router:
         home = self._pages[last]
         return [home, *(r for r in order if r != home)] if home in replicas else order
 
-    def moved(self, request_id: str, replica: str) -> None:
-        """``request_id`` is on ``replica`` (routed there, or sent there by Serve instead)."""
-        self.ended(request_id)
-        self._routed[request_id] = replica
-        self._sent[replica] = self.sent(replica) + 1
-
     def ended(self, request_id: str, replica: str | None = None) -> None:
         """``request_id`` ended (a no-op if it is not counted, or counted on another replica than
-        ``replica``)."""
+        ``replica``: the end of an earlier attempt, rejected there, of a request routed again)."""
         where = self._routed.get(request_id)
         if where is None or replica not in (None, where):
             return

@@ -146,10 +146,11 @@ def test_the_router_counts_each_request_once_from_routing_to_its_end():
     first = router.route("a", "chat-1", (), loads)
     assert router.sent(first) == 1
     assert router.route("a", "chat-1", (), loads) == first and router.sent(first) == 1  # routed again: moved
-    other = next(x for x in loads if x != first)
-    router.moved("a", other)  # Serve sent it to its second rank
+    # routed again while its first replica looks full (Serve chooses again for a request that found no room)
+    other = router.route("a", "chat-1", (), loads | {first: Load(queue_full=True)})
+    assert other != first
     assert (router.sent(first), router.sent(other)) == (0, 1)
-    router.ended("a", first)  # an end reported for another replica (a rejected attempt): not this one
+    router.ended("a", first)  # the end of the attempt rejected there, reported late: not this one
     assert router.sent(other) == 1
     router.ended("a", other)
     router.ended("a")  # twice: nothing below zero
