@@ -15,16 +15,19 @@ unresponsive fails its health check and leaves the candidates. Without
 that request, not to the oldest one waiting. The session, the prompt's page
 hashes and the replicas to avoid are the ``session``, ``prefix_pages`` and
 ``avoid`` arguments the ingress passes to ``TandemReplica.generate``; the
-loads are each replica's last ``record_routing_stats`` plus what this router
-has in flight there, over the ``routing.usable`` replicas.
+loads are each replica's last ``record_routing_stats`` and what this router
+has in flight there (``routing.Load``), over the ``routing.usable`` replicas.
 
 Counting: a request is counted where it is routed (``choose_replicas``, so
-the next choice sees it at once; a choice made again moves it), and uncounted when Serve reports it completed (its
-stream ended, failed or was cancelled: ``on_request_completed``) or when it
-is cancelled before it was sent. Serve calls all of these on its router loop.
+the next choice sees it at once; a choice made again moves it), and
+uncounted when Serve reports it completed (its stream ended, failed or was
+cancelled: ``on_request_completed``) or when it is cancelled before it was
+sent. Serve calls all of these on its router loop; their times are
+``time.time()``, the clock the replicas' reports are taken by.
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -49,10 +52,12 @@ class AffinityRouter(RequestRouter):
             chosen = choose([], loads, self.routing.max_overload)
         else:
             rid = pending_request.metadata.internal_request_id
-            chosen = self.routing.route(rid, kwargs.get("session"), kwargs.get("prefix_pages") or (), loads)
-            pending_request.future.add_done_callback(lambda f: f.cancelled() and self.routing.ended(rid))
+            chosen = self.routing.route(rid, kwargs.get("session"), kwargs.get("prefix_pages") or (), loads,
+                                        time.time())
+            pending_request.future.add_done_callback(
+                lambda f: f.cancelled() and self.routing.ended(rid, now=time.time()))
             pending_request.routing_context.should_backoff = True  # no room there yet: wait before choosing again
         return [[by_name[chosen]]]
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.routing.ended(internal_request_id, replica_id.unique_id)
+        self.routing.ended(internal_request_id, replica_id.unique_id, now=time.time())

@@ -318,8 +318,7 @@ def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):
                               {"role": "user", "content": f"question {i}"}]).headers["x-tandem-replica"]
               for i in range(6)}
     assert len(shared) == 1
-    # others spread by what is in flight: sent at once, as the router counts them exactly (one at a time,
-    # a replica that just answered would look busy to the reports of a moment ago)
+    # others spread by what is in flight (sent at once: the bound's spread, whatever order they arrive in)
     with ThreadPoolExecutor(12) as pool:
         own = set(pool.map(lambda i: _chat(cluster, [{"role": "system", "content": f"Persona {i}. " * 8}],
                                            max_tokens=16, ignore_eos=True).headers["x-tandem-replica"], range(12)))
