@@ -68,7 +68,7 @@ class _FakeReplicas:
         self._scripts, self.avoids = list(scripts), []
         self.generate = self
 
-    def options(self, stream: bool):
+    def options(self, **options):
         return self
 
     def remote(self, fields, avoid=(), session=None, prefix_pages=()):
@@ -98,17 +98,17 @@ def test_a_request_no_replica_began_goes_to_another_and_a_begun_one_never_twice(
 
     monkeypatch.setattr("frontend.cluster.ingress.RETRY_DELAY_S", 0)
     # refused by a replica whose tandem serve had exited, then by a dead actor: the third replica answers
-    replicas = _FakeReplicas(["r-a", {NOT_STARTED: "replica r-a: tandem serve exited (code -9)"}],
-                             [ActorDiedError()], ["r-b", DONE])
+    replicas = _FakeReplicas([("r-a", {NOT_STARTED: "replica r-a: tandem serve exited (code -9)"})],
+                             [ActorDiedError()], [("r-b", DONE)])
     assert _run_call(replicas) == DONE
     assert replicas.avoids == [(), ("r-a",), ("r-a",)]
     # refused every time: one worker_failed error naming why, after RETRIES more tries
-    replicas = _FakeReplicas(*[["r-a", {NOT_STARTED: "tandem serve exited"}]] * (RETRIES + 2))
+    replicas = _FakeReplicas(*[[("r-a", {NOT_STARTED: "tandem serve exited"})]] * (RETRIES + 2))
     (err,) = _run_call(replicas)
     assert err["type"] == "error" and err["code"] == "worker_failed" and "tandem serve exited" in err["message"]
     assert len(replicas.avoids) == RETRIES + 1
     # the actor died after it began the request (tokens may have reached the client): not sent again
-    replicas = _FakeReplicas(["r-a", DONE[:1], ActorDiedError()], ["r-b", DONE])
+    replicas = _FakeReplicas([("r-a", DONE[:1]), ActorDiedError()], [("r-b", DONE)])
     out = _run_call(replicas)
     assert out[0] == DONE[0] and out[1]["code"] == "worker_failed" and len(out) == 2
     assert len(replicas.avoids) == 1
