@@ -156,7 +156,8 @@ class TandemReplica:
             return {"failed": True}
         info = await self._info() or {}
         total = info.get("kv_pages_total") or 0
-        return {"taken": time.time(), "running": info.get("running", 0), "waiting": info.get("waiting", 0) + info.get("unsent", 0),
+        return {"taken": time.time(),  # (routing.Load: which of the router's own requests this counts)
+                "running": info.get("running", 0), "waiting": info.get("waiting", 0) + info.get("unsent", 0),
                 "kv_usage": (total - info.get("kv_pages_free", 0)) / total if total else 0.0,
                 "queue_full": info.get("live_requests", 0) >= self._max_queue}
 

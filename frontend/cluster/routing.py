@@ -19,9 +19,9 @@ report: what it reported less this router's requests it held when it took
 the report (``taken``, by its clock; the same host's, or one kept within
 milliseconds of it). A report is a moment old (``ROUTING_STATS_PERIOD_S``
 and Serve's delivery): read alone, it shows a replica that has just finished
-a request as still holding it, which once took a session off its idle
-replica. ``choose`` takes the first replica of the preference whose load is below
-the *bound* ``ceil((1 + max_overload) * (total + 1) / replicas)``, where total
+a request as still holding it, which took sessions off their idle replica.
+``choose`` takes the first replica of the preference whose load is below the
+*bound* ``ceil((1 + max_overload) * (total + 1) / replicas)``, where total
 is the load of all of them (consistent hashing with bounded loads); without a
 preference, the least loaded (ties in turn). A replica whose queue is full is
 passed over while another is not.

@@ -6,7 +6,8 @@ gets ready, a replica's actor killed mid-stream, and SIGTERM leaving nothing run
 itself, pure: tests/cluster/test_routing.py.)
 
 No test here depends on the machine's speed: a test follows the replica that answered, not the one
-it expects the router to choose, and waits for what it needs to have happened, not for a time."""
+it expects the router to choose (save where no timing enters the choice: one request at a time, a
+session's goes to its first replica), and waits for what it needs to have happened, not for a time."""
 from __future__ import annotations
 
 import itertools
