@@ -69,14 +69,13 @@ def _moondream(path: Path, how: Load) -> Loaded:
 class WorkerFamily:
     load: Callable[[Path, Load], Loaded]
     llama_fields: dict = field(default_factory=dict)  # LlamaConfig fields the family sets (a Llama-like one)
-    quantizable: bool = True  # --quantization int8|int4 applies to its linears
 
 
 WORKER_FAMILIES = {
     "llama": WorkerFamily(_llama),
     "qwen3": WorkerFamily(_llama, llama_fields={"qk_norm": True}),
     "idefics3": WorkerFamily(_idefics3),
-    "moondream": WorkerFamily(_moondream, quantizable=False),
+    "moondream": WorkerFamily(_moondream),
     "moondream3": WorkerFamily(_moondream),
 }
 

@@ -91,17 +91,24 @@ def load_gguf(path: Path, kernels: QuantKernels | None, dtype: torch.dtype = tor
 def quantize_linears(model: nn.Module, method: str, group: int, kernels: QuantKernels) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantLinear` of its weight quantized
     with ``method`` (int8, int4) in groups of ``group``, the output head (``lm_head``) at 8 bits
-    symmetric in groups of 32 (see ``quant.py``); returns how many."""
-    count = 0
-    for parent in list(model.modules()):
+    symmetric in groups of 32 (see ``quant.py``); returns how many. A linear whose in-features the
+    group does not divide stays float (the log names it)."""
+    count, unfit = 0, []
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                head = child is getattr(model, "lm_head", None)
-                w = quantize(child.weight, "int8", 32, symmetric=True) if head else \
-                    quantize(child.weight, method, group)
-                setattr(parent, name, QuantLinear([w], child.bias, kernels))
-                count += 1
+            if type(child) is not nn.Linear:
+                continue
+            if child.in_features % group:
+                unfit.append(f"{parent_name}.{name}".lstrip(".") + f" ({child.in_features} in)")
+                continue
+            head = child is getattr(model, "lm_head", None)
+            w = quantize(child.weight, "int8", 32, symmetric=True) if head else quantize(child.weight, method, group)
+            setattr(parent, name, QuantLinear([w], child.bias, kernels))
+            count += 1
     log.info("quantized %d linears to %s (%s)", count, method, _formats(model))
+    if unfit:
+        log.info("%d linears stay float: group %d does not divide their in-features: %s", len(unfit), group,
+                 ", ".join(unfit[:4]) + (", ..." if len(unfit) > 4 else ""))
     return count
 
 

@@ -127,8 +127,6 @@ def _quantization(config: EngineConfig, dev: torch.device, path) -> str | None:
     if method in ("int8", "int4"):
         if dev.type != "cpu":
             raise ValueError(f"--quantization {method} runs on a CPU only (the device is {dev.type})")
-        if path is not None and not families.worker_family(path).quantizable:
-            raise ValueError(f"--quantization {method} is not supported for {family_of(read_config(path)).name} yet")
         if config.loras:
             raise ValueError(f"--quantization {method} cannot be combined with LoRA adapters")
         return method

@@ -283,7 +283,7 @@ class VisionBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.attn.qkv(self.ln1(x))
-        kernels = getattr(self.attn.qkv, "kernels", None)
+        kernels = self.attn.qkv.kernels if isinstance(self.attn.qkv, PackedLinear) else None
         if kernels is not None:  # bf16, AMX: 2.5x SDPA, head_dim 72 (BENCHMARKS.md "Moondream's attention on AMX")
             out = kernels.full_attention(qkv, self.n_heads)
         else:
@@ -526,16 +526,17 @@ class Moondream(nn.Module):
 
     # -- construction -------------------------------------------------------------
     def quantize_weights(self, method: str, group: int, kernels) -> None:
-        """``--quantization int8|int4`` (a CPU; Moondream 3): the text blocks' linears and experts held in
-        ``method`` (``quant.py``); the router, ``wte``, ``lm_head``, the vision encoder and the region
-        heads stay float (a point is the argmax over 1024 bins of a region head). Experts quantized
-        while loading (``quantize=`` of the constructors) are left as they are."""
-        if not self.spec.moondream3:
-            raise ValueError(f"--quantization {method} is not supported for Moondream 2 yet")
+        """``--quantization int8|int4`` (a CPU): the text blocks' linears and experts, the vision
+        encoder's blocks and its projection held in ``method`` (``quant.py``); the router, ``wte``,
+        ``lm_head``, the patch embedding, the region heads (a point is the argmax over 1024 bins of a
+        region head) and any linear whose in-features the group does not divide (the encoder's fc2,
+        4304) stay float. Experts quantized while loading (``quantize=`` of the constructors) are
+        left as they are."""
         from .gguf_weights import quantize_linears
-        blocks = self.text.blocks
-        quantize_linears(nn.ModuleList([b.attn for b in blocks] + [b.mlp for b in blocks if not b.moe]), method,
-                         group, kernels)
+        blocks, vision = self.text.blocks, self.vision
+        quantize_linears(nn.ModuleList([b.attn for b in blocks] + [b.mlp for b in blocks if not b.moe]
+                                       + [m for b in vision.blocks for m in (b.attn, b.mlp)] + [vision.proj_mlp]),
+                         method, group, kernels)
         for block in blocks:
             for experts in (block.mlp.fc1, block.mlp.fc2) if block.moe else ():
                 if experts.quantized is None:

@@ -2,7 +2,8 @@
 
 The decoding rules of MOONDREAM.md §4 (and MOONDREAM3.md §4 for a Moondream 3) written as directly
 as possible, one forward per token, so the model can be checked against the reference's figures
-before any engine is involved.
+before any engine is involved. Also the check of a quantized Moondream (2 or 3) against the float
+model given its dequantized weights.
 """
 from __future__ import annotations
 
@@ -124,3 +125,47 @@ def generate_objects(s: Session, ids: list[int], max_objects: int, size: bool) -
         else:
             out.append({"x": float(x), "y": float(y)})
     return out
+
+
+def quant_kernels():
+    """The weight-only kernels (``gpu_worker.quant.QuantKernels``), or the test skipped where the CPU
+    kernels did not build."""
+    import pytest
+
+    from gpu_worker import cpu_kernels
+    from gpu_worker.quant import QuantKernels
+
+    built = cpu_kernels.load()
+    if built is None:
+        pytest.skip("the CPU kernels did not build here")
+    return QuantKernels(built)
+
+
+def check_quantized_against_dequantized(path, method: str, image, ids: list[int]) -> None:
+    """--quantization int8|int4: the experts (quantized as they are read), the blocks' and the vision
+    encoder's linears run through the weight-only kernels; the float model given the dequantized
+    weights computes the same hidden states up to float32 summation order (1e-5 relative) and the same
+    coordinate bin, while the float32 checkpoint's differ (non-vacuity: something was quantized)."""
+    from gpu_worker.moondream import Experts, Moondream
+    from gpu_worker.quant import QuantLinear
+
+    kernels = quant_kernels()
+    quantized = Moondream.from_pretrained(path, quantize=(method, 32, kernels))
+    quantized.quantize_weights(method, 32, kernels)
+    original, dequantized = Moondream.from_pretrained(path), Moondream.from_pretrained(path)
+    held = {name: m for name, m in quantized.named_modules()  # an expert's linear: in its Experts' stack
+            if (isinstance(m, QuantLinear) and ".quantized." not in name)
+            or (isinstance(m, Experts) and m.quantized is not None)}
+    assert any(name.startswith("vision.") for name in held) and any(name.startswith("text.") for name in held)
+    with torch.no_grad():
+        for name, m in held.items():
+            w = m.dequantize() if isinstance(m, QuantLinear) else torch.stack([e.dequantize() for e in m.quantized])
+            dequantized.get_submodule(name).weight.copy_(w)
+        hidden = {}
+        for key, model in (("q", quantized), ("d", dequantized), ("f", original)):
+            s = start(model, model.image_prefix(torch.from_numpy(image[0]), image[1]))
+            hidden[key] = s.feed(ids)[1]
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(hidden["q"], hidden["d"]) < 1e-5
+    assert quantized.region.coord(hidden["q"][None]) == dequantized.region.coord(hidden["d"][None])
+    assert rel(hidden["q"], hidden["f"]) > 1e-3

@@ -87,9 +87,12 @@ static inline __attribute__((always_inline)) void w_step(const int fmt, const vo
     const int64_t g = (row * K + k) >> gshift;
     const vf s = v_set(scale[g]), o = v_set(offset[g]);
 #if VW == 16
+    /* The group's 16 values s * q + o, then each nibble looks its value up (vpermps reads the low 4
+     * bits of an index): 2 ops fewer a step than masking and converting each half. */
+    const vf values = v_fma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), s, o);
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    out[0] = v_fma(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), s, o);
-    out[1] = v_fma(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s, o);
+    out[0] = _mm512_permutexvar_ps(bytes, values);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 #elif VW == 8
     for (int h = 0; h < 2; h++) {
         const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * h)));

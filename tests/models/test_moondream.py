@@ -234,12 +234,23 @@ def test_service_serves_a_moondream_directory(checkpoints, encode):
         svc.close()
 
 
-def test_tiny_random_moondream_is_built_in():
-    """The registry's random Moondream loads and answers a detect on an image of any size."""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_moondream2_is_the_float_model_on_its_dequantized_weights(checkpoints, encode, method):
+    greedy.check_quantized_against_dequantized(checkpoints["plain"], method, IMAGES["dev-b.png"],
+                                               prompts.point_ids(encode, "red car"))
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int4"])
+def test_tiny_random_moondream_is_built_in(quantization):
+    """The registry's random Moondream loads and answers a detect on an image of any size, in its own
+    float32 weights and quantized at load."""
     from shared.models import ModelInfo
     info = ModelInfo.load("tiny-random-moondream")
     assert info.family.name == "moondream" and info.vision and info.vocab_size == 51200
-    engine = make_engine("tiny-random-moondream")
+    engine = make_engine("tiny-random-moondream", quantization=quantization)
+    from gpu_worker.quant import QuantLinear
+    held = {name.split(".")[0] for name, m in engine.runner.model.named_modules() if isinstance(m, QuantLinear)}
+    assert held == (set() if quantization == "auto" else {"text", "vision"})
     crops, tiling = overlap_crops(make_image(500, 700, 9))
     case = {"skill": "detect", "object": "dog", "image": "x", "max_objects": 2}
     IMAGES["x"] = (crops, tiling)
