@@ -14,6 +14,7 @@ only by the modules that need it.
 
 NOT_READY_GRACE_S = 120.0  # how long a replica's worker may stay not ready (a restart warming up) before Serve
                            # replaces the replica (tandem cluster --not-ready-grace, build_app's not_ready_grace_s)
+ROUTING_STATS_PERIOD_S = 1.0  # how often Serve asks each replica for its routing stats (what routing.Load reads)
 MAX_OVERLOAD = 0.25  # how far above the average load a replica may go before affinity yields (tandem cluster
                     # --max-overload, build_app's max_overload; routing.py)
 SERVE_ONLY = ("bind", "curve_secret_key", "curve_clients")  # serve's options a cluster has no use for (its replicas

@@ -19,7 +19,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from . import HOP_ENV, MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, SERVE_ONLY
+from . import HOP_ENV, MAX_OVERLOAD, NOT_READY_GRACE_S, ROUTERS, ROUTING_STATS_PERIOD_S, SERVE_ONLY
 from .ingress import TandemIngress
 from .replica import TandemReplica
 from .router import AffinityRouter
@@ -28,7 +28,6 @@ from .routing import checked_overload
 CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router", "max_overload")
 NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "host", "port", "api_key", "insecure"})  # all but SERVE_ONLY: the ingress's
 HEALTH_CHECK_PERIOD_S = 2.0
-ROUTING_STATS_PERIOD_S = 1.0
 QUIET = {"enable_access_log": False}  # Serve logs a line per request and per replica call otherwise
 SHUTDOWN_MARGIN_S = 10.0  # beyond the child's --drain-timeout: its worker stops, its sockets close
 

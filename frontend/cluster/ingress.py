@@ -41,6 +41,9 @@ REPLICA_HEADER = b"x-tandem-replica"
 PAGE_SIZE = EngineConfig.page_size  # the replicas' KV page: the prefix cache shares whole pages
 RETRIES = 2  # times a request no replica began is sent again (a replica that died just before it arrived)
 RETRY_DELAY_S = 0.25
+# Serve's gRPC transport serializes each call and streamed item with cloudpickle by default, whose pure-Python
+# hooks run for every object of a batch; everything sent here is plain data, for the standard pickle
+SERIALIZATION = {"request_serialization": "pickle", "response_serialization": "pickle"}
 
 _answered_by: contextvars.ContextVar[dict | None] = contextvars.ContextVar("answered_by", default=None)
 
@@ -49,8 +52,8 @@ class ClusterBridge:
     """``frontend.http.bridge.Bridge``'s calls (``generate``, ``info``, ``cancel``) over the replicas."""
 
     def __init__(self, replicas, tokenizer) -> None:
-        self._replicas = replicas
-        self._stream = replicas.options(stream=True)
+        self._replicas = replicas.options(**SERIALIZATION)
+        self._stream = self._replicas.options(stream=True)
         self._tokenizer = tokenizer
         self._ids = itertools.count(1)
         self._queues: dict[str, asyncio.Queue] = {}  # Call.forget drops its own
@@ -107,16 +110,15 @@ class ClusterBridge:
         replica = None
         try:
             async for item in responses:
-                if isinstance(item, str):
-                    replica = item
-                    _note_replica(item)
-                elif isinstance(item, dict):  # {NOT_STARTED: why}
+                if isinstance(item, tuple):  # the first: (the replica's name, the first batch)
+                    replica, item = item
+                    _note_replica(replica)
+                if isinstance(item, dict):  # {NOT_STARTED: why}
                     return replica, item[NOT_STARTED]
-                else:
-                    for msg in item:
-                        q.put_nowait(msg)
-                    if item and item[-1]["type"] in TERMINAL:
-                        return None
+                for msg in item:
+                    q.put_nowait(msg)
+                if item and item[-1]["type"] in TERMINAL:
+                    return None
             raise RuntimeError("the replica's stream ended without a terminal message")
         except asyncio.CancelledError:
             responses.cancel()  # the client left: the replica cancels the request in its tandem serve

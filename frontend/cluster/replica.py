@@ -5,9 +5,9 @@ directory named after the replica, so ``ps`` and ``tandem info --connect``
 find it) and everything Tandem guarantees on one GPU holds per replica. The
 replica speaks the protocol to it with the HTTP frontend's own async client
 (``frontend.http.bridge.Bridge``) and streams each request's messages back to
-the ingress in arrival batches: first its own name (the ingress's
-``x-tandem-replica`` header), then lists of protocol messages, the last one
-terminal.
+the ingress in arrival batches (lists of protocol messages, the last one
+terminal), the first paired with its own name (the ingress's
+``x-tandem-replica`` header): one streamed item per batch, none more.
 
 Failure: the child is started with ``PR_SET_PDEATHSIG`` (SIGTERM), so a
 replica killed with ``kill -9`` takes its ``tandem serve`` with it (which
@@ -116,15 +116,17 @@ class TandemReplica:
     # ------------------------------------------------------------------ requests (from the ingress)
     async def generate(self, fields: dict[str, Any], session: str | None = None, prefix_pages: tuple = (),
                        avoid: tuple[str, ...] = ()) -> AsyncIterator[Any]:
-        """This replica's name, then the request's protocol messages in arrival batches, or
-        ``{NOT_STARTED: why}`` if its child has exited. (``session``, ``prefix_pages`` and
-        ``avoid`` are the router's; a cancelled stream cancels the request in the child.)"""
-        yield self.name
+        """The request's protocol messages in arrival batches, the first as ``(this replica's name,
+        batch)``; or ``(name, {NOT_STARTED: why})`` if its child has exited. (``session``,
+        ``prefix_pages`` and ``avoid`` are the router's; a cancelled stream cancels the request in
+        the child.)"""
         if self._exit_code is not None:  # the ingress sends it to another replica (Serve replaces this one soon)
-            yield {NOT_STARTED: self._exited()}
+            yield self.name, {NOT_STARTED: self._exited()}
             return
+        first = True
         async for batch in self._bridge.generate(fields).batches():
-            yield batch
+            yield (self.name, batch) if first else batch
+            first = False
 
     async def info(self) -> dict[str, Any]:
         """The child's ``info`` answer and this replica's name and endpoint."""
@@ -154,7 +156,8 @@ class TandemReplica:
             return {"failed": True}
         info = await self._info() or {}
         total = info.get("kv_pages_total") or 0
-        return {"running": info.get("running", 0), "waiting": info.get("waiting", 0) + info.get("unsent", 0),
+        return {"taken": time.time(),  # (routing.Load: which of the router's own requests this counts)
+                "running": info.get("running", 0), "waiting": info.get("waiting", 0) + info.get("unsent", 0),
                 "kv_usage": (total - info.get("kv_pages_free", 0)) / total if total else 0.0,
                 "queue_full": info.get("live_requests", 0) >= self._max_queue}
 

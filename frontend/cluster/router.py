@@ -1,26 +1,33 @@
 """The replicas' Serve request router: ``routing.Router`` over the replicas Serve says are running.
 
 Serve calls ``choose_replicas`` for each request and sends it to the first
-replica of the first rank that has room, so the ranks are: the chosen
-replica, then the others (a fallback only when the chosen one is at
-``max_ongoing_requests``). Without ``FIFOMixin``: the choice made for a
-request's session and prompt is given to that request, not to the oldest one
-waiting. The session, the prompt's page hashes and the replicas to avoid are
-the ``session``, ``prefix_pages`` and ``avoid`` arguments the ingress passes
-to ``TandemReplica.generate``; the loads are each replica's last
-``record_routing_stats`` plus what this router has in flight there. Only
-``routing.usable`` replicas are ranked: Serve falls back to the second rank
-when the first does not answer its queue-length probe in time, and that must
-never be a replica known to be dead.
+replica of the first rank that has room, so there is one rank: the chosen
+replica alone. Serve also passes over a replica that does not answer its
+queue-length probe within ``RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S``
+(0.1 s; the probe is made when its cached queue length is over 10 s old), and a
+busy host misses that deadline now and then: a second rank of the other
+replicas would then take a session away from its replica below the bound (it
+once took twelve sequential sessions to one replica). With one rank, a missed
+probe or a full replica makes Serve wait (backing off) and call
+``choose_replicas`` again, with the loads of then; a replica that stays
+unresponsive fails its health check and leaves the candidates. Without
+``FIFOMixin``: the choice made for a request's session and prompt is given to
+that request, not to the oldest one waiting. The session, the prompt's page
+hashes and the replicas to avoid are the ``session``, ``prefix_pages`` and
+``avoid`` arguments the ingress passes to ``TandemReplica.generate``; the
+loads are each replica's last ``record_routing_stats`` and what this router
+has in flight there (``routing.Load``), over the ``routing.usable`` replicas.
 
 Counting: a request is counted where it is routed (``choose_replicas``, so
-the next choice sees it at once), moved if Serve sends it to another rank
-(``on_request_routed``), and uncounted when Serve reports it completed (its
-stream ended, failed or was cancelled: ``on_request_completed``) or when it
-is cancelled before it was sent. Serve calls all of these on its router loop.
+the next choice sees it at once; a choice made again moves it), and
+uncounted when Serve reports it completed (its stream ended, failed or was
+cancelled: ``on_request_completed``) or when it is cancelled before it was
+sent. Serve calls all of these on its router loop; their times are
+``time.time()``, the clock the replicas' reports are taken by.
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -45,12 +52,12 @@ class AffinityRouter(RequestRouter):
             chosen = choose([], loads, self.routing.max_overload)
         else:
             rid = pending_request.metadata.internal_request_id
-            chosen = self.routing.route(rid, kwargs.get("session"), kwargs.get("prefix_pages") or (), loads)
-            pending_request.future.add_done_callback(lambda f: f.cancelled() and self.routing.ended(rid))
-        return [[by_name[chosen]], [by_name[name] for name in loads if name != chosen]]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        self.routing.moved(pending_request.metadata.internal_request_id, replica_id.unique_id)
+            chosen = self.routing.route(rid, kwargs.get("session"), kwargs.get("prefix_pages") or (), loads,
+                                        time.time())
+            pending_request.future.add_done_callback(
+                lambda f: f.cancelled() and self.routing.ended(rid, now=time.time()))
+            pending_request.routing_context.should_backoff = True  # no room there yet: wait before choosing again
+        return [[by_name[chosen]]]
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.routing.ended(internal_request_id, replica_id.unique_id)
+        self.routing.ended(internal_request_id, replica_id.unique_id, now=time.time())

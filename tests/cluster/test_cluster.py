@@ -6,7 +6,8 @@ gets ready, a replica's actor killed mid-stream, and SIGTERM leaving nothing run
 itself, pure: tests/cluster/test_routing.py.)
 
 No test here depends on the machine's speed: a test follows the replica that answered, not the one
-it expects the router to choose, and waits for what it needs to have happened, not for a time."""
+it expects the router to choose (save where no timing enters the choice: one request at a time, a
+session's goes to its first replica), and waits for what it needs to have happened, not for a time."""
 from __future__ import annotations
 
 import itertools
@@ -26,7 +27,7 @@ import yaml
 from processes import ROOT
 
 from bench.cluster import LocalCluster
-from frontend.cluster.routing import NOT_STARTED
+from frontend.cluster.routing import NOT_STARTED, rendezvous
 from shared.config import EngineConfig
 from shared.models.random_weights import TINY_RANDOM_CONFIG
 
@@ -68,7 +69,7 @@ class _FakeReplicas:
         self._scripts, self.avoids = list(scripts), []
         self.generate = self
 
-    def options(self, stream: bool):
+    def options(self, **options):
         return self
 
     def remote(self, fields, avoid=(), session=None, prefix_pages=()):
@@ -98,20 +99,45 @@ def test_a_request_no_replica_began_goes_to_another_and_a_begun_one_never_twice(
 
     monkeypatch.setattr("frontend.cluster.ingress.RETRY_DELAY_S", 0)
     # refused by a replica whose tandem serve had exited, then by a dead actor: the third replica answers
-    replicas = _FakeReplicas(["r-a", {NOT_STARTED: "replica r-a: tandem serve exited (code -9)"}],
-                             [ActorDiedError()], ["r-b", DONE])
+    replicas = _FakeReplicas([("r-a", {NOT_STARTED: "replica r-a: tandem serve exited (code -9)"})],
+                             [ActorDiedError()], [("r-b", DONE)])
     assert _run_call(replicas) == DONE
     assert replicas.avoids == [(), ("r-a",), ("r-a",)]
     # refused every time: one worker_failed error naming why, after RETRIES more tries
-    replicas = _FakeReplicas(*[["r-a", {NOT_STARTED: "tandem serve exited"}]] * (RETRIES + 2))
+    replicas = _FakeReplicas(*[[("r-a", {NOT_STARTED: "tandem serve exited"})]] * (RETRIES + 2))
     (err,) = _run_call(replicas)
     assert err["type"] == "error" and err["code"] == "worker_failed" and "tandem serve exited" in err["message"]
     assert len(replicas.avoids) == RETRIES + 1
     # the actor died after it began the request (tokens may have reached the client): not sent again
-    replicas = _FakeReplicas(["r-a", DONE[:1], ActorDiedError()], ["r-b", DONE])
+    replicas = _FakeReplicas([("r-a", DONE[:1]), ActorDiedError()], [("r-b", DONE)])
     out = _run_call(replicas)
     assert out[0] == DONE[0] and out[1]["code"] == "worker_failed" and len(out) == 2
     assert len(replicas.avoids) == 1
+
+
+def test_serve_is_given_the_routers_choice_alone():
+    """Serve sends a request to the first rank with room and passes over a replica that answers its
+    queue-length probe late (a busy host): a second rank would take a session off its replica below the
+    bound. So one rank, and Serve backs off and asks again when that replica has no room."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from frontend.cluster.router import AffinityRouter
+
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n), routing_stats={}) for n in ("r-a", "r-b")]
+
+    async def ranks(i: int):
+        router = AffinityRouter.__new__(AffinityRouter)  # (Serve's constructor needs a running deployment)
+        router.initialize_state()
+        pending = SimpleNamespace(kwargs={"session": f"chat-{i}"}, metadata=SimpleNamespace(internal_request_id="q"),
+                                  future=asyncio.get_running_loop().create_future(),
+                                  routing_context=SimpleNamespace(should_backoff=False))
+        out = await router.choose_replicas(replicas, pending)
+        assert pending.routing_context.should_backoff and router.routing.sent(out[0][0].replica_id.unique_id) == 1
+        return [[r.replica_id.unique_id for r in rank] for rank in out]
+
+    for i in range(8):
+        assert asyncio.run(ranks(i)) == [[rendezvous(f"s:chat-{i}", ["r-a", "r-b"])[0]]]
 
 
 # --------------------------------------------------------------------------- options, metrics, manifests
@@ -277,19 +303,23 @@ def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):
     after = {n: cluster.info(n)["prefix_cache"]["hit_tokens"] for n in names}
     assert after[home] - hits[home] >= 3 * 32  # turns 2-4 each found the earlier turns' pages
     assert all(after[n] == hits[n] for n in names if n != home)
-    # the OpenAI user field is a session too, and it is not the header's
-    with ThreadPoolExecutor(12) as pool:  # at once, as below
-        users = set(pool.map(lambda i: _chat(cluster, [{"role": "user", "content": "hi"}], user=f"user-{i}").headers[
-            "x-tandem-replica"], range(12)))
-    assert users == set(names)  # twelve sessions, rendezvous-hashed over both replicas
+    # the OpenAI user field is a session too, and it is not the header's: one after another (nothing in
+    # flight, so each below the bound), every user's request goes to its session's first replica, whatever
+    # the replicas' reports of a moment ago say and however late a replica answers Serve's probe
+    # (twelve users, six owned by each replica: both are asked for)
+    owners = {f"user-{i}": rendezvous(f"s:user-{i}", names)[0] for i in range(200)}
+    users = [u for n in names for u in [u for u, owner in owners.items() if owner == n][:6]]
+    assert len(users) == 12
+    for user in sorted(users):
+        assert _chat(cluster, [{"role": "user", "content": "hi"}], user=user).headers[
+            "x-tandem-replica"] == owners[user], user
     # without either, the prompt's pages: prompts that mostly repeat one sent before follow it (a system
     # prompt filling both pages of these prompts), others spread
     shared = {_chat(cluster, [{"role": "system", "content": "Be brief. " * 8},
                               {"role": "user", "content": f"question {i}"}]).headers["x-tandem-replica"]
               for i in range(6)}
     assert len(shared) == 1
-    # others spread by what is in flight: sent at once, as the router counts them exactly (one at a time,
-    # a replica that just answered would look busy to the reports of a moment ago)
+    # others spread by what is in flight (sent at once: the bound's spread, whatever order they arrive in)
     with ThreadPoolExecutor(12) as pool:
         own = set(pool.map(lambda i: _chat(cluster, [{"role": "system", "content": f"Persona {i}. " * 8}],
                                            max_tokens=16, ignore_eos=True).headers["x-tandem-replica"], range(12)))
