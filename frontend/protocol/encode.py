@@ -106,7 +106,7 @@ def carriable(value: Any) -> Any:
         try:
             return float(value)
         except OverflowError:  # beyond a float's range too
-            return math.copysign(math.inf, value)
+            return math.inf if value > 0 else -math.inf
     return value
 
 
