@@ -1,10 +1,11 @@
 /* Weight-only linears on tiles of 16 output rows with int16 activations (the levels with VW 16).
  *
- * y [M, N] = x [M, K] @ W^T (+ bias), x and y float32 or bf16: W in tiles of TILE = 16 output rows, each block of 32 k of a
- * tile stored so that one vector of 32 int16 holds 16 rows x 2 k (word 2 r + e: row r, k = 2 j + e
- * of k-pair j). x is quantized per 32 k to int16 against the block's largest value (as the i16
- * branch: dx = amax / 32767, q = x * (32767 / amax) rounded to nearest even); vpdpwssd with x's
- * pair (q[2j], q[2j + 1]) broadcast adds both products of each row into its own int32 lane, so a
+ * y [M, N] = x [M, K] @ W^T (+ bias), x and y float32 or bf16: W in tiles of TILE = 16 output
+ * rows, each block of 32 k of a tile stored so that one vector of 32 int16 holds 16 rows x 2 k
+ * (word 2 r + e: row r, k = 2 j + e of k-pair j). x is quantized per 32 k to int16 against the
+ * block's largest value (dx = amax / 32767, q = x * (32767 / amax) rounded to nearest even);
+ * vpmaddwd with x's pair (q[2j], q[2j + 1]) broadcast adds both products of each row into its own
+ * int32 lane (then vpaddd into the block's sum), so a
  * block's 16 k-pairs give every row's exact integer sum in one vector, scaled once per block:
  *     y[r] = sum_b (s[r, b] dx_b) isum[r, b] + sum_g o[r, g] xs_g + bias[r]
  * with xs_g = sum of dx_b * sum(q_b) over group g's blocks. The scaling costs 3 ops per 16 dot
@@ -32,11 +33,7 @@
 typedef __m512i vi;
 
 static inline vi dot_pairs(vi acc, vi a, vi b) { /* acc + the pairwise products of int16 a, b */
-#ifdef __AVX512VNNI__
-    return _mm512_dpwssd_epi32(acc, a, b);
-#else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
 }
 
 /* Row x [K] -> q [K] int16 (k order), dx [K / 32], xs [K / G]. */
