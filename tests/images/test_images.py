@@ -500,12 +500,16 @@ def test_a_renderer_that_raises_fails_its_request_not_the_loop(svc):
 
 def test_cancel_while_queued_in_the_pool_frees_everything():
     svc = make_service(image_workers=1)
+    manager = multiprocessing.get_context("spawn").Manager()
     try:
         log = Log()
         image = large_png(1)
+        gate = manager.Event()  # the one child held until the cancels are in: the pool's speed decides nothing
+        svc.images.pool._executor.submit(gate.wait)
         reqs = [submit(svc, log, [image], SamplingParams(max_tokens=2)) for _ in range(6)]
-        for r in reqs[1:]:  # one child: the first is being decoded, the last ones wait in the pool
+        for r in reqs[1:]:  # one child: the first is handed to it, the last ones wait in the pool
             svc.cancel(r)
+        gate.set()
         assert reqs[-1].images.preparation.cancelled()  # non-vacuity: a cancel took work out of the pool
         assert all(log.terminal[r.seq_id][1]["finish_reason"] == "cancelled" for r in reqs[1:])
         svc.run_until(lambda: reqs[0].seq_id in log.terminal, 60)
@@ -516,6 +520,7 @@ def test_cancel_while_queued_in_the_pool_frees_everything():
         assert_idle(svc)
     finally:
         svc.close()
+        manager.shutdown()
 
 
 @pytest.mark.slow
