@@ -22,7 +22,7 @@ import torch.nn as nn
 from gpu_worker.batch import Batch
 from gpu_worker.cpu_kernels import CpuKernels
 from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.quant import FORMATS, QuantLinear
+from gpu_worker.quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def _linear_record(linear: nn.Module, kernels: CpuKernels) -> list[int] | None:
         parts, at = [], 0
         for p in linear.parts:
             bias = 0 if linear.bias is None else linear.bias.data_ptr() + 4 * at  # float32 columns at..
-            parts.append([FORMATS[p.fmt], p.data.data_ptr(), _address(p.scale), _address(p.offset), p.group,
+            parts.append([p.code, p.data.data_ptr(), _address(p.scale), _address(p.offset), p.group,
                           p.shape[0], bias])
             at += p.shape[0]
     else:

@@ -36,6 +36,7 @@ from gpu_worker.cpu_kernels import CpuKernels
 from shared.config import INT4_GROUPS
 
 FORMATS = {"q8": 0, "q4": 1, "bf16": 2, "t8": 4, "t4": 5}  # kernels/quant.h's FMT_*
+HALF_SCALES = 8  # kernels/quant.h's FMT_HALF: a tiled weight's scales and offsets in fp16
 TILE = 16  # output rows of a t8 / t4 tile (kernels/tiled.c)
 
 
@@ -44,14 +45,20 @@ class QWeight:
     """One weight [N, K] in a kernel format (see the module's docstring)."""
     fmt: str
     data: torch.Tensor
-    scale: torch.Tensor | None  # float32 [N, ceil(K / group)]
-    offset: torch.Tensor | None  # q4 only
+    scale: torch.Tensor | None  # float32 [N, ceil(K / group)] (t8 / t4: maybe fp16, see tile())
+    offset: torch.Tensor | None  # as scale; None: no offset
     group: int
     shape: tuple[int, int]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset) if t is not None)
+
+    @property
+    def code(self) -> int:
+        """The format as the kernels take it (``FMT_*``, with ``FMT_HALF`` for fp16 scales)."""
+        half = self.scale is not None and self.scale.dtype == torch.float16
+        return FORMATS[self.fmt] | (HALF_SCALES if half else 0)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the kernel multiplies by (for references and tests)."""
@@ -80,7 +87,9 @@ class QWeight:
 def tile(w: QWeight) -> QWeight:
     """A row-major q8 / q4 weight as t8 / t4 (see ``kernels/tiled.c``'s layouts): the rows padded with
     zeros to whole tiles, each block of 32 k of a tile as 16 k-pairs of 16 rows x 2 k; the scales
-    (and offsets) [N / 16, K / group, 16]."""
+    (and offsets) [N / 16, K / group, 16], in fp16 where every one of them is an fp16 number (a GGUF
+    file's Q4_0, Q4_1 and Q8_0 blocks, the quantizer's own scales): a sixth of a q4 tile's bytes
+    less to read, the same values."""
     N, K = w.shape
     tiles, blocks = -(-N // TILE), K // 32
     if w.fmt == "q4":
@@ -104,7 +113,10 @@ def tile(w: QWeight) -> QWeight:
         rows[:N] = t
         return rows.view(tiles, TILE, -1).transpose(1, 2).contiguous()
 
-    return QWeight("t" + w.fmt[1], data.contiguous(), per_tile(w.scale), per_tile(w.offset), w.group, w.shape)
+    scales = [t for t in (w.scale, w.offset) if t is not None]
+    half = all(torch.equal(t.half().float(), t) for t in scales)
+    scale, offset = (None if t is None else t.half() if half else t for t in (per_tile(w.scale), per_tile(w.offset)))
+    return QWeight("t" + w.fmt[1], data.contiguous(), scale, offset, w.group, w.shape)
 
 
 def untile(w: QWeight) -> QWeight:
@@ -118,7 +130,7 @@ def untile(w: QWeight) -> QWeight:
         pairs = w.data
     q = pairs.reshape(tiles, blocks, 16, TILE, 2).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks, 32)[:N]
     data = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(N, K // 2) if w.fmt == "t4" else q.reshape(N, K)
-    rows = lambda t: None if t is None else t.transpose(1, 2).reshape(tiles * TILE, -1)[:N].contiguous()  # noqa: E731
+    rows = lambda t: None if t is None else t.transpose(1, 2).reshape(tiles * TILE, -1)[:N].float().contiguous()  # noqa: E731
     return QWeight("q" + w.fmt[1], data.contiguous(), rows(w.scale), rows(w.offset), w.group, w.shape)
 
 
@@ -222,6 +234,14 @@ def from_gguf(tensor) -> QWeight | torch.Tensor:
 
 # ---- quantizing float weights at load --------------------------------------------------------------
 
+def _fp16_where_normal(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to fp16 numbers (kept in float32) where every value is 0 or an fp16 normal: the
+    scales tile() can then hold in fp16, as GGUF files hold theirs; else ``t`` itself."""
+    magnitude = t.abs()
+    normal = bool(((magnitude == 0) | ((magnitude >= 2 ** -14) & (magnitude <= 65504))).all())
+    return t.half().float() if normal else t
+
+
 def quantize(weight: torch.Tensor, method: str, group: int = 32, symmetric: bool = False) -> QWeight:
     """``weight`` [N, K] quantized in groups of ``group`` along K (one of INT4_GROUPS, dividing K),
     the group's min and max mapped to the ends of the range (``int8``: -128 and 127, ``int4``: 0
@@ -235,12 +255,13 @@ def quantize(weight: torch.Tensor, method: str, group: int = 32, symmetric: bool
         raise ValueError(f"{method} needs a group of {INT4_GROUPS} dividing K = {K} (got {group})")
     g = w.view(N, K // group, group)
     if symmetric and method == "int8":
-        scale = g.abs().amax(dim=2, keepdim=True) / 127
+        scale = _fp16_where_normal(g.abs().amax(dim=2, keepdim=True) / 127)
         q = torch.where(scale > 0, g / scale, 0).round().clamp(-127, 127).to(torch.int8).view(N, K)
         return QWeight("q8", q, scale.view(N, -1).contiguous(), None, group, (N, K))
     lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
     levels = 255 if method == "int8" else 15
-    scale = (hi - lo) / levels
+    lo = _fp16_where_normal(lo)
+    scale = _fp16_where_normal((hi - lo) / levels)
     q = torch.where(scale > 0, (g - lo) / scale, 0).round().clamp(0, levels).view(N, K)
     if method == "int8":  # q - 128 in int8, the offset moved by 128 steps to match
         q8 = (q - 128).to(torch.int8)
@@ -297,7 +318,7 @@ class QuantKernels:
     def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:
         """y [M, ldy]'s first N columns (a view) = x [M, K] @ w^T + bias (float32 or None)."""
         M, K = x.shape
-        self._linear(FORMATS[w.fmt], x.data_ptr(), x.dtype == torch.bfloat16, w.data.data_ptr(), _ptr(w.scale),
+        self._linear(w.code, x.data_ptr(), x.dtype == torch.bfloat16, w.data.data_ptr(), _ptr(w.scale),
                      _ptr(w.offset), w.group, _ptr(bias), y.data_ptr(), y.dtype == torch.bfloat16, y.stride(0), M, K,
                      w.shape[0], torch.get_num_threads())
 

@@ -180,21 +180,19 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
 #if VW > 1
 #define MAX_CH (128 / VW) /* D <= 128 */
 /* attention_item for head_dim = VW * CH, CH a literal at the call (always inlined): the loops over
- * a head's vectors unroll, the VW dot products and the value accumulators stay in registers
- * (with a run-time D they lived on the stack: 1.5x slower, the kernel alone at 32 sequences). The
- * same math in the same order as attention_item, so the two agree bit for bit. */
+ * a head's vectors unroll and the VW dot products and the value accumulators stay in registers
+ * (with a run-time D they lived on the stack: 1.5x slower, the kernel alone at 32 sequences). Keys
+ * and values are read from the cache for each query head (L1 after the first): a block's keys
+ * staged for all heads were VW * CH vectors, spilled to the stack (3-4x slower at one sequence).
+ * The same math in the same order as attention_item, so the two agree bit for bit. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
     int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH) {
     const int64_t D = VW * CH;
     const size_t el = bf ? 2 : 4;
     const vf scale = v_set(1.f / sqrtf((float)D));
-    vf qv[8 * MAX_CH], keys[VW * MAX_CH], acc[8 * MAX_CH]; /* group <= 8 (checked by the caller) */
-    float mx[8];
-    for (int64_t g = 0; g < group; g++) {
-        for (int c = 0; c < CH; c++) qv[g * CH + c] = v_mul(v_load(qt, g * D + c * VW, VW, bf), scale);
-        mx[g] = -INFINITY;
-    }
+    float mx[8]; /* group <= 8 (checked by the caller) */
+    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
     /* Pass 1: the scores, VW keys at a time; a short last block repeats its last key. */
     int64_t page = 0, off = 0;
     const char *kp[VW];
@@ -202,37 +200,32 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
-        /* The block's keys in float32 once (exact), not once per query head. */
-        for (int jj = 0; jj < VW; jj++)
-            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(kp[jj], c * VW, VW, bf);
         for (int64_t g = 0; g < group; g++) {
-            vf dots[VW];
+            vf qv[MAX_CH], dots[VW];
+            for (int c = 0; c < CH; c++) qv[c] = v_mul(v_load(qt, g * D + c * VW, VW, bf), scale);
             for (int jj = 0; jj < VW; jj++) {
                 dots[jj] = v_set(0.f);
-                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[g * CH + c], keys[jj * CH + c], dots[jj]);
+                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[c], v_load(kp[jj], c * VW, VW, bf), dots[jj]);
             }
             put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        softmax(scores + g * max_len, len, mx[g]);
-        for (int c = 0; c < CH; c++) acc[g * CH + c] = v_set(0.f);
-    }
-    /* Pass 2: the weighted values, VW keys at a time, each converted once for all heads; per
-     * head its CH accumulators stay in registers over the block. */
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * max_len, len, mx[g]);
+    /* Pass 2: the weighted values, one head at a time over a block (its CH accumulators in
+     * registers), each value's vectors reloaded from L1 per head. */
+    vf acc[8 * MAX_CH];
+    for (int64_t i = 0; i < group * CH; i++) acc[i] = v_set(0.f);
     page = off = 0;
     for (int64_t j0 = 0; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         walk_pages(v_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
-        for (int64_t jj = 0; jj < nb; jj++)
-            for (int c = 0; c < CH; c++) keys[jj * CH + c] = v_load(kp[jj], c * VW, VW, bf);
         for (int64_t g = 0; g < group; g++) {
             const float *sg = scores + g * max_len + j0;
             vf a[MAX_CH];
             for (int c = 0; c < CH; c++) a[c] = acc[g * CH + c];
             for (int64_t jj = 0; jj < nb; jj++) {
                 const vf w = v_set(sg[jj]);
-                for (int c = 0; c < CH; c++) a[c] = v_fma(w, keys[jj * CH + c], a[c]);
+                for (int c = 0; c < CH; c++) a[c] = v_fma(w, v_load(kp[jj], c * VW, VW, bf), a[c]);
             }
             for (int c = 0; c < CH; c++) acc[g * CH + c] = a[c];
         }

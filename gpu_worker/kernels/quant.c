@@ -245,7 +245,7 @@ static inline __attribute__((always_inline)) void block_rows(
 void wlinear(int fmt, const void *x, int x_bf, const void *w, const float *scale, const float *offset, int64_t G,
              const float *bias, void *y, int y_bf, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
 #if VW == 16
-    if (fmt == FMT_T4 || fmt == FMT_T8) {
+    if ((fmt & ~FMT_HALF) == FMT_T4 || (fmt & ~FMT_HALF) == FMT_T8) {
         tlinear(fmt, x, x_bf, w, scale, offset, G, bias, y, y_bf, ldy, M, K, N, nthreads);
         return;
     }

@@ -19,7 +19,8 @@
  * Layouts (gpu_worker/quant.py's tile() repacks a row-major q4 / q8 weight):
  *   t4  per tile, per block: 4 chunks of 64 bytes; chunk c's half h (32 bytes): byte p's low nibble
  *       is word p of k-pair 4c + h, its high nibble word p of k-pair 4c + 2 + h (q in 0..15);
- *       scale, offset [N / 16][K / G][16] float32
+ *       scale, offset [N / 16][K / G][16] float32, or fp16 with FMT_HALF (where that is exact: a
+ *       GGUF file's Q4_0, Q4_1 and Q8_0 scales; a sixth of a q4 tile's bytes)
  *   t8  per tile, per block: 16 k-pairs of 32 int8 (word p of k-pair j); scale (offset) as t4
  * Batch invariance: the same integers and the same float32 ops in the same order whatever M.
  */
@@ -71,9 +72,15 @@ static inline __attribute__((always_inline)) void tq_unpack(const int fmt, const
     }
 }
 
+/* The 16 rows' scales (or offsets) at index i of a tile's [K / G][16], float32 or fp16. */
+static inline __m512 tq_scales(const void *p, int64_t i, const int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i * TILE)));
+    return _mm512_loadu_ps((const float *)p + i * TILE);
+}
+
 /* Rows m0 .. m0 + MBC - 1 of x against tile t -> y. `buf` (int16 [K / 32][16][32]) or NULL: streamed. */
-static inline __attribute__((always_inline)) void tq_tile(const int fmt, const uint8_t *w, const float *scale,
-                                                          const float *offset, int gshift, const int16_t *buf,
+static inline __attribute__((always_inline)) void tq_tile(const int fmt, const int half, const uint8_t *w,
+                                                          const void *scale, const void *offset, int gshift, const int16_t *buf,
                                                           const int16_t *qx, const float *dx, const float *xs,
                                                           int64_t K, int64_t N, int64_t t, int64_t m0, const int MBC,
                                                           const float *bias, void *y, int y_bf, int64_t ldy) {
@@ -89,7 +96,7 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const u
             _mm_prefetch((const char *)(tw + (b + 4) * bytes), _MM_HINT_T0);
             tq_unpack(fmt, tw + b * bytes, wv);
         }
-        const __m512 sv = _mm512_loadu_ps(scale + (t * groups + ((32 * b) >> gshift)) * TILE);
+        const __m512 sv = tq_scales(scale, t * groups + ((32 * b) >> gshift), half);
         for (int m = 0; m < MBC; m++) {
             const int32_t *pairs = (const int32_t *)(qx + (m0 + m) * K + 32 * b);
             vi isum = _mm512_madd_epi16(wv[0], _mm512_set1_epi32(pairs[0]));
@@ -102,18 +109,32 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const u
     for (int m = 0; m < MBC; m++) {
         if (offset)
             for (int64_t g = 0; g < groups; g++)
-                acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(offset + (t * groups + g) * TILE),
+                acc[m] = _mm512_fmadd_ps(tq_scales(offset, t * groups + g, half),
                                          _mm512_set1_ps(xs[(m0 + m) * groups + g]), acc[m]);
         if (bias) acc[m] = _mm512_add_ps(acc[m], v_load(bias, t * TILE, rows, 0));
         v_store(y, (m0 + m) * ldy + t * TILE, rows, acc[m], y_bf);
     }
 }
 
+/* A buffer of at least `bytes` (64-byte aligned) of the calling thread's, slot 0..2, reused from call
+ * to call (a few KB each: OpenMP's pool threads keep theirs for the process's life). */
+static void *thread_buffer(int slot, size_t bytes) {
+    static __thread void *held[3];
+    static __thread size_t size[3];
+    if (size[slot] < bytes) {
+        free(held[slot]);
+        size[slot] = (bytes + 4095) / 4096 * 4096;
+        held[slot] = aligned_alloc(64, size[slot]);
+    }
+    return held[slot];
+}
+
 /* wlinear (quant.c) for the tiled formats: the same arguments. */
-void tlinear(int fmt, const void *x, int x_bf, const void *wt, const float *scale, const float *offset, int64_t G,
+void tlinear(int fmt, const void *x, int x_bf, const void *wt, const void *scale, const void *offset, int64_t G,
              const float *bias, void *y, int y_bf, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
     const uint8_t *w = (const uint8_t *)wt;
-    fmt = fmt == FMT_T4 ? FMT_Q4 : FMT_Q8;
+    const int half = fmt & FMT_HALF;
+    fmt = (fmt & ~FMT_HALF) == FMT_T4 ? FMT_Q4 : FMT_Q8;
     const int gshift = __builtin_ctzll((unsigned long long)G);
     const int64_t tiles = (N + TILE - 1) / TILE, groups = K >> gshift;
     if (M * N * K < (1 << 15)) nthreads = 1;
@@ -127,20 +148,21 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const float *scal
     {
         int16_t *my_qx = qx;
         float *my_dx = dx, *my_xs = xs;
-        if (!shared) {
-            my_qx = aligned_alloc(64, (size_t)(M * K * 2 + 63) / 64 * 64);
-            my_dx = malloc((size_t)(M * (K / 32)) * sizeof(float));
-            my_xs = malloc((size_t)(M * groups) * sizeof(float));
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, qx + m * K,
+                                dx + m * (K / 32), xs + m * groups);
+        } else { /* the thread's own buffers, kept from call to call (no allocation per linear) */
+            my_qx = thread_buffer(0, (size_t)(M * K) * sizeof(int16_t));
+            my_dx = thread_buffer(1, (size_t)(M * (K / 32)) * sizeof(float));
+            my_xs = thread_buffer(2, (size_t)(M * groups) * sizeof(float));
+            for (int64_t m = 0; m < M; m++)
+                tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
+                                my_dx + m * (K / 32), my_xs + m * groups);
         }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < (shared ? M : 0); m++)
-            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, qx + m * K, dx + m * (K / 32),
-                            xs + m * groups);
-        for (int64_t m = 0; m < (shared ? 0 : M); m++)
-            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
-                            my_dx + m * (K / 32), my_xs + m * groups);
         int16_t *buf = M > MB ? aligned_alloc(64, (size_t)K * TILE * 2) : NULL;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait /* the region's end is the barrier */
         for (int64_t t = 0; t < tiles; t++) {
             if (buf) {
                 const int64_t bytes = fmt == FMT_Q4 ? 256 : 512;
@@ -151,8 +173,9 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const float *scal
                     for (int j = 0; j < 16; j++) _mm512_storeu_si512(buf + (b * 16 + j) * 32, wv[j]);
                 }
             }
-#define TILE_ROWS(F, R) tq_tile(F, w, scale, offset, gshift, buf, my_qx, my_dx, my_xs, K, N, t, m0, R, bias, y, y_bf, ldy)
-#define ROWS(R) (fmt == FMT_Q4 ? TILE_ROWS(FMT_Q4, R) : TILE_ROWS(FMT_Q8, R))
+#define TILE_ROWS(F, H, R) tq_tile(F, H, w, scale, offset, gshift, buf, my_qx, my_dx, my_xs, K, N, t, m0, R, bias, y, y_bf, ldy)
+#define ROWS_H(H, R) (fmt == FMT_Q4 ? TILE_ROWS(FMT_Q4, H, R) : TILE_ROWS(FMT_Q8, H, R))
+#define ROWS(R) (half ? ROWS_H(1, R) : ROWS_H(0, R))
             int64_t m0 = 0;
             for (; m0 + MB <= M; m0 += MB) ROWS(MB);
             switch (M - m0) {
@@ -162,14 +185,10 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const float *scal
             default: break;
             }
 #undef ROWS
+#undef ROWS_H
 #undef TILE_ROWS
         }
         free(buf);
-        if (!shared) {
-            free(my_qx);
-            free(my_dx);
-            free(my_xs);
-        }
     }
     free(qx);
     free(dx);

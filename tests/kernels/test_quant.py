@@ -142,15 +142,44 @@ def test_tiles_hold_the_row_major_weight_exactly(kernels):
             assert (a is None and b is None) or torch.equal(a, b)
 
 
+def test_tiles_hold_their_scales_in_fp16_where_that_is_exact(kernels):
+    """fp16 scales where every scale and offset is an fp16 number (the quantizer's, as a GGUF file's
+    Q4_0, Q4_1 and Q8_0), float32 where one is not; either way the same products bit for bit."""
+    if not kernels.tile_rows:
+        pytest.skip(f"level {kernels.level} has no tiled kernel")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    for fmt in ("q4", "q4/64", "q8"):
+        w = weights(37, 256)[fmt]
+        held = quant.tile(w)
+        assert held.scale.dtype == torch.float16 and held.code == quant.FORMATS[held.fmt] | quant.HALF_SCALES
+        odd = quant.tile(QWeight(w.fmt, w.data, w.scale * (1 + 2 ** -20), w.offset, w.group, w.shape))
+        assert odd.scale.dtype == torch.float32 and odd.code == quant.FORMATS[held.fmt]  # not an fp16 number
+        wide = QWeight(held.fmt, held.data, held.scale.float(), held.offset.float(), held.group, held.shape)
+        assert wide.nbytes > held.nbytes and wide.code == quant.FORMATS[held.fmt]
+        y = [torch.empty(5, 37) for _ in range(2)]
+        kernels.linear(x, held, None, y[0])
+        kernels.linear(x, wide, None, y[1])
+        assert torch.equal(y[0], y[1])
+        wide.scale[0, 0, 0] *= 1 + 2 ** -20  # non-vacuity: the kernel reads the scales it is given
+        kernels.linear(x, wide, None, y[1])
+        assert not torch.equal(y[0][:, 0], y[1][:, 0]) and torch.equal(y[0][:, 1:], y[1][:, 1:])
+
+
 def test_quantization_at_load_is_close_and_refuses_what_it_cannot():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     for method, group, step in (("int8", 32, 1 / 255), ("int8", 128, 1 / 255), ("int4", 32, 1 / 15),
                                 ("int4", 128, 1 / 15)):
         q = quant.quantize(w, method, group)
         g = w.view(64, -1, group)
-        span = (g.amax(2, keepdim=True) - g.amin(2, keepdim=True)).expand(-1, -1, group).reshape(64, 256)
-        # round to nearest: half a step of the row's (or group's) range, plus float32 rounding
-        assert ((q.dequantize() - w).abs() <= span * step / 2 * (1 + 1e-5) + 1e-6).all(), (method, group)
+        lo = g.amin(2, keepdim=True)
+        span, lo = ((g.amax(2, keepdim=True) - lo).expand(-1, -1, group).reshape(64, 256),
+                    lo.expand(-1, -1, group).reshape(64, 256))
+        # round to nearest: half a step of the group's range, plus the offset's and the scale's
+        # rounding to fp16 (2^-11 of each; the scale's times up to `levels` steps = the span), plus
+        # float32 rounding
+        bound = span * step / 2 * (1 + 1e-5) + (lo.abs() + span) * 2 ** -11 + 1e-6
+        assert ((q.dequantize() - w).abs() <= bound).all(), (method, group)
+        assert q.scale.equal(q.scale.half().float())  # fp16 numbers, as tile() can hold them
         assert (q.dequantize() != w).any()  # non-vacuity: it did round
     with pytest.raises(ValueError, match="group"):
         quant.quantize(w, "int4", 48)
