@@ -60,7 +60,10 @@ class Level:
 _AVX2 = Level("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
 _AVX512 = Level("avx512", _AVX2.flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
                 _AVX2.needs + ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
-_AVX512_BF16 = Level("avx512_bf16", _AVX512.flags + ("-mavx512bf16",), _AVX512.needs + ("avx512_bf16",))
+# VNNI with BF16: every CPU with AVX512-BF16 has it (Cooper Lake, Sapphire Rapids on, Zen 4 on); the
+# tiled kernel's int16 sums use it (kernels/tiled.c).
+_AVX512_BF16 = Level("avx512_bf16", _AVX512.flags + ("-mavx512bf16", "-mavx512vnni"),
+                     _AVX512.needs + ("avx512_bf16", "avx512_vnni"))
 # Each architecture's levels, lowest first; each runs on a CPU that has its `needs`.
 LEVELS = {
     "x86_64": (Level("scalar", (), ()), _AVX2, _AVX512, _AVX512_BF16,

@@ -30,11 +30,18 @@
 #if VW == 16
 #define TILE 16
 #define MB 4 /* rows of x per pass over a tile: MB int32 and MB float32 accumulators */
+#ifndef CHAINS
+#define CHAINS 4 /* a block's 16 k-pairs summed in this many independent chains */
+#endif
 
 typedef __m512i vi;
 
 static inline vi dot_pairs(vi acc, vi a, vi b) { /* acc + the pairwise products of int16 a, b */
+#ifdef __AVX512VNNI__ /* one instruction, the same int32 sums (a block's stay far below 2^31) */
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
 }
 
 /* Row x [K] -> q [K] int16 (k order), dx [K / 32], xs [K / G]. */
@@ -99,8 +106,13 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
         const __m512 sv = tq_scales(scale, t * groups + ((32 * b) >> gshift), half);
         for (int m = 0; m < MBC; m++) {
             const int32_t *pairs = (const int32_t *)(qx + (m0 + m) * K + 32 * b);
-            vi isum = _mm512_madd_epi16(wv[0], _mm512_set1_epi32(pairs[0]));
-            for (int j = 1; j < 16; j++) isum = dot_pairs(isum, wv[j], _mm512_set1_epi32(pairs[j]));
+            /* four independent chains of k-pairs (a chain of 16 waited on each sum's latency);
+             * integer sums, so the order changes no bit */
+            vi part[CHAINS];
+            for (int c = 0; c < CHAINS; c++) part[c] = _mm512_madd_epi16(wv[c], _mm512_set1_epi32(pairs[c]));
+            for (int j = CHAINS; j < 16; j++) part[j % CHAINS] = dot_pairs(part[j % CHAINS], wv[j], _mm512_set1_epi32(pairs[j]));
+            vi isum = part[0];
+            for (int c = 1; c < CHAINS; c++) isum = _mm512_add_epi32(isum, part[c]);
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])),
                                      acc[m]);
         }
