@@ -7,7 +7,7 @@ API key), ``openai.py``, ``moondream.py``, ``playground.py`` (the page at
 ``/``, in ``static/``, and ``/v1/stats``), ``common.py`` (body, model, images,
 disconnects, SSE), ``errors.py`` (statuses), ``listener.py`` (uvicorn on its
 own thread), ``tokens.py`` (``/tokenize``, ``/detokenize``), ``openapi.py`` (``/openapi.json`` and
-the bodies' JSON types ``common.read_json`` checks). Contract: docs/HTTP.md.
+each body's msgspec Struct, which ``common.read_body`` decodes). Contract: docs/HTTP.md.
 """
 from .listener import HttpListener
 

@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from ..protocol.wire import DEFAULT_LIMITS, Limits
 from .bridge import Bridge, Call
 from .errors import HttpError, bad_request
-from .openapi import check_body
+from .openapi import decode_body
 
 MAX_BODY_BYTES = 32 << 20  # images travel as data: URLs; the server's own limits apply after this
 
@@ -42,8 +42,9 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its request was cancelled."""
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object (400 if it is not one, 413 over ``limit`` bytes)."""
+async def read_body(request: Request, route: str, limit: int) -> Any:
+    """The request body as ``route``'s Struct (``openapi.body_types``): 400 if it is not a JSON
+    object or a field's JSON type is not the documented one, 413 over ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(413, f"the request body is {declared} bytes, the limit is {limit}", "too_long")
@@ -64,18 +65,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    check_body(request.url.path, body)  # each field's JSON type, as /openapi.json states it
-    return body
+    return decode_body(route, body)  # each field's JSON type, as /openapi.json states it
 
 
-def check_model(ctx: Context, body: dict[str, Any], adapters: bool = False) -> str:
+def check_model(ctx: Context, model: str | None, adapters: bool = False) -> str:
     """The ``model`` the request names (absent, or one of its aliases: the served name); 404 for any
     other. With ``adapters``, the name of a served LoRA adapter is a model too (see :func:`adapter_field`)."""
-    model = body.get("model")
     if model is None or model in ctx.aliases:
         return ctx.model
-    if not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {_json_type(model)}")
     if model != ctx.model and not (adapters and model in ctx.adapters):
         served = ", ".join(repr(m) for m in (ctx.model, *(ctx.adapters if adapters else ())))
         raise HttpError(404, f"the model {model!r} does not exist; this server serves {served}",
@@ -88,11 +85,10 @@ def adapter_field(ctx: Context, model: str) -> dict[str, str]:
     return {"adapter": model} if model in ctx.adapters else {}
 
 
-def session_of(request: Request, body: dict[str, Any]) -> str | None:
+def session_of(request: Request, user: str | None) -> str | None:
     """The client's session: the ``X-Session-Id`` header, else OpenAI's ``user`` field (a cluster
     sends a session's requests to one replica, whose prefix cache holds its earlier turns)."""
-    user = body.get("user")
-    return request.headers.get("x-session-id") or (user if isinstance(user, str) else None)
+    return request.headers.get("x-session-id") or user
 
 
 async def server_info(ctx: Context) -> dict[str, Any] | None:
@@ -121,14 +117,6 @@ def image_input(ctx: Context, url: Any, where: str = "image_url") -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(f"{where} holds invalid base64") from None
-
-
-def field(body: dict[str, Any], name: str, types: type | tuple, what: str) -> Any:
-    """An optional JSON field of the HTTP shape (None when absent or null), else 400 naming it."""
-    v = body.get(name)
-    if v is not None and (not isinstance(v, types) or isinstance(v, bool) and bool not in _tuple(types)):
-        raise bad_request(f"{name} must be {what}, got {_json_type(v)}")
-    return v
 
 
 async def unless_gone(request: Request, awaitable) -> Any:
@@ -179,10 +167,6 @@ def sse(obj: Any) -> bytes:
 def sse_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _tuple(t) -> tuple:
-    return t if isinstance(t, tuple) else (t,)
 
 
 def _json_type(v: Any) -> str:

@@ -176,10 +176,12 @@ def route_fields(route: str) -> dict[str, Field]:
 _REFUSED = {route: [f for f in route_fields(route).values() if f.fate == REFUSED] for route in BOTH}
 
 
-def refuse_unsupported(route: str, body: dict[str, Any]) -> None:
-    """A 400 naming the first field of ``body`` that asks for what this server does not do."""
+def refuse_unsupported(route: str, body: Any) -> None:
+    """A 400 naming the first field of ``body`` (the route's Struct, ``openapi.body_types``, or the
+    JSON object it was decoded from) that asks for what this server does not do."""
+    get = body.get if isinstance(body, dict) else lambda name: getattr(body, name)
     for f in _REFUSED[route]:
-        value = body.get(f.name)
+        value = get(f.name)
         if value is not None and not any(_same(value, a) for a in f.accepted):
             send = f" (send {' or '.join(map(_show, f.accepted))}, or leave it out)" if f.accepted else ""
             raise bad_request(f"{f.name}: {_show(value)[:60]} is not supported by this server{send}: {f.why}")

@@ -19,55 +19,55 @@ from starlette.responses import JSONResponse
 
 from frontend import skills
 from .bridge import Call
-from .common import (Context, check_model, field, first_event, image_input, read_json, run_to_end, session_of,
+from .common import (Context, check_model, first_event, image_input, read_body, run_to_end, session_of,
                      sse, sse_response, terminal_or_raise)
 from .errors import HttpError, bad_request
 
 
 async def caption(ctx: Context, request: Request):
-    body = await _body(ctx, request)
+    body = await _body(ctx, request, "/v1/caption")
     images = _image(ctx, body, required=True)
-    length = field(body, "length", str, "one of normal, short, long") or "normal"
+    length = body.length or "normal"
     if ctx.native_skills:
-        fields = _skill(skills.native, "caption", {"length": length}, body.get("settings"))
+        fields = _skill(skills.native, "caption", {"length": length}, body.settings)
     else:
-        fields = _skill(skills.caption, length, body.get("settings"))
+        fields = _skill(skills.caption, length, body.settings)
     return await _text_answer(ctx, request, body, {**fields, **images}, "caption")
 
 
 async def query(ctx: Context, request: Request):
-    body = await _body(ctx, request)
+    body = await _body(ctx, request, "/v1/query")
     images = _image(ctx, body, required=False)
     if ctx.native_skills:
-        own = {k: body.get(k) for k in ("question", "reasoning", "spatial_refs")}
-        fields = _skill(skills.native, "query", own, body.get("settings"))
+        own = {"question": body.question, "reasoning": body.reasoning, "spatial_refs": body.spatial_refs}
+        fields = _skill(skills.native, "query", own, body.settings)
     else:
-        if body.get("reasoning"):
+        if body.reasoning:
             raise bad_request("reasoning is not supported by this model")
-        fields = _skill(skills.query, body.get("question"), body.get("settings"))
+        fields = _skill(skills.query, body.question, body.settings)
     return await _text_answer(ctx, request, body, {**fields, **images}, "answer")
 
 
 async def point(ctx: Context, request: Request):
-    return await _located(ctx, request, skills.point, "points")
+    return await _located(ctx, request, "/v1/point", skills.point, "points")
 
 
 async def detect(ctx: Context, request: Request):
-    return await _located(ctx, request, skills.detect, "objects")
+    return await _located(ctx, request, "/v1/detect", skills.detect, "objects")
 
 
 # --------------------------------------------------------------------------- shared
 
 
-async def _body(ctx: Context, request: Request) -> dict[str, Any]:
-    body = await read_json(request, ctx.max_body_bytes)
-    check_model(ctx, body)
+async def _body(ctx: Context, request: Request, route: str) -> Any:
+    body = await read_body(request, route, ctx.max_body_bytes)
+    check_model(ctx, body.model)
     return body
 
 
-def _image(ctx: Context, body: dict[str, Any], required: bool) -> dict[str, Any]:
+def _image(ctx: Context, body: Any, required: bool) -> dict[str, Any]:
     """The request's ``images`` field (the protocol places the image before the skill's text)."""
-    url = body.get("image_url")
+    url = body.image_url
     if url is None:
         if required:
             raise bad_request("image_url is required (a data: URL of the image)")
@@ -82,15 +82,15 @@ def _skill(fn, *args) -> dict[str, Any]:
         raise bad_request(str(e)) from None
 
 
-async def _located(ctx: Context, request: Request, fn, key: str):
-    body = await _body(ctx, request)
+async def _located(ctx: Context, request: Request, route: str, fn, key: str):
+    body = await _body(ctx, request, route)
     images = _image(ctx, body, required=True)
     if ctx.native_skills:
-        fields = _skill(skills.native, "point" if key == "points" else "detect", {"object": body.get("object")},
-                        body.get("settings"))
+        fields = _skill(skills.native, "point" if key == "points" else "detect", {"object": body.object},
+                        body.settings)
     else:
-        fields = _skill(fn, body.get("object"), body.get("settings"))
-    call = ctx.bridge.generate({**fields, **images, "stream": False}, session=session_of(request, body))
+        fields = _skill(fn, body.object, body.settings)
+    call = ctx.bridge.generate({**fields, **images, "stream": False}, session=session_of(request, body.user))
     done = await run_to_end(request, call)
     if "output" not in done and done["finish_reason"] == "length":  # the settings' doing, not the server's
         raise bad_request(f"the {key} did not fit in {done['usage']['completion_tokens']} tokens (finish_reason "
@@ -101,9 +101,9 @@ async def _located(ctx: Context, request: Request, fn, key: str):
     return JSONResponse({key: done["output"][key], "request_id": done["id"]})
 
 
-async def _text_answer(ctx: Context, request: Request, body: dict, fields: dict, key: str):
-    stream = bool(field(body, "stream", bool, "a boolean"))
-    call = ctx.bridge.generate({**fields, "stream": stream}, session=session_of(request, body))
+async def _text_answer(ctx: Context, request: Request, body: Any, fields: dict, key: str):
+    stream = bool(body.stream)
+    call = ctx.bridge.generate({**fields, "stream": stream}, session=session_of(request, body.user))
     if not stream:
         done = await run_to_end(request, call)
         reasoning = {"reasoning": done["reasoning"]} if "reasoning" in done else {}

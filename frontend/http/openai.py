@@ -35,7 +35,7 @@ from shared.sampling import MAX_TOP_LOGPROBS
 
 from ..protocol.wire import CHAT_TEMPLATE_FIELDS, MAX_CHOICES, choice_request
 from .bridge import Call
-from .common import (Context, adapter_field, check_model, field, first_event, image_input, read_json, run_to_end,
+from .common import (Context, adapter_field, check_model, first_event, image_input, read_body, run_to_end,
                      session_of, sse, sse_response, terminal_or_raise, unless_gone)
 from .errors import HttpError, bad_request
 from .fields import CHAT, COMPLETIONS, MAX_REQUEST_ID_CHARS, PASS_THROUGH, refuse_unsupported
@@ -54,76 +54,78 @@ def models(ctx: Context) -> JSONResponse:
 
 
 async def chat_completions(ctx: Context, request: Request):
-    body = await read_json(request, ctx.max_body_bytes)
-    model = check_model(ctx, body, adapters=True)
+    body = await read_body(request, CHAT, ctx.max_body_bytes)
+    model = check_model(ctx, body.model, adapters=True)
     refuse_unsupported(CHAT, body)
     images: list[bytes] = []
-    fields = {"messages": chat_messages(ctx, body.get("messages"), images), **_sampling(ctx, body, chat=True),
-              **adapter_field(ctx, model), **{f: body[f] for f in CHAT_TEMPLATE_FIELDS if body.get(f) is not None}}
+    template = {f: getattr(body, f) for f in CHAT_TEMPLATE_FIELDS if getattr(body, f) is not None}
+    fields = {"messages": chat_messages(ctx, body.messages, images), **_sampling(ctx, body, chat=True),
+              **adapter_field(ctx, model), **template}
     if images:
         fields["images"] = images
     return await _respond(ctx, request, body, model, fields, _ChatShape)
 
 
 async def completions(ctx: Context, request: Request):
-    body = await read_json(request, ctx.max_body_bytes)
-    model = check_model(ctx, body, adapters=True)
+    body = await read_body(request, COMPLETIONS, ctx.max_body_bytes)
+    model = check_model(ctx, body.model, adapters=True)
     refuse_unsupported(COMPLETIONS, body)
-    fields = {**_prompt(body.get("prompt")), **_sampling(ctx, body, chat=False), **adapter_field(ctx, model)}
+    fields = {**_prompt(body.prompt), **_sampling(ctx, body, chat=False), **adapter_field(ctx, model)}
     return await _respond(ctx, request, body, model, fields, _CompletionShape)
 
 
 # --------------------------------------------------------------------------- request mapping
 
 
-def _sampling(ctx: Context, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+def _sampling(ctx: Context, body: Any, chat: bool) -> dict[str, Any]:
+    """The protocol's sampling and output fields of a chat or completions body (its Struct)."""
     out: dict[str, Any] = {} if "temperature" in ctx.sampling_defaults else {"temperature": OPENAI_TEMPERATURE}
-    out.update({k: body[k] for k in PASS_THROUGH if body.get(k) is not None})
-    max_tokens = body.get("max_completion_tokens") if chat else None
+    out.update({k: getattr(body, k) for k in PASS_THROUGH if getattr(body, k) is not None})
+    max_tokens = body.max_completion_tokens if chat else None
     if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+        max_tokens = body.max_tokens
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
-    stop = body.get("stop")
+    stop = body.stop
     if stop is not None:
         out["stop"] = [stop] if isinstance(stop, str) else stop
     if chat:
         _refuse_tools(body)
     if chat:  # logprobs: true, and top_logprobs: the most likely alternatives of each token
-        out["logprobs"] = bool(field(body, "logprobs", bool, "a boolean"))
-        top = field(body, "top_logprobs", int, "an integer")
+        out["logprobs"] = bool(body.logprobs)
+        top = body.top_logprobs
         if top is not None and not out["logprobs"]:
             raise bad_request("top_logprobs needs logprobs: true")
     else:  # completions: logprobs is the number of alternatives
-        top = field(body, "logprobs", int, "an integer")
+        top = body.logprobs
         out["logprobs"] = top is not None
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     if top:
         out["top_logprobs"] = top  # the server checks its range
-    given = [name for name in STRUCTURED if body.get(name) is not None]
+    given = [name for name in STRUCTURED if getattr(body, name) is not None]
     if len(given) > 1:
         raise bad_request(f"{given[1]}: one way to ask for structured output per request, got {' and '.join(given)}")
-    grammar = _STRUCTURED_GRAMMAR[given[0]](body[given[0]]) if given else None
+    grammar = _STRUCTURED_GRAMMAR[given[0]](getattr(body, given[0])) if given else None
     if grammar is not None:
         out["grammar"] = grammar
-    if body.get("truncate_prompt_tokens") is not None:
-        out["truncate_prompt_tokens"] = body["truncate_prompt_tokens"]  # the server checks it
-    so = field(body, "stream_options", dict, "an object")
-    if so is not None and not body.get("stream"):
+    if body.truncate_prompt_tokens is not None:
+        out["truncate_prompt_tokens"] = body.truncate_prompt_tokens  # the server checks it
+    so = body.stream_options
+    if so is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream: true")
     if so is not None and not isinstance(so.get("include_usage", False), bool):
         raise bad_request("stream_options.include_usage must be a boolean")
     return out
 
 
-def _refuse_tools(body: dict[str, Any]) -> None:
+def _refuse_tools(body: Any) -> None:
     """Tool calling is not served: a request that offers tools is a 400 naming the field, never
     answered as if they were not there (``tool_choice: "none"`` asks for no call: that is served)."""
-    choice = body.get("tool_choice")
+    choice = body.tool_choice
     if choice == "none":
         return
-    if body.get("tools"):
+    if body.tools:
         raise bad_request("tools: tool calling is not supported by this server (send tool_choice: \"none\" "
                           "or no tools)")
     if choice is not None:
@@ -264,19 +266,18 @@ def _prompt(prompt: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- answers
 
 
-async def _respond(ctx: Context, request: Request, body: dict, model: str, fields: dict, shape: type["_Shape"]):
-    stream = bool(field(body, "stream", bool, "a boolean"))
-    n = field(body, "n", int, "an integer")
-    n = 1 if n is None else n
+async def _respond(ctx: Context, request: Request, body: Any, model: str, fields: dict, shape: type["_Shape"]):
+    stream = bool(body.stream)
+    n = 1 if body.n is None else body.n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}")
-    as_ids = bool(field(body, "return_tokens_as_token_ids", bool, "a boolean"))
+    as_ids = bool(body.return_tokens_as_token_ids)
     shapes = [shape(i, as_ids) for i in range(n)]
-    meta = {"id": f"{shape.prefix}-{_request_id(body)}", "created": int(time.time()), "model": model}
+    meta = {"id": f"{shape.prefix}-{_request_id(body.request_id)}", "created": int(time.time()), "model": model}
     # The protocol's id: the answer's, unique however often a client sends its request_id (the
     # server's log line names it with a suffix of its own then, as vLLM does internally).
-    rid = meta["id"] if body.get("request_id") is None else f"{meta['id']}-{uuid.uuid4().hex[:8]}"
-    session = session_of(request, body)
+    rid = meta["id"] if body.request_id is None else f"{meta['id']}-{uuid.uuid4().hex[:8]}"
+    session = session_of(request, body.user)
     # Each choice is one request of the protocol. The first streams (between the processes, whatever the
     # client asked) and the others start at its first token: its prompt's KV pages are in the prefix
     # cache by then, so they map them instead of computing them again.
@@ -293,7 +294,7 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
             calls.append(ctx.bridge.generate(choice, session=session, rid=choice.pop("id")))
             batches.append(calls[i].batches())
         if stream:
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
             body_stream = _stream(ctx, calls, batches, first, meta, shapes, include_usage, fields["logprobs"])
             calls = []  # the stream owns them now
             return sse_response(body_stream)
@@ -307,9 +308,8 @@ async def _respond(ctx: Context, request: Request, body: dict, model: str, field
             call.abandon()  # an error or a client gone: the other choices stop too (no-op once ended)
 
 
-def _request_id(body: dict) -> str:
+def _request_id(rid: str | None) -> str:
     """vLLM's ``request_id`` (the answer's id, after the route's prefix), else a fresh one."""
-    rid = field(body, "request_id", str, "a string")
     if rid is None:
         return uuid.uuid4().hex
     if not 1 <= len(rid) <= MAX_REQUEST_ID_CHARS:

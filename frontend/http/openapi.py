@@ -1,5 +1,6 @@
-"""The HTTP API's OpenAPI 3.1 document (``GET /openapi.json``) and the JSON types of each route's
-body, which ``common.read_json`` enforces: the document states what the validation checks.
+"""The HTTP API's OpenAPI 3.1 document (``GET /openapi.json``) and each route's body as a msgspec
+Struct derived from it (``body_types``), which ``common.read_body`` decodes every body into: the
+document states what the validation checks, because the validation is built from it.
 
 Built from the definitions the validation itself uses, not written a second time: the OpenAI
 routes' fields from ``fields.FIELDS`` (honoured, without effect or refused; the sampling fields'
@@ -8,15 +9,19 @@ type, default and help from ``shared.sampling.SAMPLING_FIELDS``), the roles and 
 ``errors.STATUS``, and the routes from the application itself (a route without a description
 here is an error when the document is built).
 
-What a body may hold is checked in two layers, as documented: the field's JSON type here (a
-wrong type is a 400 naming it, before anything else reads the body), then ranges, sizes and
-shapes by the server's protocol (``frontend/protocol/parse.py``: also a 400, or a 413 for sizes).
-Unknown fields are ignored, as OpenAI does.
+What a body may hold is checked in two layers, as documented: the field's JSON type here (the
+Struct's, checked by msgspec: a wrong type is a 400 naming it, before a route reads the body; the
+routes read the Struct's typed attributes), then ranges, sizes and shapes by the routes' post-checks
+and the server's protocol (``frontend/protocol/parse.py``: also a 400, or a 413 for sizes).
+Unknown fields are ignored, as OpenAI does (clients send ``user`` and others the Struct may not name).
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
-from typing import Any
+from typing import Any, Union
+
+import msgspec
 
 from ..protocol.wire import CHAT_TEMPLATE_FIELDS, MAX_STOP, ROLES
 from ..skills import CAPTION_LENGTHS
@@ -60,16 +65,17 @@ def bodies() -> dict[str, dict[str, Any]]:
               for route in (CHAT, COMPLETIONS)}
     settings = _t("object", "Moondream's {temperature, top_p, max_tokens, max_objects}.")
     image_url = _t("string", "The image as a data: URL.")
+    moondream = {"model": model, "image_url": image_url, "settings": settings, "user": openai[CHAT]["user"]}
     return {
         CHAT: _body(["messages"], **openai[CHAT]),
         COMPLETIONS: _body(["prompt"], **openai[COMPLETIONS]),
-        "/v1/caption": _body([], model=model, image_url=image_url, settings=settings, stream=_t("boolean"),
+        "/v1/caption": _body([], **moondream, stream=_t("boolean"),
                              length=_t("string", "How long a caption.", enum=list(CAPTION_LENGTHS))),
-        "/v1/query": _body([], model=model, image_url=image_url, settings=settings, stream=_t("boolean"),
+        "/v1/query": _body([], **moondream, stream=_t("boolean"),
                            question=_t("string"), reasoning=_t("boolean", "Moondream 2 only: reason first."),
                            spatial_refs=_t("array", "Moondream 2 only: points and boxes the question refers to.")),
-        "/v1/point": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
-        "/v1/detect": _body([], model=model, image_url=image_url, settings=settings, object=_t("string")),
+        "/v1/point": _body([], **moondream, object=_t("string")),
+        "/v1/detect": _body([], **moondream, object=_t("string")),
         "/tokenize": _body([], model=model, prompt=_t("string", "A plain prompt (no special tokens added)."),
                            messages=messages, **{name: openai[CHAT][name] for name in CHAT_TEMPLATE_FIELDS}),
         "/detokenize": _body(["tokens"], model=model, tokens={**token_ids, "minItems": 0}),
@@ -97,16 +103,38 @@ EXAMPLES = {  # one request per text route, as a client sends it (the document's
 }
 
 
-def check_body(path: str, body: dict[str, Any]) -> None:
-    """A 400 naming the first field whose JSON type is not the documented one (null: absent)."""
-    schema = bodies().get(path)
-    if schema is None:
-        return
-    for name, prop in schema["properties"].items():
-        value = body.get(name)
-        if value is not None and not _matches(value, prop):
-            what = " or ".join(dict.fromkeys(_phrase(kind, alt) for kind, alt in _alternatives(prop)))
-            raise bad_request(f"{name} must be {what}, got {WHAT[_json_type(value)]}")
+@lru_cache(maxsize=1)
+def body_types() -> dict[str, type[msgspec.Struct]]:
+    """Each POST route's body as a msgspec Struct: one field per documented property, of its JSON
+    type(s) (the schema's top level: items and shapes are the route's and the protocol's to check).
+    Every field is optional and null is absent; fields the document does not name are ignored."""
+    return {path: msgspec.defstruct("Body" + re.sub(r"\W", "_", path), [
+        (name, _wire_type(prop), None) for name, prop in schema["properties"].items()])
+        for path, schema in bodies().items()}
+
+
+def decode_body(path: str, body: dict[str, Any]) -> msgspec.Struct:
+    """``body`` as ``path``'s Struct; a 400 naming the first field whose JSON type is not the
+    documented one (msgspec checks every field's type, in C)."""
+    try:
+        return msgspec.convert(body, body_types()[path], strict=True)
+    except msgspec.ValidationError as e:
+        name = str(e).rpartition(" - at `$.")[2].rstrip("`")  # the bodies' fields are top-level
+        prop = bodies()[path]["properties"][name]
+        what = " or ".join(dict.fromkeys(_phrase(kind, alt) for kind, alt in _alternatives(prop)))
+        raise bad_request(f"{name} must be {what}, got {WHAT[_json_type(body[name])]}") from None
+
+
+_WIRE_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "array": list, "object": dict}
+
+
+def _wire_type(prop: dict[str, Any]) -> Any:
+    """A property's JSON types as msgspec's: a union with None (null is absent). A number may be an
+    integer, kept as one (``1`` stays 1, as JSON gave it)."""
+    kinds = dict.fromkeys(kind for kind, _ in _alternatives(prop))
+    if "number" in kinds:
+        kinds = {"integer": None, **kinds}
+    return Union[(*(_WIRE_TYPES[kind] for kind in kinds), None)]
 
 
 def _alternatives(prop: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -123,11 +151,6 @@ def _phrase(kind: str, prop: dict[str, Any]) -> str:
         return WHAT[kind]
     items = {"integer": " of integers", "string": " of strings"}.get(prop.get("items", {}).get("type"), "")
     return ("a non-empty array" if prop.get("minItems") else "an array") + items
-
-
-def _matches(value: Any, prop: dict[str, Any]) -> bool:
-    kinds = {kind for kind, _ in _alternatives(prop)}
-    return _json_type(value) in kinds or (_json_type(value) == "integer" and "number" in kinds)
 
 
 def _json_type(v: Any) -> str:
