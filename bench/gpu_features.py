@@ -21,7 +21,7 @@ Every check runs one workload on DEVICE and compares the greedy tokens with a re
   detect, and the eos-biased checkpoint's early stops), every case at once on DEVICE
   (float32, graphs, pipelined; the skill state and region values on the device); then each
   case alone, bfloat16 pipelined against blocking, ids and values identical.
-- ``service``: the two processes (worker, token ring, image slots, acks) on
+- ``service``: the two processes (worker, token ring, tile blocks, acks) on
   DEVICE: text, image and stop-token requests one at a time through a
   ``Service``, against the same requests one at a time in-process on DEVICE.
 

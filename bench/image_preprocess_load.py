@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     width, height = (int(x) for x in args.image_size.split("x"))
     images = [noise_png(width, height, i) for i in range(args.images)]
     svc = Service(ServiceConfig(model=args.model, device=args.device, max_batch=args.streams + args.images,
-                                image_slots=args.images * 17, image_workers=args.image_workers))
+                                tile_blocks=args.images * 17, image_workers=args.image_workers))
     try:
         with_images = run(svc, images, args.streams, None)
         preprocess_only = run(svc, images, args.streams, None, preprocess_only=True)

@@ -92,7 +92,7 @@ def engine_request(case, encode, prefix_len=730, rules: SkillRules = MOONDREAM2_
     images = None
     if image:
         crops, tiling = IMAGES[case["image"]]
-        images = [ImageInput(hash=case["image"], tiles=[crops[:1], crops[1:]], tiling=tiling)]  # as slots hold them
+        images = [ImageInput(hash=case["image"], tiles=[crops[:1], crops[1:]], tiling=tiling)]  # as tile blocks hold them
     return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), images, task
 
 

@@ -5,7 +5,7 @@ submit, ``admit`` at admission, ``add_chunk`` for each prefill chunk of a
 launch, ``committed`` at that launch's commit, ``release`` at the request's
 release, ``device_failed`` after a failed launch. The host tiles it no longer
 reads are handed back through ``take_handed_back`` (the engine returns them in
-``Tick.tiles_done``; the worker then frees their shared-memory slots).
+``Tick.tiles_done``; the worker then frees their shared-memory tile blocks).
 
 What happens to one image (docs/DESIGN.md §4.5):
 - at admission the request takes a reference to the image's entry in the
@@ -90,8 +90,8 @@ def image_rows_in_chunk(image_positions: np.ndarray, start: int, num_tokens: int
 class ImageInput:
     """One image of a request, as the engine receives it."""
     hash: str  # the encoder-cache key (bytes + preprocessing parameters)
-    tiles: list[np.ndarray] | np.ndarray  # uint8 [n, 3, S, S], or a list of such blocks (shared-memory slots)
-    tag: object = None  # the caller's handle, given back in Tick.tiles_done (the worker: its slot ids)
+    tiles: list[np.ndarray] | np.ndarray  # uint8 [n, 3, S, S], or a list of such blocks (shared-memory tile blocks)
+    tag: object = None  # the caller's handle, given back in Tick.tiles_done (the worker: its tile block ids)
     tiling: tuple[int, int] | None = None  # Moondream: its local crops' (rows, columns)
 
     def __post_init__(self) -> None:

@@ -87,7 +87,7 @@ class Worker:
         self.mask_requests: list[Sequence] = []  # the previous step's constrained rows
         self._failed: list[RequestFailed] = []
         self._released: list[int] = []
-        self._copied: list[int] = []  # image slots the frontend may reuse
+        self._copied: list[int] = []  # tile blocks the frontend may reuse
         self.running = True
 
     # ------------------------------------------------------------------ liveness
@@ -200,7 +200,7 @@ class Worker:
                 raise ValueError(f"seq_id {msg.seq_id} is already live")
             if msg.constrained and not 0 <= msg.mask_row < self.arena.layout.max_batch_rows:
                 raise ValueError(f"mask_row {msg.mask_row} is out of range")
-            images = [ImageInput(im.hash, self.images.blocks(im.slots, im.num_tiles), tag=im.slots,
+            images = [ImageInput(im.hash, self.images.blocks(im.blocks, im.num_tiles), tag=im.blocks,
                                  tiling=tuple(im.tiling) if im.tiling else None)
                       for im in msg.images]
             seq = self.engine.submit(msg.prompt_ids, to_sampling_params(msg), constrained=msg.constrained,
@@ -211,7 +211,7 @@ class Worker:
             self._failed.append(RequestFailed(seq_id=msg.seq_id, code="bad_request", message=str(e)))
             self._released.append(msg.seq_id)
             for im in msg.images:
-                self._copied += im.slots
+                self._copied += im.blocks
             return
         self.seqs[msg.seq_id] = seq
         if msg.constrained:
@@ -294,7 +294,7 @@ class Worker:
             self.channel.send(msg)
         self._failed.clear()
         if self._copied:
-            self.channel.send(ImagesCopied(slots=self._copied))
+            self.channel.send(ImagesCopied(blocks=self._copied))
             self._copied = []
         if self._released:
             self.channel.send(Released(seq_ids=self._released))

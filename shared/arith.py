@@ -4,5 +4,5 @@ from __future__ import annotations
 
 def ceil_div(a, b):
     """``a / b`` rounded up, for non-negative ints (or numpy integer arrays): pages for tokens,
-    words for bits, slots for tiles."""
+    words for bits, tile blocks for tiles."""
     return -(-a // b)

@@ -68,10 +68,10 @@ Sampling = msgspec.defstruct(
 
 
 class SubmitImage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One image of a Submit: its tiles are in these image slots of the arena (never in the message)."""
+    """One image of a Submit: its tiles are in these tile blocks of the arena (never in the message)."""
     hash: str  # the encoder-cache key
     num_tiles: Annotated[int, msgspec.Meta(ge=1)]
-    slots: list[Annotated[int, msgspec.Meta(ge=0)]]
+    blocks: list[Annotated[int, msgspec.Meta(ge=0)]]
     tiling: Optional[list[int]] = None  # Moondream: the crops' (rows, columns); the tiles are its crops
 
 
@@ -99,8 +99,8 @@ class Submit(_Msg, tag="submit"):
 
 
 class ImagesCopied(_Msg, tag="images_copied"):
-    """Worker -> frontend: these image slots are read (copied to the device, or not needed): reuse them."""
-    slots: list[Annotated[int, msgspec.Meta(ge=0)]]
+    """Worker -> frontend: these tile blocks are read (copied to the device, or not needed): reuse them."""
+    blocks: list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 class Cancel(_Msg, tag="cancel"):

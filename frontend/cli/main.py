@@ -398,7 +398,7 @@ def check_endpoint_free(endpoint: str) -> None:
 @log_level_option()
 @log_format_option()
 @config_file_option
-def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, encoder_cache_mb, image_workers,
+def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, tile_blocks, encoder_cache_mb, image_workers,
           served_model_name, chat_template, metrics_compat, http, host, port, api_key, curve_secret_key, curve_clients,
           insecure, **engine_kw):
     """Serve PROTOCOL.md over ZeroMQ: a frontend process plus one GPU worker.
@@ -422,7 +422,7 @@ def serve(bind, max_queue, drain_timeout, exit_on_worker_failure, image_slots, e
     check_endpoint_free(bind)  # before the model load, which can take minutes
     net.listen()
     template = None if chat_template is None else Path(chat_template).read_text()
-    cfg = service_config(engine_kw, restart=not exit_on_worker_failure, image_slots=image_slots,
+    cfg = service_config(engine_kw, restart=not exit_on_worker_failure, tile_blocks=tile_blocks,
                          encoder_cache_mb=encoder_cache_mb, image_workers=image_workers,
                          served_model_name=served_model_name, chat_template=template)
     logs.status(f"tandem: starting {cfg.model} on {cfg.device} (worker warm-up) ...")

@@ -133,8 +133,9 @@ def server_options(fn: Callable) -> Callable:
                     "a second signal stops at once."),
         option("Server", "--exit-on-worker-failure", is_flag=True,
                help="Exit (non-zero) when the GPU worker dies instead of restarting it (for systemd)."),
-        option("Engine", "--image-slots", type=int, default=None,
-               help="Vision models: shared-memory slots (one tile each) for images on their way to the worker "
+        # --image-slots: the option's earlier name, still accepted (existing command lines)
+        option("Engine", "--tile-blocks", "--image-slots", "tile_blocks", type=int, default=None,
+               help="Vision models: shared-memory tile blocks (one tile each) for images on their way to the worker "
                     "(default: room for one request of 8 of the largest images)."),
         engine_option("--encoder-cache-mb", "encoder_cache_mb"),
         option("Engine", "--image-workers", type=click.IntRange(min=1), default=None,

@@ -1,4 +1,4 @@
-"""Images on the frontend side: from the client's bytes to the worker's image slots.
+"""Images on the frontend side: from the client's bytes to the worker's tile blocks.
 
 ``Service`` makes one call per event and stays the text path: ``check`` and
 ``start`` at submit, ``take_prepared`` on the loop, ``fits`` / ``hand_over`` when the
@@ -11,13 +11,13 @@ request is sent, ``cancel`` with the request, ``close`` with the service.
    through a deque and the eventfd in ``fds()``): the request's ``render``
    turns the prepared images into prompt ids (the tokenizer runs on the loop
    thread only), and the request is checked against the context and the
-   arena's image slots; a bad image, or a ``ValueError`` from ``render``, fails
+   arena's tile blocks; a bad image, or a ``ValueError`` from ``render``, fails
    only its own request (``bad_request`` naming the field);
-3. the prepared request waits in the service's ``unsent`` until enough image
-   slots are free (``fits``); ``hand_over`` writes its tiles into free slots and
-   returns the ``SubmitImage`` list its ``Submit`` carries (slot ids, hash, tile
+3. the prepared request waits in the service's ``unsent`` until enough tile
+   blocks are free (``fits``); ``hand_over`` writes its tiles into free blocks and
+   returns the ``SubmitImage`` list its ``Submit`` carries (block ids, hash, tile
    count: pixels never go through the control channel);
-4. a slot is reused only after the worker's ``ImagesCopied`` (``ImageSlotWriter.release``).
+4. a tile block is reused only after the worker's ``ImagesCopied`` (``TileBlockWriter.release``).
 
 A cancel at any of these phases ends the request at once (one still queued in
 the pool never runs; a result that arrives for an ended request is dropped).
@@ -25,7 +25,7 @@ the pool never runs; a result that arrives for an ended request is dropped).
 A vision family plugs in here with an ``IntakeFamily`` (``INTAKES``, by its family's name): the
 function the pool runs (Idefics3: ``images.prepare_images``; Moondream:
 ``moondream_images.prepare_images``), its tiles' geometry and how many prompt
-positions an image fills; the caller brings the renderer. The slots, the
+positions an image fills; the caller brings the renderer. The tile blocks, the
 pool's processes, the checks and the hand-over are the same.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Callable
 from shared.arith import ceil_div
 from shared.messages import SubmitImage
 from shared.models.info import ModelInfo
-from shared.shm.images import ImageSlotWriter
+from shared.shm.images import TileBlockWriter
 from shared.vision_config import ImageProcessorParams
 
 from frontend.moondream import images as moondream_images
@@ -59,7 +59,7 @@ class IntakeFamily:
     """What is a vision family's own on the frontend side."""
     prepare: Callable[[list[bytes], Any], list[PreparedImage]]  # what the pool runs (module-level: pickled)
     params: ImageProcessorParams | None  # prepare's second argument
-    max_tiles: int  # tiles of the largest image (the default slot count has room for a request of them)
+    max_tiles: int  # tiles of the largest image (the default tile block count has room for a request of them)
     tile_side: int
     image_tokens: Callable[[list[int], list[PreparedImage]], int]  # rendered prompt ids -> positions filled
     tiling: bool = False  # the worker needs each image's tiling (Moondream encodes its crops together)
@@ -91,7 +91,7 @@ class RequestImages:
     """One request's images, from submit to the hand-over."""
     render: Render  # prepared images -> prompt ids (e.g. ``images.image_prompt_ids`` of the rendered text)
     preparation: Future | None = None  # its work in the image pool, until the result is taken
-    prepared: list[PreparedImage] | None = None  # tiles waiting for image slots (dropped once handed over)
+    prepared: list[PreparedImage] | None = None  # tiles waiting for tile blocks (dropped once handed over)
     tokens: int = 0  # prompt positions their features fill
 
     @property
@@ -104,22 +104,22 @@ class RequestImages:
 
 
 class ImageIntake:
-    def __init__(self, family: IntakeFamily, image_slots: int | None, image_slot_tiles: int,
+    def __init__(self, family: IntakeFamily, tile_blocks: int | None, block_tiles: int,
                  image_workers: int | None) -> None:
         self.family = family
         self.params = family.params
-        self.slot_tiles = max(1, image_slot_tiles)
+        self.block_tiles = max(1, block_tiles)
         # None: room for one request of the largest images
-        self.slots = image_slots if image_slots is not None else (
-            MAX_IMAGES * ceil_div(family.max_tiles, self.slot_tiles))
+        self.tile_blocks = tile_blocks if tile_blocks is not None else (
+            MAX_IMAGES * ceil_div(family.max_tiles, self.block_tiles))
         self.pool = ImagePool(family.params, image_workers, family.prepare)
         self._prepared: deque = deque()  # (request, prepared images or the exception), from pool threads
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     @property
     def region(self) -> tuple[int, int, int]:
-        """(slots, tiles per slot, tile side) of the arena's image region."""
-        return self.slots, self.slot_tiles, self.family.tile_side
+        """(tile blocks, tiles per block, tile side) of the arena's image region."""
+        return self.tile_blocks, self.block_tiles, self.family.tile_side
 
     def fds(self) -> list[int]:
         return [self._fd]
@@ -144,7 +144,7 @@ class ImageIntake:
         os.eventfd_write(self._fd, 1)
 
     # ------------------------------------------------------------------ 2. prepared
-    def take_prepared(self, max_len: int, slots: ImageSlotWriter) -> list[tuple[Any, tuple[str, str] | None]]:
+    def take_prepared(self, max_len: int, blocks: TileBlockWriter) -> list[tuple[Any, tuple[str, str] | None]]:
         """Loop thread: the requests whose images the pool finished, each with its prompt rendered
         and ``None``, or the (code, message) it fails with. Ended requests are dropped."""
         try:
@@ -157,10 +157,10 @@ class ImageIntake:
             req.images.preparation = None
             if req.ended or isinstance(result, CancelledError):  # cancelled (or failed) while being prepared
                 continue
-            out.append((req, self._prepared_request(req, result, max_len, slots)))
+            out.append((req, self._prepared_request(req, result, max_len, blocks)))
         return out
 
-    def _prepared_request(self, req: Any, result, max_len: int, slots: ImageSlotWriter) -> tuple[str, str] | None:
+    def _prepared_request(self, req: Any, result, max_len: int, blocks: TileBlockWriter) -> tuple[str, str] | None:
         if isinstance(result, ValueError):
             return ("bad_request", str(result))
         if isinstance(result, BrokenProcessPool):
@@ -182,23 +182,23 @@ class ImageIntake:
         if len(req.prompt_ids) >= max_len:
             return ("context_length_exceeded", f"the prompt has {len(req.prompt_ids)} tokens with its images; the "
                                                f"context holds {max_len} (prompt + at least one generated token)")
-        need = slots.slots_needed(images.tile_counts)
-        if need > slots.capacity:
-            return ("bad_request", f"images: {sum(images.tile_counts)} tiles need {need} image slots; the server "
-                                   f"has {slots.capacity} (--image-slots)")
+        need = blocks.blocks_needed(images.tile_counts)
+        if need > blocks.capacity:
+            return ("bad_request", f"images: {sum(images.tile_counts)} tiles need {need} tile blocks; the server "
+                                   f"has {blocks.capacity} (--tile-blocks)")
         images.tokens = self.family.image_tokens(req.prompt_ids, result)
         return None
 
     # ------------------------------------------------------------------ 3. hand-over
-    def fits(self, req: Any, slots: ImageSlotWriter) -> bool:
-        """Enough image slots are free for the request's tiles."""
-        return slots.num_free >= slots.slots_needed(req.images.tile_counts)
+    def fits(self, req: Any, blocks: TileBlockWriter) -> bool:
+        """Enough tile blocks are free for the request's tiles."""
+        return blocks.num_free >= blocks.blocks_needed(req.images.tile_counts)
 
-    def hand_over(self, req: Any, slots: ImageSlotWriter) -> list[SubmitImage]:
-        """Write the request's tiles into free slots (``fits`` said they are free); the tiles are
-        dropped here, the slots come back with the worker's ``ImagesCopied``."""
+    def hand_over(self, req: Any, blocks: TileBlockWriter) -> list[SubmitImage]:
+        """Write the request's tiles into free tile blocks (``fits`` said they are free); the tiles are
+        dropped here, the blocks come back with the worker's ``ImagesCopied``."""
         images = req.images
-        out = [SubmitImage(hash=im.hash, num_tiles=im.num_tiles, slots=slots.write(im.tiles),
+        out = [SubmitImage(hash=im.hash, num_tiles=im.num_tiles, blocks=blocks.write(im.tiles),
                            tiling=[im.rows, im.cols] if self.family.tiling else None)
                for im in images.prepared]
         images.prepared = None

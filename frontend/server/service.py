@@ -25,7 +25,7 @@ Invariants:
 
 Images (``submit_images``) are one room of their own (``image_intake.py``:
 the image pool, the prompt rendering once the tiling is known, the wait for
-image slots and the hand-over); the service calls it once per event.
+tile blocks and the hand-over); the service calls it once per event.
 
 Single-threaded: call ``poll()`` from one thread (the server loop); only the
 image pool's helper threads run beside it, and they hand results back through
@@ -79,8 +79,8 @@ class ServiceConfig(EngineConfig):
     ready_timeout_s: float = 900.0
     ring_entries: int = 64
     log_level: str = "WARNING"
-    image_slots: int | None = None  # arena image slots; None: room for one request of the largest images
-    image_slot_tiles: int = 1  # tiles per image slot
+    tile_blocks: int | None = None  # arena tile blocks; None: room for one request of the largest images
+    block_tiles: int = 1  # tiles per tile block
     image_workers: int | None = None  # processes that decode and tile images; None: cores - 2, 1 to 4
     served_model_name: str | None = None  # the name clients see (HTTP /v1/models, requests' model); None: model
     chat_template: str | None = None  # a Jinja chat template's text, in place of the tokenizer's
@@ -111,7 +111,7 @@ class Service:
         self._next_seq = 1
         self._stats: dict | None = None
         family = intake_family(self.model)  # Idefics3's tiles or Moondream's overlap crops; None: text only
-        self.images = (ImageIntake(family, cfg.image_slots, cfg.image_slot_tiles, cfg.image_workers)
+        self.images = (ImageIntake(family, cfg.tile_blocks, cfg.block_tiles, cfg.image_workers)
                        if family is not None else None)
         self.image_params = self.images.params if self.images else None  # Idefics3's, for its renderers
         self.worker: WorkerHandle | None = None
@@ -252,14 +252,14 @@ class Service:
             self.unsent.append(req)
 
     def _can_send(self, req: Request) -> bool:
-        """The worker is ready, and a mask row / enough image slots are free if the request needs them."""
+        """The worker is ready, and a mask row / enough tile blocks are free if the request needs them."""
         if not self.worker.ready or (req.constraint is not None and not self.free_mask_rows):
             return False
         return req.images is None or self.images.fits(req, self.worker.images)
 
     def _send_unsent(self) -> None:
         """Send what waited: everything once the worker is ready, requests needing a mask row
-        or image slots while those last (the others are not held up behind them)."""
+        or tile blocks while those last (the others are not held up behind them)."""
         if not self.worker.ready:
             return
         waiting = self.unsent
@@ -375,7 +375,7 @@ class Service:
                 message = msg.message if code == msg.code else f"{msg.code}: {msg.message}"
                 self._end(req, error=(code, message))
         elif isinstance(msg, ImagesCopied):
-            self.worker.images.release(msg.slots)
+            self.worker.images.release(msg.blocks)
             if self.unsent:
                 self._send_unsent()
         elif isinstance(msg, Stats):

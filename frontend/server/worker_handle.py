@@ -36,7 +36,7 @@ class WorkerHandle:
                  image_region: tuple[int, int, int] = (0, 1, 0)) -> None:
         """Spawn generation ``generation`` of the worker for ``config`` (its engine fields
         travel to the worker as JSON, with the resolved model directory). ``image_region``:
-        (slots, tiles per slot, tile side) of the arena's image slots."""
+        (tile blocks, tiles per block, tile side) of the arena's image region."""
         engine_config = dict(config.engine_fields(), model=str(model.path))
         self.generation = generation
         self.stale_s = config.worker_stale_s
@@ -45,8 +45,8 @@ class WorkerHandle:
         self.on_progress = on_progress  # called with each Progress the worker sends while starting
         max_batch = config.max_batch
         self.arena = Arena.create(Layout(vocab_size=model.vocab_size, ring_entries=config.ring_entries,
-                                         max_rows=max_batch, max_batch_rows=max_batch, image_slots=image_region[0],
-                                         slot_tiles=image_region[1], tile_size=image_region[2]),
+                                         max_rows=max_batch, max_batch_rows=max_batch, tile_blocks=image_region[0],
+                                         block_tiles=image_region[1], tile_size=image_region[2]),
                                   generation=generation)
         self._beating = self.arena.start_heartbeat(Side.FRONTEND)
         self.channel, child_end = ControlChannel.pair()
@@ -61,7 +61,7 @@ class WorkerHandle:
         self.tokens = self.arena.token_reader()
         self.acks = self.arena.ack_writer()
         self.masks = self.arena.mask_writer()
-        self.images = self.arena.image_writer()  # a new arena per generation: every slot starts free
+        self.images = self.arena.image_writer()  # a new arena per generation: every tile block starts free
         self.info: dict = {}
         self.ready = False
 

@@ -128,17 +128,17 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
     }
 }
 
-/* A buffer of at least `bytes` (64-byte aligned) of the calling thread's, slot 0..2, reused from call
+/* A buffer of at least `bytes` (64-byte aligned) of the calling thread's, buffer 0..2, reused from call
  * to call (a few KB each: OpenMP's pool threads keep theirs for the process's life). */
-static void *thread_buffer(int slot, size_t bytes) {
+static void *thread_buffer(int which, size_t bytes) {
     static __thread void *held[3];
     static __thread size_t size[3];
-    if (size[slot] < bytes) {
-        free(held[slot]);
-        size[slot] = (bytes + 4095) / 4096 * 4096;
-        held[slot] = aligned_alloc(64, size[slot]);
+    if (size[which] < bytes) {
+        free(held[which]);
+        size[which] = (bytes + 4095) / 4096 * 4096;
+        held[which] = aligned_alloc(64, size[which]);
     }
-    return held[slot];
+    return held[which];
 }
 
 /* wlinear (quant.c) for the tiled formats: the same arguments. */

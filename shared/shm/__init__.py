@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from .ack_ring import AckEvent, AckReader, AckWriter
 from .arena import Arena
-from .images import ImageSlotReader, ImageSlotWriter
+from .images import TileBlockReader, TileBlockWriter
 from .errors import (
     AckRingFull, ArenaError, LayoutMismatch, MaskNotReady, RingAborted, RingCorrupt, RingTimeout,
 )
@@ -94,5 +94,5 @@ __all__ = [
     "Layout", "WakeFds", "Arena",
     "Entry", "PendingEntry", "TokenRingWriter", "TokenRingReader",
     "AckEvent", "AckWriter", "AckReader", "MaskWriter", "MaskReader", "mask_stamp",
-    "ImageSlotWriter", "ImageSlotReader",
+    "TileBlockWriter", "TileBlockReader",
 ]

@@ -13,10 +13,10 @@ import numpy as np
 from .ack_ring import AckReader, AckWriter
 from .errors import LayoutMismatch
 from .layout import (
-    _H_ACK, _H_BATCH, _H_IMAGE_SLOTS, _H_SLOT_TILES, _H_TILE_SIZE, _H_BEAT, _H_GENERATION, _H_MAGIC, _H_MAX_ROWS, _H_RING, _H_TOTAL,
+    _H_ACK, _H_BATCH, _H_TILE_BLOCKS, _H_BLOCK_TILES, _H_TILE_SIZE, _H_BEAT, _H_GENERATION, _H_MAGIC, _H_MAX_ROWS, _H_RING, _H_TOTAL,
     _H_VERSION, _H_VOCAB, _HEADER_BYTES, LAYOUT_VERSION, MAGIC, Layout, Side,
 )
-from .images import ImageSlotReader, ImageSlotWriter
+from .images import TileBlockReader, TileBlockWriter
 from .masks import MaskReader, MaskWriter
 from .token_ring import TokenRingReader, TokenRingWriter
 from .wake import WakeFds
@@ -59,7 +59,7 @@ class Arena:
         h[_H_VERSION], h[_H_TOTAL], h[_H_GENERATION] = LAYOUT_VERSION, size, generation
         h[_H_RING], h[_H_MAX_ROWS] = layout.ring_entries, layout.max_rows
         h[_H_BATCH], h[_H_VOCAB], h[_H_ACK] = layout.max_batch_rows, layout.vocab_size, layout.ack_entries
-        h[_H_IMAGE_SLOTS], h[_H_SLOT_TILES], h[_H_TILE_SIZE] = layout.image_slots, layout.slot_tiles, layout.tile_size
+        h[_H_TILE_BLOCKS], h[_H_BLOCK_TILES], h[_H_TILE_SIZE] = layout.tile_blocks, layout.block_tiles, layout.tile_size
         h[_H_MAGIC] = MAGIC  # last: a half-initialised header never validates
         del h
         return cls(fd, mm, layout, generation, wake)
@@ -89,8 +89,8 @@ class Arena:
             try:
                 layout = Layout(vocab_size=int(h[_H_VOCAB]), ring_entries=int(h[_H_RING]),
                                 max_rows=int(h[_H_MAX_ROWS]), max_batch_rows=int(h[_H_BATCH]),
-                                ack_entries=int(h[_H_ACK]), image_slots=int(h[_H_IMAGE_SLOTS]),
-                                slot_tiles=int(h[_H_SLOT_TILES]), tile_size=int(h[_H_TILE_SIZE]))
+                                ack_entries=int(h[_H_ACK]), tile_blocks=int(h[_H_TILE_BLOCKS]),
+                                block_tiles=int(h[_H_BLOCK_TILES]), tile_size=int(h[_H_TILE_SIZE]))
             except ValueError as e:
                 raise LayoutMismatch(f"arena header holds an invalid layout: {e}") from None
             if int(h[_H_TOTAL]) != layout.total_bytes or size != layout.total_bytes:
@@ -193,11 +193,11 @@ class Arena:
     def mask_reader(self, **kw) -> "MaskReader":
         return MaskReader(self, **kw)
 
-    def image_writer(self) -> "ImageSlotWriter":
-        return ImageSlotWriter(self)
+    def image_writer(self) -> "TileBlockWriter":
+        return TileBlockWriter(self)
 
-    def image_reader(self) -> "ImageSlotReader":
-        return ImageSlotReader(self)
+    def image_reader(self) -> "TileBlockReader":
+        return TileBlockReader(self)
 
     def close(self) -> None:
         """Unmap and close this process's fds (the other side is unaffected)."""

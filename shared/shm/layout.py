@@ -45,7 +45,7 @@ CACHED_SHIFT = 8
 # 4: frontend-written control; 5: worker-written control.
 _H_MAGIC, _H_VERSION, _H_TOTAL, _H_GENERATION = 0, 1, 2, 3
 _H_RING, _H_MAX_ROWS, _H_BATCH, _H_VOCAB, _H_ACK = 4, 5, 6, 7, 8
-_H_IMAGE_SLOTS, _H_SLOT_TILES, _H_TILE_SIZE = 9, 10, 11
+_H_TILE_BLOCKS, _H_BLOCK_TILES, _H_TILE_SIZE = 9, 10, 11
 _H_BEAT = {Side.FRONTEND: 16, Side.WORKER: 24}
 _H_CONSUMED = 32       # frontend: token entries consumed (next seq not consumed)
 _H_ACK_CONSUMED = 40   # worker: ack events consumed
@@ -78,15 +78,15 @@ class Layout:
     max_rows: int = 1024        # rows per token-ring entry
     max_batch_rows: int = 256   # mask rows: as many as the batch has rows, lent per request (not by batch row)
     ack_entries: int = 4096
-    image_slots: int = 0        # image region: slots of slot_tiles uint8 tiles [3, tile_size, tile_size]
-    slot_tiles: int = 1
+    tile_blocks: int = 0        # image region: tile blocks of block_tiles uint8 tiles [3, tile_size, tile_size]
+    block_tiles: int = 1
     tile_size: int = 0
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("vocab_size", 1, 1 << 31), ("ring_entries", 2, 1 << 20),
                              ("max_rows", 1, _MAX_ROWS_LIMIT), ("max_batch_rows", 1, 1 << 20),
-                             ("ack_entries", 2, 1 << 24), ("image_slots", 0, 1 << 20),
-                             ("slot_tiles", 1, 1 << 10), ("tile_size", 0, 1 << 14)):
+                             ("ack_entries", 2, 1 << 24), ("tile_blocks", 0, 1 << 20),
+                             ("block_tiles", 1, 1 << 10), ("tile_size", 0, 1 << 14)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
                 raise ValueError(f"Layout.{name} must be an integer in [{lo}, {hi}), got {v!r}")
@@ -110,7 +110,7 @@ class Layout:
             ("ack_events", (a, 2), u64),
             ("mask_stamp", (b,), u64),
             ("mask_words", (b, words), u64),
-            ("image_tiles", (self.image_slots, self.slot_tiles, 3, self.tile_size, self.tile_size), np.dtype(np.uint8)),
+            ("image_tiles", (self.tile_blocks, self.block_tiles, 3, self.tile_size, self.tile_size), np.dtype(np.uint8)),
         ]
         out, off = {}, _HEADER_BYTES
         for name, shape, dt in specs:

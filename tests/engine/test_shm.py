@@ -512,3 +512,28 @@ def test_ack_torn_and_corrupt_events(arena):
     ev[2, 1] = (0xBEEF << 32)              # commit tag of no occupant
     with pytest.raises(RingCorrupt, match="commit tag"):
         ar.poll()
+
+
+def test_tile_blocks_hold_each_image_until_released_and_the_reader_sees_the_same_tiles():
+    layout = Layout(vocab_size=1000, ring_entries=8, max_rows=4, max_batch_rows=4, ack_entries=8,
+                    tile_blocks=5, block_tiles=2, tile_size=4)
+    arena = Arena.create(layout)
+    try:
+        writer, reader = arena.image_writer(), arena.image_reader()
+        rng = np.random.default_rng(0)
+        first, second = (rng.integers(0, 256, (n, 3, 4, 4), dtype=np.uint8) for n in (3, 5))
+        assert writer.blocks_needed([3, 5]) == 2 + 3
+        a, b = writer.write(first), writer.write(second)
+        assert len(a) == 2 and len(b) == 3 and not set(a) & set(b) and writer.num_free == 0
+        assert writer.write(first[:1]) is None  # every block is held: the next image waits
+        for blocks, tiles in ((a, first), (b, second)):
+            views = reader.blocks(blocks, len(tiles))
+            assert np.array_equal(np.concatenate(views), tiles)  # tiles in order, none lost at a block's end
+        with pytest.raises(ValueError, match="tile blocks"):
+            reader.blocks([a[0], a[0]], 3)  # a block named twice
+        with pytest.raises(ValueError, match="tile blocks"):
+            reader.blocks(a, 5)  # more tiles than the blocks hold
+        writer.release(a)
+        assert writer.num_free == 2 and sorted(writer.write(first)) == sorted(a)
+    finally:
+        arena.close()

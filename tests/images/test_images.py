@@ -4,8 +4,8 @@ A real ``Service`` (frontend) with its real worker process, float32 on the CPU:
 pipelined and blocking serve a mixed image workload token for token alike
 (chunked prefill splitting image spans included); the encoder cache encodes a
 repeated image once; cancels at every phase (still preprocessing, waiting for
-an image slot, in the worker) and a kill -9 of the worker give every request
-exactly one terminal event and leave every image slot, encoder-cache
+an tile block, in the worker) and a kill -9 of the worker give every request
+exactly one terminal event and leave every tile block, encoder-cache
 reference, KV page and batch row free. The ZeroMQ server, driven from the test
 thread, answers each kind of bad image input with ``bad_request`` naming the
 field, and reports ``vision``, ``encoder_cache`` and ``usage.image_tokens``.
@@ -101,7 +101,7 @@ def submit(svc: Service, log: Log, images: list[bytes], params: SamplingParams, 
 
 
 def assert_idle(svc: Service) -> dict:
-    """At idle: no request state, every image slot free, no encoder-cache reference, every page and row free."""
+    """At idle: no request state, every tile block free, no encoder-cache reference, every page and row free."""
     svc.run_until(lambda: svc.idle() and not svc.unsent, 60)
     images = svc.worker.images
     assert images.num_free == images.capacity and sorted(images.free) == list(range(images.capacity))
@@ -179,9 +179,9 @@ def test_the_same_image_twice_runs_the_encoder_once(svc):
     assert log.terminal[b.seq_id][0] == "done" and log.terminal[b.seq_id][1]["usage"]["image_tokens"] == 80
 
 
-def test_cancel_while_preprocessing_and_while_waiting_for_an_image_slot():
-    # 20 one-tile slots: one 17-tile image fits, a second must wait for the first's copy.
-    svc = make_service(image_slots=20)
+def test_cancel_while_preprocessing_and_while_waiting_for_a_tile_block():
+    # 20 one-tile blocks: one 17-tile image fits, a second must wait for the first's copy.
+    svc = make_service(tile_blocks=20)
     try:
         log = Log()
         params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -200,12 +200,12 @@ def test_cancel_while_preprocessing_and_while_waiting_for_an_image_slot():
             time.sleep(0.01)
         svc.poll(0)
         assert first.submitted and not waiting.submitted and waiting in svc.unsent
-        assert svc.worker.images.num_free < 17  # it waits for slots, it is not dropped
+        assert svc.worker.images.num_free < 17  # it waits for tile blocks, it is not dropped
         svc.cancel(waiting)
         assert log.terminal[waiting.seq_id][1]["finish_reason"] == "cancelled"
         svc.run_until(lambda: first.seq_id in log.terminal, 60)
         assert log.terminal[first.seq_id][1]["finish_reason"] == "length"
-        # A request that waited for slots is sent once they come back.
+        # A request that waited for tile blocks is sent once they come back.
         late = [submit(svc, log, [png(300, 300, 20 + i)], params) for i in range(3)]
         svc.run_until(lambda: all(r.seq_id in log.terminal for r in late), 60)
         assert all(log.terminal[r.seq_id][0] == "done" for r in late)

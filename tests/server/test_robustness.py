@@ -486,7 +486,7 @@ def test_point_that_does_not_fit_its_max_tokens_is_a_400(vlm):
 def test_clients_leaving_while_their_images_are_prepared_or_generated_free_everything(vlm):
     """Four clients leave once the server holds their requests (images still being decoded and
     tiled, or queued), four after three streamed events: every request ends, and the KV pages,
-    batch rows, mask rows and image slots all come back."""
+    batch rows, mask rows and tile blocks all come back."""
     svc = vlm.svc
 
     def body(i: int) -> dict:
@@ -520,8 +520,8 @@ def test_clients_leaving_while_their_images_are_prepared_or_generated_free_every
 
     assert asyncio.run(main()) == [200] * 4
     vlm.wait_idle(timeout=60)
-    slots = vlm.on_server_thread(lambda: (svc.worker.images.num_free, svc.worker.images.capacity))
-    assert slots[0] == slots[1], f"image slots free / total: {slots}"
+    blocks = vlm.on_server_thread(lambda: (svc.worker.images.num_free, svc.worker.images.capacity))
+    assert blocks[0] == blocks[1], f"tile blocks free / total: {blocks}"
     with httpx.Client(base_url=vlm.http.url, timeout=60) as c:  # and the server still answers
         r = c.post("/v1/query", json={"image_url": data_url(), "question": "?", "settings": {"max_tokens": 2}})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
