@@ -214,6 +214,21 @@ def test_cancel_while_preprocessing_and_while_waiting_for_a_tile_block():
         svc.close()
 
 
+def test_an_image_over_every_tile_block_fails_only_its_request_naming_the_option():
+    svc = make_service(tile_blocks=16)  # one-tile blocks: BIG's 17 tiles can never fit, a panorama's 5 can
+    try:
+        log = Log()
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        too_big, fits = submit(svc, log, [BIG], params), submit(svc, log, [WIDE[0]], params)
+        svc.run_until(lambda: too_big.seq_id in log.terminal and fits.seq_id in log.terminal, 60)
+        assert log.terminal[too_big.seq_id] == ("error", {
+            "code": "bad_request", "message": "images: 17 tiles need 17 tile blocks; the server has 16 (--tile-blocks)"})
+        assert log.terminal[fits.seq_id][0] == "done"  # non-vacuity: the blocks take an image that fits
+        assert_idle(svc)
+    finally:
+        svc.close()
+
+
 def test_cancel_at_every_phase_in_the_worker_frees_everything(svc):
     log = Log()
     params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # only a cancel ends them
