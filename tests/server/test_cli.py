@@ -660,3 +660,10 @@ def test_json_logs_are_one_object_per_line_and_each_request_leaves_one(named_ser
     assert (line["prompt_tokens"], line["output_tokens"], line["finish_reason"]) == (
         answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"])
     assert 0 < line["ttft_ms"] <= line["duration_ms"]
+
+
+def test_tile_blocks_keep_their_earlier_option_name():
+    serve = main.commands["serve"]
+    assert serve.make_context("serve", []).params["tile_blocks"] is None  # non-vacuity: the default differs
+    for flag in ("--tile-blocks", "--image-slots"):  # --image-slots: existing command lines keep working
+        assert serve.make_context("serve", [flag, "7"]).params["tile_blocks"] == 7, flag
