@@ -13,7 +13,7 @@ What a body may hold is checked in two layers, as documented: the field's JSON t
 Struct's, checked by msgspec: a wrong type is a 400 naming it, before a route reads the body; the
 routes read the Struct's typed attributes), then ranges, sizes and shapes by the routes' post-checks
 and the server's protocol (``frontend/protocol/parse.py``: also a 400, or a 413 for sizes).
-Unknown fields are ignored, as OpenAI does (clients send ``user`` and others the Struct may not name).
+Unknown fields are ignored, as OpenAI does (clients send fields of newer API versions).
 """
 from __future__ import annotations
 
