@@ -269,13 +269,16 @@ def test_every_family_has_its_worker_loader_and_each_vision_family_its_intake():
 def test_an_openai_request_without_temperature_leaves_it_to_the_model_default():
     """OpenAI's default (1.0) is sent only where the model has none; the server then applies the model's."""
     from frontend.http.common import Context
+    from frontend.http.fields import CHAT
     from frontend.http.openai import OPENAI_TEMPERATURE, _sampling
+    from frontend.http.openapi import decode_body
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    assert _sampling(Context(bridge=None, model="m"), body, chat=True)["temperature"] == OPENAI_TEMPERATURE
+    chat = decode_body(CHAT, body)  # the route's Struct, as the route reads it
+    assert _sampling(Context(bridge=None, model="m"), chat, chat=True)["temperature"] == OPENAI_TEMPERATURE
     assert "temperature" not in _sampling(Context(bridge=None, model="m", sampling_defaults={"temperature": 0.6}),
-                                          body, chat=True)
+                                          chat, chat=True)
     assert _sampling(Context(bridge=None, model="m", sampling_defaults={"temperature": 0.6}),
-                     {**body, "temperature": 0.2}, chat=True)["temperature"] == 0.2
+                     decode_body(CHAT, {**body, "temperature": 0.2}), chat=True)["temperature"] == 0.2
 
 
 def test_an_architecture_belongs_to_one_family_at_most():
