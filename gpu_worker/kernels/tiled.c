@@ -5,15 +5,17 @@
  * (word 2 r + e: row r, k = 2 j + e of k-pair j). x is quantized per 32 k to int16 against the
  * block's largest value (dx = amax / 32767, q = x * (32767 / amax) rounded to nearest even);
  * vpmaddwd with x's pair (q[2j], q[2j + 1]) broadcast adds both products of each row into its own
- * int32 lane (then vpaddd into the block's sum), so a
- * block's 16 k-pairs give every row's exact integer sum in one vector, scaled once per block:
+ * int32 lane (then vpaddd into the block's sum; one vpdpwssd with VNNI), so a block's 16 k-pairs
+ * give every row's exact integer sum in one vector, scaled once per block:
  *     y[r] = sum_b (s[r, b] dx_b) isum[r, b] + sum_g o[r, g] xs_g + bias[r]
  * with xs_g = sum of dx_b * sum(q_b) over group g's blocks. The scaling costs 3 ops per 16 dot
  * products at any M, the lanes are the outputs (no horizontal sums), and a tile's weights are
- * unpacked once for up to MB rows of x (streamed) or once into an int16 buffer for more.
+ * unpacked once for up to MB rows of x (streamed) or, for more, once into an int16 buffer that
+ * 4 rows x 3 tiles at a time multiply with their sums in registers.
  *
  * Against quant.c's row-major expansion to float32 this is 2.3-3.1x at one row of x, 1.6-2.6x at
- * four and 1.3x at 32 (BENCHMARKS.md "Tiles of 16 output rows with int16 activations"). x's
+ * four and 1.3x at 32 (BENCHMARKS.md "Tiles of 16 output rows with int16 activations"; the
+ * chains, VNNI and the register blocking: "fp16 scales, attention without spills"). x's
  * rounding to int16 is QuantKernels.multiplied_activation (gpu_worker/quant.py).
  *
  * Layouts (gpu_worker/quant.py's tile() repacks a row-major q4 / q8 weight):
@@ -30,9 +32,7 @@
 #if VW == 16
 #define TILE 16
 #define MB 4 /* rows of x per pass over a tile: MB int32 and MB float32 accumulators */
-#ifndef CHAINS
 #define CHAINS 4 /* a block's 16 k-pairs summed in this many independent chains */
-#endif
 #define NT_MAX 3 /* tiles per pass of the buffered path: 4 x 3 int32 sums and float32 results in registers */
 
 typedef __m512i vi;
@@ -192,76 +192,70 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const void *scale
     const int gshift = __builtin_ctzll((unsigned long long)G);
     const int64_t tiles = (N + TILE - 1) / TILE, groups = K >> gshift;
     if (M * N * K < (1 << 15)) nthreads = 1;
-    /* x rounded once into shared buffers by all threads; up to MB rows, by each thread into its own
-     * (the same bits, and no barrier between rounding and multiplying: a decode step's ~120 linears) */
+    /* Up to MB rows (a decode step), each thread rounds x itself (the same bits) and multiplies as the
+     * tiles stream in, with no barrier between; more rows are rounded once into shared buffers by all
+     * threads, then multiplied NT_MAX tiles at a time from an int16 copy of their weights. */
     const int shared = M > MB;
     int16_t *qx = shared ? aligned_alloc(64, (size_t)(M * K * 2 + 63) / 64 * 64) : NULL;
     float *dx = shared ? malloc((size_t)(M * (K / 32)) * sizeof(float)) : NULL;
     float *xs = shared ? malloc((size_t)(M * groups) * sizeof(float)) : NULL;
 #pragma omp parallel num_threads(nthreads)
-    {
-        int16_t *my_qx = qx;
-        float *my_dx = dx, *my_xs = xs;
-        if (shared) {
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, qx + m * K,
-                                dx + m * (K / 32), xs + m * groups);
-        } else { /* the thread's own buffers, kept from call to call (no allocation per linear) */
-            my_qx = thread_buffer(0, (size_t)(M * K) * sizeof(int16_t));
-            my_dx = thread_buffer(1, (size_t)(M * (K / 32)) * sizeof(float));
-            my_xs = thread_buffer(2, (size_t)(M * groups) * sizeof(float));
-            for (int64_t m = 0; m < M; m++)
-                tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
-                                my_dx + m * (K / 32), my_xs + m * groups);
-        }
-        if (!shared) {
+    if (!shared) { /* each thread rounds x into its own buffers, kept from call to call */
+        int16_t *my_qx = thread_buffer(0, (size_t)(M * K) * sizeof(int16_t));
+        float *my_dx = thread_buffer(1, (size_t)(M * (K / 32)) * sizeof(float));
+        float *my_xs = thread_buffer(2, (size_t)(M * groups) * sizeof(float));
+        for (int64_t m = 0; m < M; m++)
+            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
+                            my_dx + m * (K / 32), my_xs + m * groups);
 #pragma omp for schedule(static) nowait /* the region's end is the barrier */
-            for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t t = 0; t < tiles; t++) {
 #define TILE_ROWS(F, H, R) tq_tile(F, H, w, scale, offset, gshift, my_qx, my_dx, my_xs, K, N, t, 0, R, bias, y, y_bf, ldy)
 #define ROWS_H(H, R) (fmt == FMT_Q4 ? TILE_ROWS(FMT_Q4, H, R) : TILE_ROWS(FMT_Q8, H, R))
 #define ROWS(R) (half ? ROWS_H(1, R) : ROWS_H(0, R))
-                switch (M) {
-                case 1: ROWS(1); break;
-                case 2: ROWS(2); break;
-                case 3: ROWS(3); break;
-                case 4: ROWS(4); break;
-                default: break;
-                }
+            switch (M) {
+            case 1: ROWS(1); break;
+            case 2: ROWS(2); break;
+            case 3: ROWS(3); break;
+            case 4: ROWS(4); break;
+            default: break;
+            }
 #undef ROWS
 #undef ROWS_H
 #undef TILE_ROWS
-            }
-        } else {
-            const int64_t bytes = fmt == FMT_Q4 ? 256 : 512, blocks = K / 32;
-            int16_t *buf = aligned_alloc(64, (size_t)NT_MAX * K * TILE * 2);
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, qx + m * K, dx + m * (K / 32),
+                            xs + m * groups);
+        const int64_t bytes = fmt == FMT_Q4 ? 256 : 512, blocks = K / 32;
+        int16_t *buf = aligned_alloc(64, (size_t)NT_MAX * K * TILE * 2); /* NT_MAX tiles' int16 weights */
 #pragma omp for schedule(static) nowait
-            for (int64_t t0 = 0; t0 < tiles; t0 += NT_MAX) {
-                const int nt = tiles - t0 < NT_MAX ? (int)(tiles - t0) : NT_MAX;
-                for (int n = 0; n < nt; n++)
-                    for (int64_t b = 0; b < blocks; b++) {
-                        vi wv[16];
-                        if (fmt == FMT_Q4) tq_unpack(FMT_Q4, w + ((t0 + n) * blocks + b) * bytes, wv);
-                        else tq_unpack(FMT_Q8, w + ((t0 + n) * blocks + b) * bytes, wv);
-                        for (int j = 0; j < 16; j++) _mm512_storeu_si512(buf + ((n * blocks + b) * 16 + j) * 32, wv[j]);
-                    }
+        for (int64_t t0 = 0; t0 < tiles; t0 += NT_MAX) {
+            const int nt = tiles - t0 < NT_MAX ? (int)(tiles - t0) : NT_MAX;
+            for (int n = 0; n < nt; n++)
+                for (int64_t b = 0; b < blocks; b++) {
+                    vi wv[16];
+                    if (fmt == FMT_Q4) tq_unpack(FMT_Q4, w + ((t0 + n) * blocks + b) * bytes, wv);
+                    else tq_unpack(FMT_Q8, w + ((t0 + n) * blocks + b) * bytes, wv);
+                    for (int j = 0; j < 16; j++) _mm512_storeu_si512(buf + ((n * blocks + b) * 16 + j) * 32, wv[j]);
+                }
 #define BLOCK(H, R, T) tq_tiles_buffered(H, buf, scale, offset, gshift, qx, dx, xs, K, N, t0, m0, R, T, bias, y, y_bf, ldy)
 #define BLOCK_T(R, T) (half ? BLOCK(1, R, T) : BLOCK(0, R, T))
 #define BLOCK_R(R) (nt == 3 ? BLOCK_T(R, 3) : nt == 2 ? BLOCK_T(R, 2) : BLOCK_T(R, 1))
-                int64_t m0 = 0;
-                for (; m0 + MB <= M; m0 += MB) BLOCK_R(MB);
-                switch (M - m0) {
-                case 1: BLOCK_R(1); break;
-                case 2: BLOCK_R(2); break;
-                case 3: BLOCK_R(3); break;
-                default: break;
-                }
+            int64_t m0 = 0;
+            for (; m0 + MB <= M; m0 += MB) BLOCK_R(MB);
+            switch (M - m0) {
+            case 1: BLOCK_R(1); break;
+            case 2: BLOCK_R(2); break;
+            case 3: BLOCK_R(3); break;
+            default: break;
+            }
 #undef BLOCK_R
 #undef BLOCK_T
 #undef BLOCK
-            }
-            free(buf);
         }
+        free(buf);
     }
     free(qx);
     free(dx);
