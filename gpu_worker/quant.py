@@ -19,7 +19,7 @@ The kernel's formats (``QWeight.fmt``): ``q8``: int8 [N, K] and a float32 scale 
 per group of ``group`` k; ``q4``: nibbles [N, K / 2] (per 32 k, byte j holds k = j low and k = j + 16 high)
 and a float32 scale and offset per group. ``bf16``: a plain bf16 weight (CPUs whose oneDNN
 refuses bf16). ``t8`` / ``t4``: q8 / q4 in groups of 32 or more repacked (:func:`tile`) into tiles
-of 16 output rows for ``kernels/tiled.c``, which multiplies them by activations rounded to int16
+of 16 output rows (their scales in fp16 where every one is an fp16 number) for ``kernels/tiled.c``, which multiplies them by activations rounded to int16
 per 32 k (:meth:`QuantKernels.multiplied_activation`); :class:`QuantLinear` tiles its weights at
 the levels that have that kernel (``QuantKernels.tile_rows``).
 """

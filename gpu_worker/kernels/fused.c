@@ -183,7 +183,7 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
  * a head's vectors unroll and the VW dot products and the value accumulators stay in registers
  * (with a run-time D they lived on the stack: 1.5x slower, the kernel alone at 32 sequences). Keys
  * and values are read from the cache for each query head (L1 after the first): a block's keys
- * staged for all heads were VW * CH vectors, spilled to the stack (3-4x slower at one sequence).
+ * staged for all heads were VW * CH vectors, spilled to the stack (2.3x slower at one sequence).
  * The same math in the same order as attention_item, so the two agree bit for bit. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,

@@ -5,15 +5,17 @@
  * (word 2 r + e: row r, k = 2 j + e of k-pair j). x is quantized per 32 k to int16 against the
  * block's largest value (dx = amax / 32767, q = x * (32767 / amax) rounded to nearest even);
  * vpmaddwd with x's pair (q[2j], q[2j + 1]) broadcast adds both products of each row into its own
- * int32 lane (then vpaddd into the block's sum), so a
- * block's 16 k-pairs give every row's exact integer sum in one vector, scaled once per block:
+ * int32 lane (then vpaddd into the block's sum; one vpdpwssd with VNNI), so a block's 16 k-pairs
+ * give every row's exact integer sum in one vector, scaled once per block:
  *     y[r] = sum_b (s[r, b] dx_b) isum[r, b] + sum_g o[r, g] xs_g + bias[r]
  * with xs_g = sum of dx_b * sum(q_b) over group g's blocks. The scaling costs 3 ops per 16 dot
  * products at any M, the lanes are the outputs (no horizontal sums), and a tile's weights are
- * unpacked once for up to MB rows of x (streamed) or once into an int16 buffer for more.
+ * unpacked once for up to MB rows of x (streamed) or, for more, once into an int16 buffer that
+ * 4 rows x 3 tiles at a time multiply with their sums in registers.
  *
  * Against quant.c's row-major expansion to float32 this is 2.3-3.1x at one row of x, 1.6-2.6x at
- * four and 1.3x at 32 (BENCHMARKS.md "Tiles of 16 output rows with int16 activations"). x's
+ * four and 1.3x at 32 (BENCHMARKS.md "Tiles of 16 output rows with int16 activations"; the
+ * chains, VNNI and the register blocking: "fp16 scales, attention without spills"). x's
  * rounding to int16 is QuantKernels.multiplied_activation (gpu_worker/quant.py).
  *
  * Layouts (gpu_worker/quant.py's tile() repacks a row-major q4 / q8 weight):
@@ -30,9 +32,8 @@
 #if VW == 16
 #define TILE 16
 #define MB 4 /* rows of x per pass over a tile: MB int32 and MB float32 accumulators */
-#ifndef CHAINS
 #define CHAINS 4 /* a block's 16 k-pairs summed in this many independent chains */
-#endif
+#define NT_MAX 3 /* tiles per pass of the buffered path: 4 x 3 int32 sums and float32 results in registers */
 
 typedef __m512i vi;
 
@@ -85,9 +86,22 @@ static inline __m512 tq_scales(const void *p, int64_t i, const int half) {
     return _mm512_loadu_ps((const float *)p + i * TILE);
 }
 
-/* Rows m0 .. m0 + MBC - 1 of x against tile t -> y. `buf` (int16 [K / 32][16][32]) or NULL: streamed. */
+/* The epilogue of a (row, tile): the offsets' term, the bias, the store; the same for both paths. */
+static inline __attribute__((always_inline)) void tq_store(__m512 acc, const int half, const void *offset,
+                                                           const float *xs_row, int64_t groups, const float *bias,
+                                                           void *y, int y_bf, int64_t at, int64_t t, int64_t N) {
+    const int64_t rows = N - t * TILE < TILE ? N - t * TILE : TILE;
+    if (offset)
+        for (int64_t g = 0; g < groups; g++)
+            acc = _mm512_fmadd_ps(tq_scales(offset, t * groups + g, half), _mm512_set1_ps(xs_row[g]), acc);
+    if (bias) acc = _mm512_add_ps(acc, v_load(bias, t * TILE, rows, 0));
+    v_store(y, at + t * TILE, rows, acc, y_bf);
+}
+
+/* Rows m0 .. m0 + MBC - 1 of x (at most MB: a decode step's) against tile t -> y, the tile's weights
+ * unpacked block by block as they stream in. */
 static inline __attribute__((always_inline)) void tq_tile(const int fmt, const int half, const uint8_t *w,
-                                                          const void *scale, const void *offset, int gshift, const int16_t *buf,
+                                                          const void *scale, const void *offset, int gshift,
                                                           const int16_t *qx, const float *dx, const float *xs,
                                                           int64_t K, int64_t N, int64_t t, int64_t m0, const int MBC,
                                                           const float *bias, void *y, int y_bf, int64_t ldy) {
@@ -97,12 +111,8 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
     for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         vi wv[16];
-        if (buf)
-            for (int j = 0; j < 16; j++) wv[j] = _mm512_loadu_si512(buf + (b * 16 + j) * 32);
-        else {
-            _mm_prefetch((const char *)(tw + (b + 4) * bytes), _MM_HINT_T0);
-            tq_unpack(fmt, tw + b * bytes, wv);
-        }
+        _mm_prefetch((const char *)(tw + (b + 4) * bytes), _MM_HINT_T0);
+        tq_unpack(fmt, tw + b * bytes, wv);
         const __m512 sv = tq_scales(scale, t * groups + ((32 * b) >> gshift), half);
         for (int m = 0; m < MBC; m++) {
             const int32_t *pairs = (const int32_t *)(qx + (m0 + m) * K + 32 * b);
@@ -117,15 +127,47 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
                                      acc[m]);
         }
     }
-    const int64_t rows = N - t * TILE < TILE ? N - t * TILE : TILE;
-    for (int m = 0; m < MBC; m++) {
-        if (offset)
-            for (int64_t g = 0; g < groups; g++)
-                acc[m] = _mm512_fmadd_ps(tq_scales(offset, t * groups + g, half),
-                                         _mm512_set1_ps(xs[(m0 + m) * groups + g]), acc[m]);
-        if (bias) acc[m] = _mm512_add_ps(acc[m], v_load(bias, t * TILE, rows, 0));
-        v_store(y, (m0 + m) * ldy + t * TILE, rows, acc[m], y_bf);
+    for (int m = 0; m < MBC; m++)
+        tq_store(acc[m], half, offset, xs + (m0 + m) * groups, groups, bias, y, y_bf, (m0 + m) * ldy, t, N);
+}
+
+/* Rows m0 .. m0 + MR - 1 of x against tiles t0 .. t0 + NT - 1, whose weights are in int16 in buf
+ * [NT][K / 32][16][32] (more rows than MB: a prefill's or a large batch's). Registers hold MR x NT
+ * int32 sums and float32 results, so each k-pair's weight vectors and x's broadcast pair serve MR x NT
+ * products (the streamed path's 1 x 1 was bound by the broadcasts and loads: a third of the
+ * integer dot product's rate). The same integers and the same float32 operations in the same order
+ * as tq_tile, so a row's bits do not depend on the path its batch took. */
+static inline __attribute__((always_inline)) void tq_tiles_buffered(
+    const int half, const int16_t *buf, const void *scale, const void *offset, int gshift, const int16_t *qx,
+    const float *dx, const float *xs, int64_t K, int64_t N, int64_t t0, int64_t m0, const int MR, const int NT,
+    const float *bias, void *y, int y_bf, int64_t ldy) {
+    const int64_t blocks = K / 32, groups = K >> gshift;
+    __m512 acc[MB][NT_MAX];
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NT; n++) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        vi isum[MB][NT_MAX];
+        for (int m = 0; m < MR; m++)
+            for (int n = 0; n < NT; n++) isum[m][n] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            vi wv[NT_MAX];
+            for (int n = 0; n < NT; n++) wv[n] = _mm512_loadu_si512(buf + ((n * blocks + b) * 16 + j) * 32);
+            for (int m = 0; m < MR; m++) {
+                const vi xp = _mm512_set1_epi32(((const int32_t *)(qx + (m0 + m) * K + 32 * b))[j]);
+                for (int n = 0; n < NT; n++) isum[m][n] = dot_pairs(isum[m][n], wv[n], xp);
+            }
+        }
+        for (int n = 0; n < NT; n++) {
+            const __m512 sv = tq_scales(scale, (t0 + n) * groups + ((32 * b) >> gshift), half);
+            for (int m = 0; m < MR; m++)
+                acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][n]),
+                                            _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])), acc[m][n]);
+        }
     }
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NT; n++)
+            tq_store(acc[m][n], half, offset, xs + (m0 + m) * groups, groups, bias, y, y_bf, (m0 + m) * ldy, t0 + n, N);
 }
 
 /* A buffer of at least `bytes` (64-byte aligned) of the calling thread's, buffer 0..2, reused from call
@@ -150,55 +192,68 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const void *scale
     const int gshift = __builtin_ctzll((unsigned long long)G);
     const int64_t tiles = (N + TILE - 1) / TILE, groups = K >> gshift;
     if (M * N * K < (1 << 15)) nthreads = 1;
-    /* x rounded once into shared buffers by all threads; up to MB rows, by each thread into its own
-     * (the same bits, and no barrier between rounding and multiplying: a decode step's ~120 linears) */
+    /* Up to MB rows (a decode step), each thread rounds x itself (the same bits) and multiplies as the
+     * tiles stream in, with no barrier between; more rows are rounded once into shared buffers by all
+     * threads, then multiplied NT_MAX tiles at a time from an int16 copy of their weights. */
     const int shared = M > MB;
     int16_t *qx = shared ? aligned_alloc(64, (size_t)(M * K * 2 + 63) / 64 * 64) : NULL;
     float *dx = shared ? malloc((size_t)(M * (K / 32)) * sizeof(float)) : NULL;
     float *xs = shared ? malloc((size_t)(M * groups) * sizeof(float)) : NULL;
 #pragma omp parallel num_threads(nthreads)
-    {
-        int16_t *my_qx = qx;
-        float *my_dx = dx, *my_xs = xs;
-        if (shared) {
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, qx + m * K,
-                                dx + m * (K / 32), xs + m * groups);
-        } else { /* the thread's own buffers, kept from call to call (no allocation per linear) */
-            my_qx = thread_buffer(0, (size_t)(M * K) * sizeof(int16_t));
-            my_dx = thread_buffer(1, (size_t)(M * (K / 32)) * sizeof(float));
-            my_xs = thread_buffer(2, (size_t)(M * groups) * sizeof(float));
-            for (int64_t m = 0; m < M; m++)
-                tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
-                                my_dx + m * (K / 32), my_xs + m * groups);
-        }
-        int16_t *buf = M > MB ? aligned_alloc(64, (size_t)K * TILE * 2) : NULL;
+    if (!shared) { /* each thread rounds x into its own buffers, kept from call to call */
+        int16_t *my_qx = thread_buffer(0, (size_t)(M * K) * sizeof(int16_t));
+        float *my_dx = thread_buffer(1, (size_t)(M * (K / 32)) * sizeof(float));
+        float *my_xs = thread_buffer(2, (size_t)(M * groups) * sizeof(float));
+        for (int64_t m = 0; m < M; m++)
+            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
+                            my_dx + m * (K / 32), my_xs + m * groups);
 #pragma omp for schedule(static) nowait /* the region's end is the barrier */
         for (int64_t t = 0; t < tiles; t++) {
-            if (buf) {
-                const int64_t bytes = fmt == FMT_Q4 ? 256 : 512;
-                for (int64_t b = 0; b < K / 32; b++) {
-                    vi wv[16];
-                    if (fmt == FMT_Q4) tq_unpack(FMT_Q4, w + (t * (K / 32) + b) * bytes, wv);
-                    else tq_unpack(FMT_Q8, w + (t * (K / 32) + b) * bytes, wv);
-                    for (int j = 0; j < 16; j++) _mm512_storeu_si512(buf + (b * 16 + j) * 32, wv[j]);
-                }
-            }
-#define TILE_ROWS(F, H, R) tq_tile(F, H, w, scale, offset, gshift, buf, my_qx, my_dx, my_xs, K, N, t, m0, R, bias, y, y_bf, ldy)
+#define TILE_ROWS(F, H, R) tq_tile(F, H, w, scale, offset, gshift, my_qx, my_dx, my_xs, K, N, t, 0, R, bias, y, y_bf, ldy)
 #define ROWS_H(H, R) (fmt == FMT_Q4 ? TILE_ROWS(FMT_Q4, H, R) : TILE_ROWS(FMT_Q8, H, R))
 #define ROWS(R) (half ? ROWS_H(1, R) : ROWS_H(0, R))
-            int64_t m0 = 0;
-            for (; m0 + MB <= M; m0 += MB) ROWS(MB);
-            switch (M - m0) {
+            switch (M) {
             case 1: ROWS(1); break;
             case 2: ROWS(2); break;
             case 3: ROWS(3); break;
+            case 4: ROWS(4); break;
             default: break;
             }
 #undef ROWS
 #undef ROWS_H
 #undef TILE_ROWS
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, qx + m * K, dx + m * (K / 32),
+                            xs + m * groups);
+        const int64_t bytes = fmt == FMT_Q4 ? 256 : 512, blocks = K / 32;
+        int16_t *buf = aligned_alloc(64, (size_t)NT_MAX * K * TILE * 2); /* NT_MAX tiles' int16 weights */
+#pragma omp for schedule(static) nowait
+        for (int64_t t0 = 0; t0 < tiles; t0 += NT_MAX) {
+            const int nt = tiles - t0 < NT_MAX ? (int)(tiles - t0) : NT_MAX;
+            for (int n = 0; n < nt; n++)
+                for (int64_t b = 0; b < blocks; b++) {
+                    vi wv[16];
+                    if (fmt == FMT_Q4) tq_unpack(FMT_Q4, w + ((t0 + n) * blocks + b) * bytes, wv);
+                    else tq_unpack(FMT_Q8, w + ((t0 + n) * blocks + b) * bytes, wv);
+                    for (int j = 0; j < 16; j++) _mm512_storeu_si512(buf + ((n * blocks + b) * 16 + j) * 32, wv[j]);
+                }
+#define BLOCK(H, R, T) tq_tiles_buffered(H, buf, scale, offset, gshift, qx, dx, xs, K, N, t0, m0, R, T, bias, y, y_bf, ldy)
+#define BLOCK_T(R, T) (half ? BLOCK(1, R, T) : BLOCK(0, R, T))
+#define BLOCK_R(R) (nt == 3 ? BLOCK_T(R, 3) : nt == 2 ? BLOCK_T(R, 2) : BLOCK_T(R, 1))
+            int64_t m0 = 0;
+            for (; m0 + MB <= M; m0 += MB) BLOCK_R(MB);
+            switch (M - m0) {
+            case 1: BLOCK_R(1); break;
+            case 2: BLOCK_R(2); break;
+            case 3: BLOCK_R(3); break;
+            default: break;
+            }
+#undef BLOCK_R
+#undef BLOCK_T
+#undef BLOCK
         }
         free(buf);
     }
