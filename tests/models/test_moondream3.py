@@ -77,17 +77,25 @@ def probe(model, pr) -> dict:
 
 
 def close(got: dict, want: dict, rtol: float) -> bool:
-    flat = lambda d: [v for k in sorted(d) for v in (flat(d[k]) if isinstance(d[k], dict) else  # noqa: E731
-                                                     d[k] if isinstance(d[k], list) else [d[k]])]
-    return all(abs(a - b) <= rtol * abs(b) for a, b in zip(flat(got), flat(want), strict=True))
+    """Each field within ``rtol`` of its largest magnitude: a float32 sum's rounding scales with the
+    sum's terms, not with its result, so an element near zero carries its field's absolute error."""
+    flat = lambda v: ([x for k in sorted(v) for x in flat(v[k])] if isinstance(v, dict) else  # noqa: E731
+                      list(v) if isinstance(v, list) else [v])
+    for k in want:
+        g, w = flat(got[k]), flat(want[k])
+        scale = max(abs(x) for x in w)
+        if any(abs(a - b) > rtol * scale for a, b in zip(g, w, strict=True)):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("tau_gelu", ["erf", "tanh"])
 def test_prefill_probes_match_the_reference(checkpoints, tau_gelu, tmp_path):
-    """Logits and hidden states within 1e-5 relative of the reference's (float32 matmuls sum in
-    another order than the reference's: ~1e-6 apart), and the tau GELU switch (config.json's
+    """Logits and hidden states within 1e-5 of the reference's, relative to each field's largest
+    magnitude (float32 matmuls sum in another order than the reference's, and in another on each
+    CPU's BLAS: 1e-7 to 3e-6 apart on an AVX-512 EPYC), and the tau GELU switch (config.json's
     ``text.tau_gelu``, erf by default) is what tells the fixture's two probe sets apart (they
-    differ by ~1e-4)."""
+    differ by 4e-5 to 3e-4)."""
     import json
     plain = checkpoints["plain"][0]
     assert MoondreamConfig.from_dir(plain).text.tau_gelu == "erf"
