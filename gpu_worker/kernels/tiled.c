@@ -23,7 +23,8 @@
  *       is word p of k-pair 4c + h, its high nibble word p of k-pair 4c + 2 + h (q in 0..15);
  *       scale, offset [N / 16][K / G][16] float32, or fp16 with FMT_HALF (where that is exact: a
  *       GGUF file's Q4_0, Q4_1 and Q8_0 scales; a sixth of a q4 tile's bytes)
- *   t8  per tile, per block: 16 k-pairs of 32 int8 (word p of k-pair j); scale (offset) as t4
+ *   t8  per tile, per block: 8 k-quads of 64 int8 (byte 4 r + e of k-quad j: row r, k = 4 j + e; an
+ *       int32 lane per row, as VNNI's byte products sum); scale (offset) as t4
  * Batch invariance: the same integers and the same float32 ops in the same order whatever M.
  */
 #include "quant.h"
@@ -75,10 +76,57 @@ static inline __attribute__((always_inline)) void tq_unpack(const int fmt, const
             wv[4 * c + 2] = _mm512_srli_epi16(h0, 4);
             wv[4 * c + 3] = _mm512_srli_epi16(h1, 4);
         }
-    } else {
-        for (int j = 0; j < 16; j++) wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
+    } else { /* k-quad j -> k-pairs 2 j and 2 j + 1: lane r's bytes b0..b3 as words (b0, b1) and (b2, b3) */
+        for (int j = 0; j < 8; j++) {
+            const vi v = _mm512_loadu_si512(blk + 64 * j);
+            const vi even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8); /* lane r: b0, b2 sign-extended */
+            const vi odd = _mm512_srai_epi16(v, 8);                          /* lane r: b1, b3 */
+            wv[2 * j] = _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(odd, 16));
+            wv[2 * j + 1] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(even, 16), odd);
+        }
     }
 }
+
+#ifdef __AVX512VNNI__
+/* x's int16 q as the two bytes VNNI multiplies by t8's int8 weights: q = 256 hi + lo with lo = q & 255
+ * and hi = q >> 8 in -128..127, stored as hi + 128 (vpdpbusd's operand is unsigned). xb: [K] lo then
+ * [K] hi + 128. */
+static void tq_bytes_row(const int16_t *q, int64_t K, uint8_t *xb) {
+    for (int64_t k = 0; k < K; k += 32) {
+        const __m512i v = _mm512_loadu_si512(q + k);
+        _mm256_storeu_si256((__m256i *)(xb + k), _mm512_cvtepi16_epi8(v)); /* the low byte */
+        _mm256_storeu_si256((__m256i *)(xb + K + k),
+                            _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_srai_epi16(v, 8), _mm512_set1_epi16(128))));
+    }
+}
+
+/* Block b's exact integer sums sum_k q[m, k] w[r, k] of MBC rows of x against one t8 tile's block, the
+ * same int32 as the k-pair products: 256 (sum (hi + 128) w - sum 128 w) + sum lo w, each sum far below
+ * 2^31 (|256 sum hi w| <= 256 * 32 * 128 * 128), in four chains. */
+static inline __attribute__((always_inline)) void tq8_sums(const uint8_t *blk, const uint8_t *xb, int64_t K,
+                                                           int64_t b, int64_t m0, const int MBC, vi isum[MB]) {
+    vi wq[8];
+    for (int j = 0; j < 8; j++) wq[j] = _mm512_loadu_si512(blk + 64 * j);
+    const vi bias_hi = _mm512_set1_epi8((char)128);
+    vi c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        c0 = _mm512_dpbusd_epi32(c0, bias_hi, wq[j]);
+        c1 = _mm512_dpbusd_epi32(c1, bias_hi, wq[j + 1]);
+    }
+    const vi minus_c = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(c0, c1));
+    for (int m = 0; m < MBC; m++) {
+        const int32_t *lo = (const int32_t *)(xb + (m0 + m) * 2 * K + 32 * b), *hi = (const int32_t *)((const uint8_t *)lo + K);
+        vi l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512(), h0 = minus_c, h1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+            l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(lo[j]), wq[j]);
+            h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(hi[j]), wq[j]);
+            l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(lo[j + 1]), wq[j + 1]);
+            h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(hi[j + 1]), wq[j + 1]);
+        }
+        isum[m] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+    }
+}
+#endif
 
 /* The 16 rows' scales (or offsets) at index i of a tile's [K / G][16], float32 or fp16. */
 static inline __m512 tq_scales(const void *p, int64_t i, const int half) {
@@ -102,30 +150,43 @@ static inline __attribute__((always_inline)) void tq_store(__m512 acc, const int
  * unpacked block by block as they stream in. */
 static inline __attribute__((always_inline)) void tq_tile(const int fmt, const int half, const uint8_t *w,
                                                           const void *scale, const void *offset, int gshift,
-                                                          const int16_t *qx, const float *dx, const float *xs,
-                                                          int64_t K, int64_t N, int64_t t, int64_t m0, const int MBC,
+                                                          const int16_t *qx, const uint8_t *xb, const float *dx,
+                                                          const float *xs, int64_t K, int64_t N, int64_t t,
+                                                          int64_t m0, const int MBC,
                                                           const float *bias, void *y, int y_bf, int64_t ldy) {
     const int64_t blocks = K / 32, groups = K >> gshift, bytes = fmt == FMT_Q4 ? 256 : 512;
     const uint8_t *tw = w + t * blocks * bytes;
     __m512 acc[MB];
     for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        vi wv[16];
-        _mm_prefetch((const char *)(tw + (b + 4) * bytes), _MM_HINT_T0);
-        tq_unpack(fmt, tw + b * bytes, wv);
-        const __m512 sv = tq_scales(scale, t * groups + ((32 * b) >> gshift), half);
-        for (int m = 0; m < MBC; m++) {
-            const int32_t *pairs = (const int32_t *)(qx + (m0 + m) * K + 32 * b);
-            /* four independent chains of k-pairs (a chain of 16 waited on each sum's latency);
-             * integer sums, so the order changes no bit */
-            vi part[CHAINS];
-            for (int c = 0; c < CHAINS; c++) part[c] = _mm512_madd_epi16(wv[c], _mm512_set1_epi32(pairs[c]));
-            for (int j = CHAINS; j < 16; j++) part[j % CHAINS] = dot_pairs(part[j % CHAINS], wv[j], _mm512_set1_epi32(pairs[j]));
-            vi isum = part[0];
-            for (int c = 1; c < CHAINS; c++) isum = _mm512_add_epi32(isum, part[c]);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])),
-                                     acc[m]);
+        /* all of block b + 4's lines: one line a block left q8's 8 to the hardware prefetcher, and a
+         * one-row step 1.2x slower (BENCHMARKS.md "q8 tiles in k-quads") */
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(tw + (b + 4) * bytes + l), _MM_HINT_T0);
+        vi isum[MB];
+#ifdef __AVX512VNNI__
+        if (fmt == FMT_Q8) /* bytes times bytes: no unpacking (BENCHMARKS.md "q8 tiles in k-quads") */
+            tq8_sums(tw + b * bytes, xb, K, b, m0, MBC, isum);
+        else
+#endif
+        {
+            vi wv[16];
+            tq_unpack(fmt, tw + b * bytes, wv);
+            for (int m = 0; m < MBC; m++) {
+                const int32_t *pairs = (const int32_t *)(qx + (m0 + m) * K + 32 * b);
+                /* four independent chains of k-pairs (a chain of 16 waited on each sum's latency);
+                 * integer sums, so the order changes no bit */
+                vi part[CHAINS];
+                for (int c = 0; c < CHAINS; c++) part[c] = _mm512_madd_epi16(wv[c], _mm512_set1_epi32(pairs[c]));
+                for (int j = CHAINS; j < 16; j++)
+                    part[j % CHAINS] = dot_pairs(part[j % CHAINS], wv[j], _mm512_set1_epi32(pairs[j]));
+                isum[m] = part[0];
+                for (int c = 1; c < CHAINS; c++) isum[m] = _mm512_add_epi32(isum[m], part[c]);
+            }
         }
+        const __m512 sv = tq_scales(scale, t * groups + ((32 * b) >> gshift), half);
+        for (int m = 0; m < MBC; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
+                                     _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])), acc[m]);
     }
     for (int m = 0; m < MBC; m++)
         tq_store(acc[m], half, offset, xs + (m0 + m) * groups, groups, bias, y, y_bf, (m0 + m) * ldy, t, N);
@@ -170,11 +231,11 @@ static inline __attribute__((always_inline)) void tq_tiles_buffered(
             tq_store(acc[m][n], half, offset, xs + (m0 + m) * groups, groups, bias, y, y_bf, (m0 + m) * ldy, t0 + n, N);
 }
 
-/* A buffer of at least `bytes` (64-byte aligned) of the calling thread's, buffer 0..2, reused from call
+/* A buffer of at least `bytes` (64-byte aligned) of the calling thread's, buffer 0..3, reused from call
  * to call (a few KB each: OpenMP's pool threads keep theirs for the process's life). */
 static void *thread_buffer(int which, size_t bytes) {
-    static __thread void *held[3];
-    static __thread size_t size[3];
+    static __thread void *held[4];
+    static __thread size_t size[4];
     if (size[which] < bytes) {
         free(held[which]);
         size[which] = (bytes + 4095) / 4096 * 4096;
@@ -204,12 +265,19 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const void *scale
         int16_t *my_qx = thread_buffer(0, (size_t)(M * K) * sizeof(int16_t));
         float *my_dx = thread_buffer(1, (size_t)(M * (K / 32)) * sizeof(float));
         float *my_xs = thread_buffer(2, (size_t)(M * groups) * sizeof(float));
+        uint8_t *my_xb = NULL;
         for (int64_t m = 0; m < M; m++)
             tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
                             my_dx + m * (K / 32), my_xs + m * groups);
+#ifdef __AVX512VNNI__
+        if (fmt == FMT_Q8) {
+            my_xb = thread_buffer(3, (size_t)(M * 2 * K));
+            for (int64_t m = 0; m < M; m++) tq_bytes_row(my_qx + m * K, K, my_xb + m * 2 * K);
+        }
+#endif
 #pragma omp for schedule(static) nowait /* the region's end is the barrier */
         for (int64_t t = 0; t < tiles; t++) {
-#define TILE_ROWS(F, H, R) tq_tile(F, H, w, scale, offset, gshift, my_qx, my_dx, my_xs, K, N, t, 0, R, bias, y, y_bf, ldy)
+#define TILE_ROWS(F, H, R) tq_tile(F, H, w, scale, offset, gshift, my_qx, my_xb, my_dx, my_xs, K, N, t, 0, R, bias, y, y_bf, ldy)
 #define ROWS_H(H, R) (fmt == FMT_Q4 ? TILE_ROWS(FMT_Q4, H, R) : TILE_ROWS(FMT_Q8, H, R))
 #define ROWS(R) (half ? ROWS_H(1, R) : ROWS_H(0, R))
             switch (M) {

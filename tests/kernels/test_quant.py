@@ -142,6 +142,23 @@ def test_tiles_hold_the_row_major_weight_exactly(kernels):
             assert (a is None and b is None) or torch.equal(a, b)
 
 
+def test_q8_tiles_sum_extreme_integers_exactly(kernels):
+    """int8 weights at -128 and 127 against activations whose int16 steps reach +-32767 (each block's
+    largest |x|): every integer sum exact, whichever way the level multiplies (k-pairs of int16, or
+    VNNI's bytes: x's high and low bytes, the high ones offset by 128), streamed and buffered."""
+    N, K = 48, 256
+    g = torch.Generator().manual_seed(5)
+    data = torch.where(torch.rand(N, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+    w = QWeight("q8", data, torch.ones(N, K // 32), None, 32, (N, K))
+    layer = quant.QuantLinear([w], None, kernels)
+    x = torch.where(torch.rand(9, K, generator=g) < 0.5, -1.0, 1.0) * (1 + torch.arange(K) % 7)
+    xm = kernels.multiplied_activation(x, layer.parts[0]).double()
+    exact = xm @ data.double().T
+    bound = K * 2 ** -24 * (xm.abs() @ data.double().abs().T)
+    for M in (1, 4, 9):  # streamed (up to 4 rows) and buffered
+        assert ((layer(x[:M]).double() - exact[:M]).abs() <= bound[:M]).all()
+
+
 def test_tiles_hold_their_scales_in_fp16_where_that_is_exact(kernels):
     """fp16 scales where every scale and offset is an fp16 number (the quantizer's, as a GGUF file's
     Q4_0, Q4_1 and Q8_0), float32 where one is not; either way the same products bit for bit."""
