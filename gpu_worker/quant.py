@@ -86,8 +86,8 @@ class QWeight:
 
 def tile(w: QWeight) -> QWeight:
     """A row-major q8 / q4 weight as t8 / t4 (see ``kernels/tiled.c``'s layouts): the rows padded with
-    zeros to whole tiles, each block of 32 k of a tile as 16 k-pairs of 16 rows x 2 k (t4) or 8
-    k-quads of 16 rows x 4 k (t8); the scales
+    zeros to whole tiles, each block of 32 k of a tile as 8 k-quads of 16 rows x 4 k (t4: k-quads
+    c and c + 4 in the low and high nibbles of one 64-byte chunk); the scales
     (and offsets) [N / 16, K / group, 16], in fp16 where every one of them is an fp16 number (a GGUF
     file's Q4_0, Q4_1 and Q8_0 blocks, the quantizer's own scales): a sixth of a q4 tile's bytes
     less to read, the same values."""
@@ -100,12 +100,8 @@ def tile(w: QWeight) -> QWeight:
         q = w.data.view(N, blocks, 32)
     padded = torch.zeros((tiles * TILE, blocks, 32), dtype=q.dtype)
     padded[:N] = q
-    if w.fmt == "q4":  # k-pair 4c + 2n + h: chunk c, half h, the low (n = 0) or high nibble
-        pairs = padded.view(tiles, TILE, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 16, 2 * TILE)
-        halves = pairs.view(tiles, blocks, 4, 2, 2, 2 * TILE)
-        data = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
-    else:
-        data = padded.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 8, 4 * TILE)
+    quads = padded.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 8, 4 * TILE)
+    data = quads[:, :, :4] | (quads[:, :, 4:] << 4) if w.fmt == "q4" else quads
 
     def per_tile(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -124,12 +120,8 @@ def untile(w: QWeight) -> QWeight:
     """The row-major q8 / q4 weight of a t8 / t4 one (:func:`tile`'s inverse)."""
     N, K = w.shape
     tiles, blocks = -(-N // TILE), K // 32
-    if w.fmt == "t4":
-        halves = w.data.view(tiles, blocks, 4, 2, 2 * TILE)
-        pairs = torch.stack([halves & 15, halves >> 4], dim=3)  # [tiles, blocks, c, n, h, 32]
-        q = pairs.reshape(tiles, blocks, 16, TILE, 2).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks, 32)[:N]
-    else:
-        q = w.data.reshape(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks, 32)[:N]
+    quads = torch.cat([w.data & 15, w.data >> 4], dim=2) if w.fmt == "t4" else w.data  # [tiles, blocks, 8, 64]
+    q = quads.reshape(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks, 32)[:N]
     data = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(N, K // 2) if w.fmt == "t4" else q.reshape(N, K)
     rows = lambda t: None if t is None else t.transpose(1, 2).reshape(tiles * TILE, -1)[:N].float().contiguous()  # noqa: E731
     return QWeight("q" + w.fmt[1], data.contiguous(), rows(w.scale), rows(w.offset), w.group, w.shape)

@@ -11,7 +11,9 @@
  * with xs_g = sum of dx_b * sum(q_b) over group g's blocks. The scaling costs 3 ops per 16 dot
  * products at any M, the lanes are the outputs (no horizontal sums), and a tile's weights are
  * unpacked once for up to MB rows of x (streamed) or, for more, once into an int16 buffer that
- * 4 rows x 3 tiles at a time multiply with their sums in registers.
+ * 4 rows x 3 tiles at a time multiply with their sums in registers. With VNNI, streamed rows are
+ * not expanded to int16: vpdpbusd multiplies the weight bytes by x's high and low bytes
+ * (tq_byte_sums), the same integer sums.
  *
  * Against quant.c's row-major expansion to float32 this is 2.3-3.1x at one row of x, 1.6-2.6x at
  * four and 1.3x at 32 (BENCHMARKS.md "Tiles of 16 output rows with int16 activations"; the
@@ -19,8 +21,8 @@
  * rounding to int16 is QuantKernels.multiplied_activation (gpu_worker/quant.py).
  *
  * Layouts (gpu_worker/quant.py's tile() repacks a row-major q4 / q8 weight):
- *   t4  per tile, per block: 4 chunks of 64 bytes; chunk c's half h (32 bytes): byte p's low nibble
- *       is word p of k-pair 4c + h, its high nibble word p of k-pair 4c + 2 + h (q in 0..15);
+ *   t4  per tile, per block: 4 chunks of 64 bytes; byte 4 r + e of chunk c: its low nibble row r's
+ *       k = 4 c + e, its high nibble k = 16 + 4 c + e (q in 0..15: k-quads c and c + 4, as t8's);
  *       scale, offset [N / 16][K / G][16] float32, or fp16 with FMT_HALF (where that is exact: a
  *       GGUF file's Q4_0, Q4_1 and Q8_0 scales; a sixth of a q4 tile's bytes)
  *   t8  per tile, per block: 8 k-quads of 64 int8 (byte 4 r + e of k-quad j: row r, k = 4 j + e; an
@@ -63,34 +65,39 @@ static void tq_quantize_row(const void *x, int x_bf, int64_t K, int gshift, int1
     }
 }
 
-/* The 16 k-pair vectors of one block of one tile, in k-pair order. */
-static inline __attribute__((always_inline)) void tq_unpack(const int fmt, const uint8_t *blk, vi wv[16]) {
+/* A block's 8 k-quad vectors (k-quad j: lane r holds row r's k = 4 j .. 4 j + 3, a byte each): t8's
+ * as stored, t4's low nibbles (k-quads 0-3) and high nibbles (4-7). */
+static inline __attribute__((always_inline)) void tq_quads(const int fmt, const uint8_t *blk, vi wq[8]) {
     if (fmt == FMT_Q4) {
-        const vi low = _mm512_set1_epi16(15);
+        const vi low = _mm512_set1_epi8(15);
         for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(blk + 64 * c);
-            const vi h0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v));
-            const vi h1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1));
-            wv[4 * c] = _mm512_and_si512(h0, low);
-            wv[4 * c + 1] = _mm512_and_si512(h1, low);
-            wv[4 * c + 2] = _mm512_srli_epi16(h0, 4);
-            wv[4 * c + 3] = _mm512_srli_epi16(h1, 4);
+            const vi v = _mm512_loadu_si512(blk + 64 * c);
+            wq[c] = _mm512_and_si512(v, low);
+            wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
-    } else { /* k-quad j -> k-pairs 2 j and 2 j + 1: lane r's bytes b0..b3 as words (b0, b1) and (b2, b3) */
-        for (int j = 0; j < 8; j++) {
-            const vi v = _mm512_loadu_si512(blk + 64 * j);
-            const vi even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8); /* lane r: b0, b2 sign-extended */
-            const vi odd = _mm512_srai_epi16(v, 8);                          /* lane r: b1, b3 */
-            wv[2 * j] = _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(odd, 16));
-            wv[2 * j + 1] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(even, 16), odd);
-        }
+    } else {
+        for (int j = 0; j < 8; j++) wq[j] = _mm512_loadu_si512(blk + 64 * j);
+    }
+}
+
+/* The 16 k-pair vectors of one block of one tile, in k-pair order: k-quad j's bytes b0..b3 in lane r
+ * as the words (b0, b1) of k-pair 2 j and (b2, b3) of 2 j + 1, sign-extended (t8) or not (t4). */
+static inline __attribute__((always_inline)) void tq_unpack(const int fmt, const uint8_t *blk, vi wv[16]) {
+    vi wq[8];
+    tq_quads(fmt, blk, wq);
+    for (int j = 0; j < 8; j++) {
+        const vi even = fmt == FMT_Q4 ? _mm512_and_si512(wq[j], _mm512_set1_epi16(255)) /* lane r: b0, b2 */
+                                      : _mm512_srai_epi16(_mm512_slli_epi16(wq[j], 8), 8);
+        const vi odd = fmt == FMT_Q4 ? _mm512_srli_epi16(wq[j], 8) : _mm512_srai_epi16(wq[j], 8); /* b1, b3 */
+        wv[2 * j] = _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(odd, 16));
+        wv[2 * j + 1] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(even, 16), odd);
     }
 }
 
 #ifdef __AVX512VNNI__
-/* x's int16 q as the two bytes VNNI multiplies by t8's int8 weights: q = 256 hi + lo with lo = q & 255
- * and hi = q >> 8 in -128..127, stored as hi + 128 (vpdpbusd's operand is unsigned). xb: [K] lo then
- * [K] hi + 128. */
+/* x's int16 q as the two bytes VNNI multiplies by the weights' bytes: q = 256 hi + lo with lo = q & 255
+ * and hi = q >> 8 in -128..127, stored as hi + 128 (vpdpbusd's x operand is unsigned, the weights'
+ * signed: t8's int8, t4's 0..15). xb: [K] lo then [K] hi + 128. */
 static void tq_bytes_row(const int16_t *q, int64_t K, uint8_t *xb) {
     for (int64_t k = 0; k < K; k += 32) {
         const __m512i v = _mm512_loadu_si512(q + k);
@@ -100,13 +107,14 @@ static void tq_bytes_row(const int16_t *q, int64_t K, uint8_t *xb) {
     }
 }
 
-/* Block b's exact integer sums sum_k q[m, k] w[r, k] of MBC rows of x against one t8 tile's block, the
+/* Block b's exact integer sums sum_k q[m, k] w[r, k] of MBC rows of x against one tile's block, the
  * same int32 as the k-pair products: 256 (sum (hi + 128) w - sum 128 w) + sum lo w, each sum far below
  * 2^31 (|256 sum hi w| <= 256 * 32 * 128 * 128), in four chains. */
-static inline __attribute__((always_inline)) void tq8_sums(const uint8_t *blk, const uint8_t *xb, int64_t K,
-                                                           int64_t b, int64_t m0, const int MBC, vi isum[MB]) {
+static inline __attribute__((always_inline)) void tq_byte_sums(const int fmt, const uint8_t *blk, const uint8_t *xb,
+                                                               int64_t K, int64_t b, int64_t m0, const int MBC,
+                                                               vi isum[MB]) {
     vi wq[8];
-    for (int j = 0; j < 8; j++) wq[j] = _mm512_loadu_si512(blk + 64 * j);
+    tq_quads(fmt, blk, wq);
     const vi bias_hi = _mm512_set1_epi8((char)128);
     vi c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
     for (int j = 0; j < 8; j += 2) {
@@ -160,14 +168,12 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
     for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         /* all of block b + 4's lines: one line a block left q8's 8 to the hardware prefetcher, and a
-         * one-row step 1.2x slower (BENCHMARKS.md "q8 tiles in k-quads") */
+         * one-row step 1.2x slower (BENCHMARKS.md "Tiles in k-quads") */
         for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(tw + (b + 4) * bytes + l), _MM_HINT_T0);
         vi isum[MB];
-#ifdef __AVX512VNNI__
-        if (fmt == FMT_Q8) /* bytes times bytes: no unpacking (BENCHMARKS.md "q8 tiles in k-quads") */
-            tq8_sums(tw + b * bytes, xb, K, b, m0, MBC, isum);
-        else
-#endif
+#ifdef __AVX512VNNI__ /* bytes times bytes, no int16 expansion (BENCHMARKS.md "Tiles in k-quads") */
+        tq_byte_sums(fmt, tw + b * bytes, xb, K, b, m0, MBC, isum);
+#else
         {
             vi wv[16];
             tq_unpack(fmt, tw + b * bytes, wv);
@@ -183,6 +189,7 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
                 for (int c = 1; c < CHAINS; c++) isum[m] = _mm512_add_epi32(isum[m], part[c]);
             }
         }
+#endif
         const __m512 sv = tq_scales(scale, t * groups + ((32 * b) >> gshift), half);
         for (int m = 0; m < MBC; m++)
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
@@ -270,10 +277,8 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const void *scale
             tq_quantize_row((const char *)x + m * K * (x_bf ? 2 : 4), x_bf, K, gshift, my_qx + m * K,
                             my_dx + m * (K / 32), my_xs + m * groups);
 #ifdef __AVX512VNNI__
-        if (fmt == FMT_Q8) {
-            my_xb = thread_buffer(3, (size_t)(M * 2 * K));
-            for (int64_t m = 0; m < M; m++) tq_bytes_row(my_qx + m * K, K, my_xb + m * 2 * K);
-        }
+        my_xb = thread_buffer(3, (size_t)(M * 2 * K));
+        for (int64_t m = 0; m < M; m++) tq_bytes_row(my_qx + m * K, K, my_xb + m * 2 * K);
 #endif
 #pragma omp for schedule(static) nowait /* the region's end is the barrier */
         for (int64_t t = 0; t < tiles; t++) {
