@@ -16,6 +16,15 @@ types and ranges and answers ``bad_request`` naming the field. A value that
 msgpack cannot carry at all (JSON allows integers beyond 64 bits and strings
 with lone surrogates) never reaches the server: ``generate`` raises
 ``Unencodable`` naming the field.
+
+Connection loss: once ``close`` ran (the owner's decision, or, for a bridge
+started with ``watch=True``, the server's end of the connection closing: its
+process exited), every call in flight and every later one ends with exactly one
+``error`` (``close``'s code and message; ``Call.lost`` says it was the bridge's,
+not the server's), never a hang. Over ``inproc://`` the server's end never
+closes first; over ``ipc://`` or ``tcp://`` ZeroMQ itself reconnects silently,
+so a client that must not wait for a dead server watches (the cluster's
+ingress, ``frontend/cluster/direct.py``).
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from frontend.client.core import CLOSED, Demux, cancel_message, decode_reply, info_query
 from ..protocol.encode import encode_message
@@ -43,25 +53,52 @@ class Bridge:
         self._to_send: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._sock: zmq.asyncio.Socket | None = None
+        self._closed = False
+        self._connected = asyncio.Event()  # (watch=True) the connection is made ...
+        self._disconnected = asyncio.Event()  # ... and then lost: the server's end closed it
 
-    async def start(self) -> None:
+    async def start(self, watch: bool = False) -> None:
+        """Connect. ``watch``: follow the connection (``connected``, ``disconnected``), from before it is made."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 0)  # unbounded: the server must never fail a send to us
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        self._tasks = []
+        if watch:
+            events = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._tasks.append(asyncio.create_task(self._watch(events)))
         sock.connect(self._endpoint)
         self._sock = sock
         self._to_send = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
+        self._tasks += [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
+
+    async def connected(self, timeout: float) -> bool:
+        """(``start(watch=True)``) Whether the connection was made within ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def disconnected(self) -> None:
+        """(``start(watch=True)``) Returns once the made connection was lost (the server's process exited)."""
+        await self._disconnected.wait()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     async def close(self, code: str = "internal", message: str = "the server connection is closed") -> None:
-        """Every request still waiting gets one ``error`` with ``code`` and ``message``."""
+        """Every request still waiting, and every later one, gets one ``error`` with ``code`` and ``message``."""
+        if self._closed:
+            return
+        self._closed = True  # (first: a generate from here on ends at once)
+        self._closed_with = (code, message)  # what each waiting call's error says
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
-        self._closed_with = (code, message)  # what each waiting call's error says
         self._demux.close_all()  # each waiting call gets the closed mark
 
     def forget(self, rid: str) -> None:
@@ -81,8 +118,11 @@ class Bridge:
         rid = rid or f"h{next(self._ids)}"
         frames = encode_message({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
-        self._demux.add_request(rid, q)
-        self._to_send.put_nowait(frames)
+        if self._closed:  # nothing will answer it
+            q.put_nowait(CLOSED)
+        else:
+            self._demux.add_request(rid, q)
+            self._to_send.put_nowait(frames)
         return Call(self, rid, q)
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -100,7 +140,8 @@ class Bridge:
 
     def cancel(self, rid: str) -> None:
         """Ask the server to end a request (its terminal ``done`` still arrives)."""
-        self._send(cancel_message(rid))
+        if not self._closed:
+            self._send(cancel_message(rid))
 
     def _send(self, msg: dict) -> None:
         self._to_send.put_nowait(encode_message(msg))
@@ -110,6 +151,17 @@ class Bridge:
         while True:
             frames = await self._to_send.get()
             await self._sock.send_multipart(frames)
+
+    async def _watch(self, events: zmq.asyncio.Socket) -> None:
+        try:
+            while not self._disconnected.is_set():
+                event = parse_monitor_message(await events.recv_multipart())["event"]
+                if event == zmq.EVENT_CONNECTED:
+                    self._connected.set()
+                elif event == zmq.EVENT_DISCONNECTED and self._connected.is_set():
+                    self._disconnected.set()
+        finally:
+            events.close(linger=0)
 
     async def _read(self) -> None:
         # After each awaited receive, what else is queued is taken without awaiting (a plain
@@ -141,18 +193,21 @@ class Call:
     def __init__(self, bridge: Bridge, rid: str, queue: asyncio.Queue) -> None:
         self._bridge, self.id, self._queue = bridge, rid, queue
         self.ended = False
+        self.lost = False  # its terminal message is the bridge's: the connection closed under it
 
     async def batches(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The messages in arrival batches: each batch is what had arrived when the previous one
-        was taken (at least one message), so a slow reader writes fewer, larger pieces."""
+        was taken (at least one message), so a slow reader writes fewer, larger pieces. The
+        connection's closed mark ends the call as its terminal ``error``."""
         q = self._queue
         try:
             while True:
                 batch = [await q.get()]
-                while batch[-1]["type"] not in TERMINAL and not q.empty():
+                while batch[-1] is not CLOSED and batch[-1]["type"] not in TERMINAL and not q.empty():
                     batch.append(q.get_nowait())
                 if batch[-1] is CLOSED:
                     batch[-1] = self._bridge.gone()
+                    self.lost = True
                 if batch[-1]["type"] in TERMINAL:
                     self._finish()
                 yield batch
