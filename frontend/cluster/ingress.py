@@ -86,6 +86,10 @@ class ClusterBridge:
     def forget(self, rid: str) -> None:
         self._queues.pop(rid, None)
 
+    async def close(self) -> None:
+        if self._direct is not None:
+            await self._direct.close()
+
     def cancel(self, rid: str) -> None:
         pump = self._pumps.get(rid)
         if pump is not None:
@@ -96,7 +100,7 @@ class ClusterBridge:
         try:
             for attempt in itertools.count():
                 dead = self._direct.dead() if self._direct is not None else ()
-                refused = await self._send_once(rid, fields, route, (*avoid, *dead), q)
+                refused = await self._send_once(rid, fields, route, tuple(dict.fromkeys((*avoid, *dead))), q)
                 if refused is None:
                     return
                 replica, why = refused
@@ -245,6 +249,10 @@ class TandemIngress:
                             sampling_defaults=info.get("sampling_defaults") or {})
         self._api_key = api_key
         self._metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: the direct links' sockets closed."""
+        await self._bridge.close()
 
     def __serve_build_asgi_app__(self):
         # /health: Serve routes only to healthy replicas and holds requests while none is

@@ -3,7 +3,8 @@
 The child runs with ``--http none`` on a private ``ipc://`` endpoint (a 0700
 directory named after the replica, so ``ps`` and ``tandem info --connect``
 find it) and everything Tandem guarantees on one GPU holds per replica. The
-replica reports that endpoint and its Ray node (``record_replica_metadata``):
+replica reports that endpoint, the child's pid and its Ray node
+(``record_replica_metadata``):
 an ingress on the same node sends its requests to the child itself
 (``direct.py``), the tokens never passing through this actor. For an ingress
 elsewhere the replica speaks the protocol to the child with the HTTP
@@ -145,8 +146,8 @@ class TandemReplica:
 
     # ------------------------------------------------------------------ Serve's calls
     async def record_replica_metadata(self) -> dict[str, Any]:
-        """Where the child listens, for an ingress on this node (``direct.py``; Serve reads it once)."""
-        return {"endpoint": self.endpoint, "node": ray.get_runtime_context().get_node_id()}
+        """Where the child listens and its pid, for an ingress on this node (``direct.py``; Serve reads it once)."""
+        return {"endpoint": self.endpoint, "node": ray.get_runtime_context().get_node_id(), "pid": self._child.pid}
 
     async def check_health(self) -> None:
         if self._exit_code is not None:

@@ -17,14 +17,13 @@ msgpack cannot carry at all (JSON allows integers beyond 64 bits and strings
 with lone surrogates) never reaches the server: ``generate`` raises
 ``Unencodable`` naming the field.
 
-Connection loss: once ``close`` ran (the owner's decision, or, for a bridge
-started with ``watch=True``, the server's end of the connection closing: its
-process exited), every call in flight and every later one ends with exactly one
-``error`` (``close``'s code and message; ``Call.lost`` says it was the bridge's,
-not the server's), never a hang. Over ``inproc://`` the server's end never
-closes first; over ``ipc://`` or ``tcp://`` ZeroMQ itself reconnects silently,
-so a client that must not wait for a dead server watches (the cluster's
-ingress, ``frontend/cluster/direct.py``).
+Connection loss: once ``close`` ran, every call in flight and every later one
+ends with exactly one ``error`` (``close``'s code and message; ``Call.lost``
+says it was the bridge's, not the server's), never a hang. ZeroMQ says nothing
+when a server's process dies (it reconnects silently), so the owner of a
+bridge to a server that can die closes it when it does (the cluster's replica
+when its child exits; the ingress's direct path, ``frontend/cluster/direct.py``,
+when a replica's ``tandem serve`` exits).
 """
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from frontend.client.core import CLOSED, Demux, cancel_message, decode_reply, info_query
 from ..protocol.encode import encode_message
@@ -54,35 +52,16 @@ class Bridge:
         self._tasks: list[asyncio.Task] = []
         self._sock: zmq.asyncio.Socket | None = None
         self._closed = False
-        self._connected = asyncio.Event()  # (watch=True) the connection is made ...
-        self._disconnected = asyncio.Event()  # ... and then lost: the server's end closed it
 
-    async def start(self, watch: bool = False) -> None:
-        """Connect. ``watch``: follow the connection (``connected``, ``disconnected``), from before it is made."""
+    async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 0)  # unbounded: the server must never fail a send to us
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
-        self._tasks = []
-        if watch:
-            events = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            self._tasks.append(asyncio.create_task(self._watch(events)))
         sock.connect(self._endpoint)
         self._sock = sock
         self._to_send = asyncio.Queue()
-        self._tasks += [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
-
-    async def connected(self, timeout: float) -> bool:
-        """(``start(watch=True)``) Whether the connection was made within ``timeout`` seconds."""
-        try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-    async def disconnected(self) -> None:
-        """(``start(watch=True)``) Returns once the made connection was lost (the server's process exited)."""
-        await self._disconnected.wait()
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
 
     @property
     def closed(self) -> bool:
@@ -151,17 +130,6 @@ class Bridge:
         while True:
             frames = await self._to_send.get()
             await self._sock.send_multipart(frames)
-
-    async def _watch(self, events: zmq.asyncio.Socket) -> None:
-        try:
-            while not self._disconnected.is_set():
-                event = parse_monitor_message(await events.recv_multipart())["event"]
-                if event == zmq.EVENT_CONNECTED:
-                    self._connected.set()
-                elif event == zmq.EVENT_DISCONNECTED and self._connected.is_set():
-                    self._disconnected.set()
-        finally:
-            events.close(linger=0)
 
     async def _read(self) -> None:
         # After each awaited receive, what else is queued is taken without awaiting (a plain
