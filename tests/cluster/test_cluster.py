@@ -1,8 +1,10 @@
-"""``tandem cluster`` on Ray Serve: the ingress's retries, the option mapping, the manifests, then one
-real cluster for the module (``tandem cluster --replicas 2``, tiny-random on CPU, loopback): streaming
-through the ingress, session affinity with prefix-cache hits in the owner's counters, a sessionless
-burst spread over both replicas, a replica's ``tandem serve`` killed mid-stream, a worker that never
-gets ready, a replica's actor killed mid-stream, and SIGTERM leaving nothing running. (The routing
+"""``tandem cluster`` on Ray Serve: the ingress's retries, its direct path (against a fake ``tandem
+serve`` process: same node direct, another through Ray, a killed one's streams), the option mapping,
+the manifests, then one real cluster for the module (``tandem cluster --replicas 2``, tiny-random on
+CPU, loopback): streaming through the ingress, session affinity with prefix-cache hits in the owner's
+counters, a sessionless burst spread over both replicas, a stream completing while its replica's actor
+is stopped (the direct path), a replica's ``tandem serve`` killed mid-stream, a worker that never gets
+ready, a replica's actor killed mid-stream, and SIGTERM leaving nothing running. (The routing
 itself, pure: tests/cluster/test_routing.py.)
 
 No test here depends on the machine's speed: a test follows the replica that answered, not the one
@@ -571,6 +573,42 @@ def test_a_sessionless_burst_is_spread_over_both_replicas(cluster):
     assert sorted(counts) == sorted(cluster.replicas()) and min(counts.values()) >= 8, counts
 
 
+def test_a_request_streams_from_a_replica_whose_actor_is_stopped(cluster):
+    """The direct path: the ingress sends the request to the chosen replica's ``tandem serve`` and reads
+    its tokens itself, so a stream completes while that replica's Ray actor is stopped (SIGSTOP): no
+    token passes through the actor. (Through the actor it would wait until Serve's health check gave the
+    actor up, then go to the other replica.) The stream is short beside the health check's timeout."""
+    replicas = cluster.wait_replicas(2, timeout=300)
+    home = rendezvous("s:stopped-actor", sorted(replicas))[0]  # nothing in flight: the session's first replica
+    actor = replicas[home].parent()
+    assert "TandemReplica" in " ".join(actor.cmdline()), actor.cmdline()  # non-vacuity: the actor, not raylet
+    actor.suspend()
+    try:
+        with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", headers={"X-Session-Id": "stopped-actor"},
+                          timeout=60, json={"messages": [{"role": "user", "content": "go"}], "stream": True,
+                                            "max_tokens": 16, "ignore_eos": True,
+                                            "stream_options": {"include_usage": True}}) as r:
+            served_by = r.headers["x-tandem-replica"]
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert actor.status() == psutil.STATUS_STOPPED  # stopped all along
+    finally:
+        actor.resume()
+    assert served_by == home
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), events[-3:]
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 16
+
+
+def _gone(path: Path, timeout: float = 60) -> bool:
+    """Whether ``path`` is removed within ``timeout`` s (by a replica: the ingress may see its child
+    exit, and end the stream, before the replica's actor has removed the directory)."""
+    deadline = time.monotonic() + timeout
+    while path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _stream_through_a_kill(cluster: LocalCluster, session: str, kill) -> str:
     """A long stream of ``session``; once it streams, ``kill(replica)`` of the replica serving it: the
     stream gets one ``worker_failed`` error event, then its end (it never hangs). Returns that replica."""
@@ -624,7 +662,7 @@ def test_killed_and_never_ready_replicas_are_replaced(cluster):
     # a stream on A; A's tandem serve is killed mid-stream: one error event, then the end
     a = _stream_through_a_kill(cluster, "s-killed", lambda name: old[name].kill())
     (b,) = set(old) - {a}
-    assert not cluster.replica_dirs[a].exists()  # A's replica removed its directory when its child exited
+    assert _gone(cluster.replica_dirs[a])  # A's replica removed its directory when its child exited
     # B keeps answering meanwhile, and A's sessions are served elsewhere without an error before Serve
     # has replaced A (A refuses them unstarted until its routing stats say failed)
     assert _chat(cluster, [{"role": "user", "content": "still there?"}], session="s-other").headers[
@@ -677,7 +715,7 @@ def test_a_killed_replica_actor_takes_its_tandem_serve_along_and_is_replaced(clu
             "x-tandem-replica"] == b
     new = cluster.wait_replicas(2, exclude={a}, timeout=300)
     assert b in new and old[b].is_running()
-    assert not cluster.replica_dirs[a].exists()  # the new replica removed the killed actor's directory
+    assert _gone(cluster.replica_dirs[a])  # the new replica removed the killed actor's directory
 
 
 def test_sigterm_leaves_nothing_running(cluster):
