@@ -90,7 +90,9 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
                                max_ongoing_requests=replicas * max_queue,
                                ray_actor_options={"num_cpus": 0, "runtime_env": hop_env},
                                logging_config=QUIET)
-    return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key, options.get("metrics_compat"))
+    # the direct token path needs the router that counts what the ingress sends itself (direct.py)
+    return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key, options.get("metrics_compat"),
+                        direct=router == "affinity")
 
 
 def _gpus(device: str) -> int:

@@ -2,15 +2,21 @@
 
 Every route, validation and error is ``frontend/http``'s: the app is built by
 ``frontend.http.app.build_app`` with a ``ClusterBridge`` in place of the
-server's ``Bridge``. A ``ClusterBridge`` call goes through the replicas'
-``DeploymentHandle`` (routed by ``router.AffinityRouter``) and feeds the same
-``Call`` the HTTP routes read, so streaming, disconnects and cancellation
+server's ``Bridge``. A ``ClusterBridge`` call asks the replicas'
+``DeploymentHandle`` for the router's choice (``router.AffinityRouter``) and,
+when the chosen replica runs on this node, sends the request to its ``tandem
+serve`` over ZeroMQ itself (``direct.py``: the tokens never cross Ray); else it
+calls the replica through the handle (its actor streams the messages back).
+Either way it feeds the same ``Call`` the HTTP routes read, so streaming,
+disconnects and cancellation (to the ``tandem serve`` that has the request)
 behave as on one server. Each answer a replica gave carries its name in
-``x-tandem-replica``. A stream that loses its replica (the actor died, Serve
-could not route it) gets one ``worker_failed`` error as its terminal message:
-it never hangs. A request no replica began (it reached one whose ``tandem
-serve`` had exited, or an actor that was gone) is sent to another one, at most
-``RETRIES`` times: nothing of it had been generated, so nothing is repeated.
+``x-tandem-replica``. A stream that loses its replica (its ``tandem serve``
+exited, the actor died, Serve could not route it) gets one ``worker_failed``
+error as its terminal message: it never hangs. A request no replica began
+(nothing of it had arrived when its ``tandem serve`` closed the connection, or
+it reached one that had exited, or an actor that was gone) is sent to another
+one, at most ``RETRIES`` times: nothing of it had reached the client, so
+nothing is repeated.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import itertools
 import logging
 from typing import Any
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
@@ -33,6 +40,8 @@ from ..http.bridge import TERMINAL, Call
 from ..http.common import Context
 from frontend.server.metrics import Metrics
 from frontend.server.tokenization import chat_prompt_ids, text_prompt_ids
+from .direct import DirectPath
+from .router import Counted
 from .routing import NOT_STARTED
 
 log = logging.getLogger("tandem.cluster")
@@ -49,12 +58,14 @@ _answered_by: contextvars.ContextVar[dict | None] = contextvars.ContextVar("answ
 
 
 class ClusterBridge:
-    """``frontend.http.bridge.Bridge``'s calls (``generate``, ``info``, ``cancel``) over the replicas."""
+    """``frontend.http.bridge.Bridge``'s calls (``generate``, ``info``, ``cancel``) over the replicas
+    (``direct``: the links to this node's replicas; None: every request through Ray)."""
 
-    def __init__(self, replicas, tokenizer) -> None:
+    def __init__(self, replicas, tokenizer, direct: DirectPath | None = None) -> None:
         self._replicas = replicas.options(**SERIALIZATION)
         self._stream = self._replicas.options(stream=True)
         self._tokenizer = tokenizer
+        self._direct = direct
         self._ids = itertools.count(1)
         self._queues: dict[str, asyncio.Queue] = {}  # Call.forget drops its own
         self._pumps: dict[str, asyncio.Task] = {}
@@ -75,6 +86,10 @@ class ClusterBridge:
     def forget(self, rid: str) -> None:
         self._queues.pop(rid, None)
 
+    async def close(self) -> None:
+        if self._direct is not None:
+            await self._direct.close()
+
     def cancel(self, rid: str) -> None:
         pump = self._pumps.get(rid)
         if pump is not None:
@@ -84,7 +99,8 @@ class ClusterBridge:
         avoid: list[str] = []  # the replicas that refused it unstarted: the router sends it elsewhere
         try:
             for attempt in itertools.count():
-                refused = await self._stream_once(fields, route, tuple(avoid), q)
+                dead = self._direct.dead() if self._direct is not None else ()
+                refused = await self._send_once(rid, fields, route, tuple(dict.fromkeys((*avoid, *dead))), q)
                 if refused is None:
                     return
                 replica, why = refused
@@ -101,11 +117,44 @@ class ClusterBridge:
             self._pumps.pop(rid, None)
             self._queues.pop(rid, None)
 
-    async def _stream_once(self, fields: dict[str, Any], route: dict[str, Any], avoid: tuple[str, ...],
-                           q: asyncio.Queue) -> tuple[str | None, str] | None:
-        """One replica's stream of the request into ``q``: None once its terminal message is
+    async def _send_once(self, rid: str, fields: dict[str, Any], route: dict[str, Any], avoid: tuple[str, ...],
+                         q: asyncio.Queue) -> tuple[str | None, str] | None:
+        """One replica's answer to the request into ``q``: None once its terminal message is
         queued, or (the replica if it was reached, why) when no replica began it. (``route``:
         the router's ``session`` or ``prefix_pages``.)"""
+        if self._direct is not None:
+            counted = Counted()  # the router counts it at the choice; its end is ours to report
+            try:
+                async with self._replicas.generate.choose_replica(avoid=avoid, counted=counted, _reserve=False,
+                                                                  **route) as chosen:
+                    replica, metadata = chosen.replica_id, chosen.replica_metadata
+                link = await self._direct.link(replica, metadata)
+                if link is not None:
+                    return await self._stream_direct(link, replica, rid, fields, q)
+            finally:
+                counted.end()  # (a replica elsewhere: the handle's call below is routed, and counted, again)
+        return await self._stream_once(fields, route, avoid, q)
+
+    @staticmethod
+    async def _stream_direct(link, replica: str, rid: str, fields: dict[str, Any],
+                             q: asyncio.Queue) -> tuple[str, str] | None:
+        """The request's messages from ``replica``'s ``tandem serve`` over ``link`` into ``q``: None
+        once the terminal one is queued; (replica, why) if the connection closed before any arrived."""
+        call = link.generate(fields, rid=rid)
+        begun = False
+        async for batch in call.batches():  # (cancelled: the call's exit cancels the request there)
+            if call.lost and not begun and len(batch) == 1:
+                return replica, batch[0]["message"]
+            if not begun:
+                _note_replica(replica)
+                begun = True
+            for msg in batch:
+                q.put_nowait(msg)
+        return None
+
+    async def _stream_once(self, fields: dict[str, Any], route: dict[str, Any], avoid: tuple[str, ...],
+                           q: asyncio.Queue) -> tuple[str | None, str] | None:
+        """``_send_once`` through the replica's actor (its Ray handle's stream)."""
         responses = self._stream.generate.remote(fields, avoid=avoid, **route)
         replica = None
         try:
@@ -184,10 +233,14 @@ class ReplicaHeader:
 
 @serve.ingress()
 class TandemIngress:
-    async def __init__(self, replicas, api_key: str | None = None, metrics_compat: str | None = None) -> None:
+    async def __init__(self, replicas, api_key: str | None = None, metrics_compat: str | None = None,
+                       direct: bool = True) -> None:
+        """``direct``: send requests to this node's replicas' ``tandem serve`` directly (``direct.py``;
+        the affinity router's choice, which counts them)."""
         info = await replicas.info.remote()
         tokenizer = replicas_tokenizer(info)
-        self._bridge = ClusterBridge(replicas, tokenizer)
+        node = ray.get_runtime_context().get_node_id()
+        self._bridge = ClusterBridge(replicas, tokenizer, DirectPath(node) if direct else None)
         name = info.get("served_model_name") or info["model"]
         self._ctx = Context(bridge=self._bridge, model=name, tokenizer=tokenizer,
                             aliases=tuple({info["model"]} - {name}), max_model_len=int(info["max_model_len"]),
@@ -196,6 +249,10 @@ class TandemIngress:
                             sampling_defaults=info.get("sampling_defaults") or {})
         self._api_key = api_key
         self._metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: the direct links' sockets closed."""
+        await self._bridge.close()
 
     def __serve_build_asgi_app__(self):
         # /health: Serve routes only to healthy replicas and holds requests while none is

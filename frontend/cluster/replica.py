@@ -3,20 +3,28 @@
 The child runs with ``--http none`` on a private ``ipc://`` endpoint (a 0700
 directory named after the replica, so ``ps`` and ``tandem info --connect``
 find it) and everything Tandem guarantees on one GPU holds per replica. The
-replica speaks the protocol to it with the HTTP frontend's own async client
-(``frontend.http.bridge.Bridge``) and streams each request's messages back to
-the ingress in arrival batches (lists of protocol messages, the last one
-terminal), the first paired with its own name (the ingress's
+replica reports that endpoint, the child's pid and its Ray node
+(``record_replica_metadata``):
+an ingress on the same node sends its requests to the child itself
+(``direct.py``), the tokens never passing through this actor. For an ingress
+elsewhere the replica speaks the protocol to the child with the HTTP
+frontend's own async client (``frontend.http.bridge.Bridge``) and streams each
+request's messages back in arrival batches (lists of protocol messages, the
+last one terminal), the first paired with its own name (the ingress's
 ``x-tandem-replica`` header): one streamed item per batch, none more.
 
-Failure: the child is started with ``PR_SET_PDEATHSIG`` (SIGTERM), so a
-replica killed with ``kill -9`` takes its ``tandem serve`` with it (which
-drains and stops its worker). When the child exits, every request in flight
-gets one ``worker_failed`` error at once, a request that arrives later gets
-``NOT_STARTED`` (the ingress sends it to another replica), the routing stats
-say ``failed`` and ``check_health`` fails, so Serve replaces the replica;
-``check_health`` also fails once the child's worker has not been ready for
-``not_ready_grace_s`` (a worker that cannot come back).
+Failure: the child is started with ``PR_SET_PDEATHSIG`` (SIGKILL), so a
+replica whose actor is killed (``kill -9``, or Serve after a failed health
+check) takes its ``tandem serve`` with it at once: the child must not keep
+serving the ingress's direct requests for a replica Serve has given up
+(those in flight end with one ``worker_failed`` error when its connection
+closes; its worker exits once its parent is gone). When the child exits,
+every request in flight here gets one ``worker_failed`` error at once, a
+request that arrives later gets ``NOT_STARTED`` (the ingress sends it to
+another replica), the routing stats say ``failed`` and ``check_health``
+fails, so Serve replaces the replica; ``check_health`` also fails once the
+child's worker has not been ready for ``not_ready_grace_s`` (a worker that
+cannot come back).
 Shutdown: SIGTERM to the child, which drains for its ``--drain-timeout``;
 Serve's graceful shutdown timeout is set longer (``app.py``). A replica whose actor
 was killed leaves its directory behind; the next replica started on the node
@@ -36,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 
 from ..http.bridge import Bridge
@@ -49,7 +58,7 @@ OWNER_FILE = "replica.pid"  # in a replica's private directory: its actor's pid
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _sweep_dead_replicas_dirs() -> None:
@@ -136,6 +145,10 @@ class TandemReplica:
         return {**info, "replica": self.name, "endpoint": self.endpoint}
 
     # ------------------------------------------------------------------ Serve's calls
+    async def record_replica_metadata(self) -> dict[str, Any]:
+        """Where the child listens and its pid, for an ingress on this node (``direct.py``; Serve reads it once)."""
+        return {"endpoint": self.endpoint, "node": ray.get_runtime_context().get_node_id(), "pid": self._child.pid}
+
     async def check_health(self) -> None:
         if self._exit_code is not None:
             raise RuntimeError(self._exited())

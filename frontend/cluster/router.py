@@ -23,17 +23,39 @@ the next choice sees it at once; a choice made again moves it), and
 uncounted when Serve reports it completed (its stream ended, failed or was
 cancelled: ``on_request_completed``) or when it is cancelled before it was
 sent. Serve calls all of these on its router loop; their times are
-``time.time()``, the clock the replicas' reports are taken by.
+``time.time()``, the clock the replicas' reports are taken by. A request the
+ingress only asks the choice for (``choose_replica(..., _reserve=False)``) and
+then sends itself (``direct.py``: Serve never sees it end) carries a
+``Counted`` in its ``counted`` argument: the router binds it to the request's
+count, and the ingress's ``Counted.end()`` uncounts it (on the router's loop).
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from . import MAX_OVERLOAD
 from .routing import Load, Router, choose, usable
+
+
+class Counted:
+    """The router's count of one request whose end Serve will not report: ``end()`` uncounts it
+    (once; a no-op before the router counted it)."""
+
+    def __init__(self) -> None:
+        self._end: Callable[[], None] | None = None
+
+    def bind(self, end: Callable[[], None]) -> None:
+        self._end = end  # (a choice made again moved the count: its end is the last one's)
+
+    def end(self) -> None:
+        end, self._end = self._end, None
+        if end is not None:
+            end()
 
 
 class AffinityRouter(RequestRouter):
@@ -56,8 +78,23 @@ class AffinityRouter(RequestRouter):
                                         time.time())
             pending_request.future.add_done_callback(
                 lambda f: f.cancelled() and self.routing.ended(rid, now=time.time()))
+            counted = kwargs.get("counted")
+            if counted is not None:
+                counted.bind(functools.partial(self._end_soon, asyncio.get_running_loop(), rid, chosen))
             pending_request.routing_context.should_backoff = True  # no room there yet: wait before choosing again
         return [[by_name[chosen]]]
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self.routing.ended(internal_request_id, replica_id.unique_id, now=time.time())
+
+    def _end_soon(self, loop: asyncio.AbstractEventLoop, rid: str, replica: str) -> None:
+        """``Counted.end``: uncount on the router's loop (the ingress's own, unless Serve runs it apart)."""
+        end = functools.partial(self.routing.ended, rid, replica, now=time.time())
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            end()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(end)

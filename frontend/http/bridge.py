@@ -16,6 +16,14 @@ types and ranges and answers ``bad_request`` naming the field. A value that
 msgpack cannot carry at all (JSON allows integers beyond 64 bits and strings
 with lone surrogates) never reaches the server: ``generate`` raises
 ``Unencodable`` naming the field.
+
+Connection loss: once ``close`` ran, every call in flight and every later one
+ends with exactly one ``error`` (``close``'s code and message; ``Call.lost``
+says it was the bridge's, not the server's), never a hang. ZeroMQ says nothing
+when a server's process dies (it reconnects silently), so the owner of a
+bridge to a server that can die closes it when it does (the cluster's replica
+when its child exits; the ingress's direct path, ``frontend/cluster/direct.py``,
+when a replica's ``tandem serve`` exits).
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ class Bridge:
         self._to_send: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._sock: zmq.asyncio.Socket | None = None
+        self._closed = False
 
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -54,14 +63,21 @@ class Bridge:
         self._to_send = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self, code: str = "internal", message: str = "the server connection is closed") -> None:
-        """Every request still waiting gets one ``error`` with ``code`` and ``message``."""
+        """Every request still waiting, and every later one, gets one ``error`` with ``code`` and ``message``."""
+        if self._closed:
+            return
+        self._closed = True  # (first: a generate from here on ends at once)
+        self._closed_with = (code, message)  # what each waiting call's error says
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
-        self._closed_with = (code, message)  # what each waiting call's error says
         self._demux.close_all()  # each waiting call gets the closed mark
 
     def forget(self, rid: str) -> None:
@@ -81,8 +97,11 @@ class Bridge:
         rid = rid or f"h{next(self._ids)}"
         frames = encode_message({"type": "generate", "id": rid, **fields})
         q: asyncio.Queue = asyncio.Queue()
-        self._demux.add_request(rid, q)
-        self._to_send.put_nowait(frames)
+        if self._closed:  # nothing will answer it
+            q.put_nowait(CLOSED)
+        else:
+            self._demux.add_request(rid, q)
+            self._to_send.put_nowait(frames)
         return Call(self, rid, q)
 
     async def info(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -100,7 +119,8 @@ class Bridge:
 
     def cancel(self, rid: str) -> None:
         """Ask the server to end a request (its terminal ``done`` still arrives)."""
-        self._send(cancel_message(rid))
+        if not self._closed:
+            self._send(cancel_message(rid))
 
     def _send(self, msg: dict) -> None:
         self._to_send.put_nowait(encode_message(msg))
@@ -141,18 +161,21 @@ class Call:
     def __init__(self, bridge: Bridge, rid: str, queue: asyncio.Queue) -> None:
         self._bridge, self.id, self._queue = bridge, rid, queue
         self.ended = False
+        self.lost = False  # its terminal message is the bridge's: the connection closed under it
 
     async def batches(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The messages in arrival batches: each batch is what had arrived when the previous one
-        was taken (at least one message), so a slow reader writes fewer, larger pieces."""
+        was taken (at least one message), so a slow reader writes fewer, larger pieces. The
+        connection's closed mark ends the call as its terminal ``error``."""
         q = self._queue
         try:
             while True:
                 batch = [await q.get()]
-                while batch[-1]["type"] not in TERMINAL and not q.empty():
+                while batch[-1] is not CLOSED and batch[-1]["type"] not in TERMINAL and not q.empty():
                     batch.append(q.get_nowait())
                 if batch[-1] is CLOSED:
                     batch[-1] = self._bridge.gone()
+                    self.lost = True
                 if batch[-1]["type"] in TERMINAL:
                     self._finish()
                 yield batch

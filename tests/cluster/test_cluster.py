@@ -1,8 +1,10 @@
-"""``tandem cluster`` on Ray Serve: the ingress's retries, the option mapping, the manifests, then one
-real cluster for the module (``tandem cluster --replicas 2``, tiny-random on CPU, loopback): streaming
-through the ingress, session affinity with prefix-cache hits in the owner's counters, a sessionless
-burst spread over both replicas, a replica's ``tandem serve`` killed mid-stream, a worker that never
-gets ready, a replica's actor killed mid-stream, and SIGTERM leaving nothing running. (The routing
+"""``tandem cluster`` on Ray Serve: the ingress's retries, its direct path (against a fake ``tandem
+serve`` process: same node direct, another through Ray, a killed one's streams), the option mapping,
+the manifests, then one real cluster for the module (``tandem cluster --replicas 2``, tiny-random on
+CPU, loopback): streaming through the ingress, session affinity with prefix-cache hits in the owner's
+counters, a sessionless burst spread over both replicas, a stream completing while its replica's actor
+is stopped (the direct path), a replica's ``tandem serve`` killed mid-stream, a worker that never gets
+ready, a replica's actor killed mid-stream, and SIGTERM leaving nothing running. (The routing
 itself, pure: tests/cluster/test_routing.py.)
 
 No test here depends on the machine's speed: a test follows the replica that answered, not the one
@@ -138,6 +140,204 @@ def test_serve_is_given_the_routers_choice_alone():
 
     for i in range(8):
         assert asyncio.run(ranks(i)) == [[rendezvous(f"s:chat-{i}", ["r-a", "r-b"])[0]]]
+
+
+def test_a_request_the_ingress_sends_itself_is_counted_until_it_reports_its_end():
+    """The direct path asks Serve for the router's choice only (Serve never sees the request end): the
+    router counts it at the choice and the ingress's ``Counted.end()`` uncounts it, once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from frontend.cluster.router import AffinityRouter, Counted
+
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n), routing_stats={}) for n in ("r-a", "r-b")]
+
+    async def go():
+        router = AffinityRouter.__new__(AffinityRouter)  # (Serve's constructor needs a running deployment)
+        router.initialize_state()
+        counted = Counted()
+        counted.end()  # before the choice: nothing to uncount
+        pending = SimpleNamespace(kwargs={"session": "chat-1", "counted": counted},
+                                  metadata=SimpleNamespace(internal_request_id="q"),
+                                  future=asyncio.get_running_loop().create_future(),
+                                  routing_context=SimpleNamespace(should_backoff=False))
+        ((chosen,),) = await router.choose_replicas(replicas, pending)
+        name = chosen.replica_id.unique_id
+        assert router.routing.sent(name) == 1
+        counted.end()
+        counted.end()
+        return router.routing.sent(name)
+
+    assert asyncio.run(go()) == 0
+
+
+_FAKE_SERVE = """
+import json, sys, msgpack, zmq
+from frontend.protocol.encode import encode_message
+replies = json.loads(sys.argv[2])
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+sock.bind(sys.argv[1])
+print("ready", flush=True)
+while True:
+    peer, _, body = sock.recv_multipart()
+    msg = msgpack.unpackb(body)
+    print(json.dumps(msg), flush=True)
+    if msg["type"] == "generate":
+        for reply in replies.pop(0):
+            sock.send_multipart([peer, *encode_message({**reply, "id": msg["id"]})])
+"""
+
+
+class _FakeServe:
+    """A replica's ``tandem serve`` as the ingress's direct path sees it: a process with a ROUTER on
+    ``endpoint`` answering the i-th generate with ``replies[i]`` (its id filled in); ``received()``
+    waits for the next message it got."""
+
+    def __init__(self, endpoint: str, replies) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _FAKE_SERVE, endpoint, json.dumps(replies)],
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert self.proc.stdout.readline() == "ready\n"
+        self.metadata = {"endpoint": endpoint, "node": "node-here", "pid": self.proc.pid}
+
+    async def received(self) -> dict:
+        import asyncio
+
+        return json.loads(await asyncio.to_thread(self.proc.stdout.readline))
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class _FakeChoosing(_FakeReplicas):
+    """``_FakeReplicas`` with the router's choice (``choose_replica(..., _reserve=False)``): the i-th
+    choice is ``choices[i]``, (replica, its reported metadata); ``ended`` lists the replicas whose
+    count the ingress ended, ``chosen_avoiding`` each choice's ``avoid``."""
+
+    def __init__(self, choices, *scripts) -> None:
+        super().__init__(*scripts)
+        self._choices, self.ended, self.chosen_avoiding = list(choices), [], []
+
+    def choose_replica(self, avoid=(), counted=None, _reserve=True, session=None, prefix_pages=()):
+        from contextlib import asynccontextmanager
+        from types import SimpleNamespace
+
+        assert _reserve is False  # pick only: the replica's actor is not asked
+        replica, metadata = self._choices.pop(0)
+        self.chosen_avoiding.append(avoid)
+        counted.bind(lambda: self.ended.append(replica))
+
+        @asynccontextmanager
+        async def selection():
+            yield SimpleNamespace(replica_id=replica, replica_metadata=metadata)
+
+        return selection()
+
+
+def _direct_bridge(replicas):
+    from frontend.cluster import ingress
+    from frontend.cluster.direct import DirectPath
+
+    return ingress.ClusterBridge(replicas, tokenizer=None, direct=DirectPath("node-here"))
+
+
+def test_a_same_node_replica_is_read_directly_and_another_nodes_through_ray(tmp_path):
+    import asyncio
+
+    serve = _FakeServe(f"ipc://{tmp_path}/here.sock", [DONE])
+    there = {**serve.metadata, "node": "node-there"}  # (as if elsewhere: its actor is called)
+
+    async def go():
+        replicas = _FakeChoosing([("r-here", serve.metadata), ("r-there", there)], [("r-there", DONE)])
+        bridge = _direct_bridge(replicas)
+        direct = [m async for m in bridge.generate({"prompt_token_ids": [1, 2]}, rid="q1").events()]
+        via_ray = [m async for m in bridge.generate({"prompt_token_ids": [1, 2]}, rid="q2").events()]
+        await bridge.close()
+        return await serve.received(), direct, via_ray, replicas
+
+    try:
+        received, direct, via_ray, replicas = asyncio.run(go())
+    finally:
+        serve.kill()
+    assert received["type"] == "generate" and received["id"] == "q1"  # the HTTP request's id
+    assert direct == [{**m, "id": "q1"} for m in DONE]
+    assert via_ray == DONE and len(replicas.avoids) == 1  # the other node's replica: its actor's stream
+    assert replicas.ended == ["r-here", "r-there"]  # each choice's count ended (r-there's: before the handle's call)
+
+
+def test_a_direct_stream_whose_serve_exits_ends_with_one_worker_failed_or_goes_elsewhere_unbegun(tmp_path, monkeypatch):
+    """The replica's ``tandem serve`` is killed: a stream that had begun ends with exactly one
+    ``worker_failed`` error at once; one that had received nothing is sent to another replica
+    (avoiding the dead one, as every later request does) and answered there."""
+    import asyncio
+
+    monkeypatch.setattr("frontend.cluster.ingress.RETRY_DELAY_S", 0)
+
+    async def begun():
+        serve = _FakeServe(f"ipc://{tmp_path}/a.sock", [DONE[:1]])  # one chunk, then nothing: it dies mid-stream
+        replicas = _FakeChoosing([("r-a", serve.metadata)])
+        bridge = _direct_bridge(replicas)
+        out = []
+        async for msg in bridge.generate({"prompt_token_ids": [1, 2]}, rid="q1").events():
+            out.append(msg)
+            if len(out) == 1:
+                serve.kill()
+        await bridge.close()
+        return out, replicas
+
+    out, replicas = asyncio.run(begun())
+    assert out[0] == {**DONE[0], "id": "q1"} and len(out) == 2
+    assert out[1]["type"] == "error" and out[1]["code"] == "worker_failed" and "r-a" in out[1]["message"]
+    assert replicas.ended == ["r-a"] and replicas.chosen_avoiding == [()]
+
+    async def unbegun():
+        dying = _FakeServe(f"ipc://{tmp_path}/a2.sock", [[]])  # takes the request, answers nothing, dies
+        serve_b = _FakeServe(f"ipc://{tmp_path}/b.sock", [DONE, DONE])
+        replicas = _FakeChoosing([("r-a", dying.metadata), ("r-b", serve_b.metadata), ("r-b", serve_b.metadata)])
+        bridge = _direct_bridge(replicas)
+        events = bridge.generate({"prompt_token_ids": [1, 2]}, rid="q1").events()
+        first = asyncio.ensure_future(events.__anext__())
+        assert (await dying.received())["type"] == "generate"
+        dying.kill()
+        out = [await first] + [m async for m in events]
+        later = [m async for m in bridge.generate({"prompt_token_ids": [3]}, rid="q2").events()]
+        await bridge.close()
+        serve_b.kill()
+        return out, later, replicas
+
+    out, later, replicas = asyncio.run(unbegun())
+    assert out == [{**m, "id": "q1"} for m in DONE] and later == [{**m, "id": "q2"} for m in DONE]
+    assert replicas.chosen_avoiding == [(), ("r-a",), ("r-a",)]
+    assert replicas.ended == ["r-a", "r-b", "r-b"]
+
+
+def test_a_closed_bridge_ends_every_call_with_one_error_never_a_hang(tmp_path):
+    import asyncio
+
+    from frontend.http.bridge import Bridge
+
+    serve = _FakeServe(f"ipc://{tmp_path}/s.sock", [DONE[:1]])
+
+    async def go():
+        bridge = Bridge(serve.metadata["endpoint"])
+        await bridge.start()
+        call = bridge.generate({"prompt_token_ids": [1]}, rid="q1")
+        batches = []
+        async for batch in call.batches():
+            batches.append(batch)
+            if len(batches) == 1:
+                await bridge.close("worker_failed", "gone")
+        later = bridge.generate({"prompt_token_ids": [1]}, rid="q2")
+        return batches, call.lost, [b async for b in later.batches()], later.lost
+
+    try:
+        batches, lost, later, later_lost = asyncio.run(go())
+    finally:
+        serve.kill()
+    assert batches[0] == [{**DONE[0], "id": "q1"}] and lost and later_lost
+    assert batches[1] == later[0] == [{"type": "error", "id": None, "code": "worker_failed", "message": "gone"}]
+    assert len(batches) == 2 and len(later) == 1
 
 
 # --------------------------------------------------------------------------- options, metrics, manifests
@@ -373,6 +573,42 @@ def test_a_sessionless_burst_is_spread_over_both_replicas(cluster):
     assert sorted(counts) == sorted(cluster.replicas()) and min(counts.values()) >= 8, counts
 
 
+def test_a_request_streams_from_a_replica_whose_actor_is_stopped(cluster):
+    """The direct path: the ingress sends the request to the chosen replica's ``tandem serve`` and reads
+    its tokens itself, so a stream completes while that replica's Ray actor is stopped (SIGSTOP): no
+    token passes through the actor. (Through the actor it would wait until Serve's health check gave the
+    actor up, then go to the other replica.) The stream is short beside the health check's timeout."""
+    replicas = cluster.wait_replicas(2, timeout=300)
+    home = rendezvous("s:stopped-actor", sorted(replicas))[0]  # nothing in flight: the session's first replica
+    actor = replicas[home].parent()
+    assert "TandemReplica" in " ".join(actor.cmdline()), actor.cmdline()  # non-vacuity: the actor, not raylet
+    actor.suspend()
+    try:
+        with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", headers={"X-Session-Id": "stopped-actor"},
+                          timeout=60, json={"messages": [{"role": "user", "content": "go"}], "stream": True,
+                                            "max_tokens": 16, "ignore_eos": True,
+                                            "stream_options": {"include_usage": True}}) as r:
+            served_by = r.headers["x-tandem-replica"]
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert actor.status() == psutil.STATUS_STOPPED  # stopped all along
+    finally:
+        actor.resume()
+    assert served_by == home
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), events[-3:]
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 16
+
+
+def _gone(path: Path, timeout: float = 60) -> bool:
+    """Whether ``path`` is removed within ``timeout`` s (by a replica: the ingress may see its child
+    exit, and end the stream, before the replica's actor has removed the directory)."""
+    deadline = time.monotonic() + timeout
+    while path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _stream_through_a_kill(cluster: LocalCluster, session: str, kill) -> str:
     """A long stream of ``session``; once it streams, ``kill(replica)`` of the replica serving it: the
     stream gets one ``worker_failed`` error event, then its end (it never hangs). Returns that replica."""
@@ -426,7 +662,7 @@ def test_killed_and_never_ready_replicas_are_replaced(cluster):
     # a stream on A; A's tandem serve is killed mid-stream: one error event, then the end
     a = _stream_through_a_kill(cluster, "s-killed", lambda name: old[name].kill())
     (b,) = set(old) - {a}
-    assert not cluster.replica_dirs[a].exists()  # A's replica removed its directory when its child exited
+    assert _gone(cluster.replica_dirs[a])  # A's replica removed its directory when its child exited
     # B keeps answering meanwhile, and A's sessions are served elsewhere without an error before Serve
     # has replaced A (A refuses them unstarted until its routing stats say failed)
     assert _chat(cluster, [{"role": "user", "content": "still there?"}], session="s-other").headers[
@@ -479,7 +715,7 @@ def test_a_killed_replica_actor_takes_its_tandem_serve_along_and_is_replaced(clu
             "x-tandem-replica"] == b
     new = cluster.wait_replicas(2, exclude={a}, timeout=300)
     assert b in new and old[b].is_running()
-    assert not cluster.replica_dirs[a].exists()  # the new replica removed the killed actor's directory
+    assert _gone(cluster.replica_dirs[a])  # the new replica removed the killed actor's directory
 
 
 def test_sigterm_leaves_nothing_running(cluster):

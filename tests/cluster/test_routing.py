@@ -11,6 +11,7 @@ import math
 import pytest
 
 from frontend.cluster import ROUTING_STATS_PERIOD_S
+from frontend.cluster.direct import endpoint_here
 from frontend.cluster.routing import Load, Router, bound, checked_overload, choose, rendezvous, usable
 
 REPLICAS = ["r-a", "r-b", "r-c", "r-d", "r-e"]
@@ -242,3 +243,12 @@ def test_bad_input_is_refused_with_a_clear_error():
             Router(bad)
     with pytest.raises(ValueError, match="no replicas"):
         choose([], {})
+
+
+def test_only_a_replica_on_the_ingresss_node_is_read_directly():
+    """The direct path's endpoint: a replica that reported one on this node; any other goes through Ray."""
+    here = {"endpoint": "ipc:///tmp/tandem-r-a-x/serve.sock", "node": "n1", "pid": 123}
+    assert endpoint_here(here, "n1") == here["endpoint"]
+    assert endpoint_here(here, "n2") is None  # another node: its actor streams the tokens
+    assert endpoint_here({}, "n1") is None  # no report (an older replica, or Serve has not passed it on yet)
+    assert endpoint_here({**here, "pid": None}, "n1") is None  # no process to watch: no way to see it exit
