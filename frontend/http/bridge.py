@@ -63,10 +63,6 @@ class Bridge:
         self._to_send = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     async def close(self, code: str = "internal", message: str = "the server connection is closed") -> None:
         """Every request still waiting, and every later one, gets one ``error`` with ``code`` and ``message``."""
         if self._closed:
