@@ -579,7 +579,9 @@ def test_a_request_streams_from_a_replica_whose_actor_is_stopped(cluster):
     token passes through the actor. (Through the actor it would wait until Serve's health check gave the
     actor up, then go to the other replica.) The stream is short beside the health check's timeout."""
     replicas = cluster.wait_replicas(2, timeout=300)
-    home = rendezvous("s:stopped-actor", sorted(replicas))[0]  # nothing in flight: the session's first replica
+    first = httpx.post(f"{cluster.url}/v1/chat/completions", headers={"X-Session-Id": "stopped-actor"}, timeout=60,
+                       json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 1})
+    home = first.headers["x-tandem-replica"]  # the session's replica (asked, not predicted: the router weighs load)
     actor = replicas[home].parent()
     assert "TandemReplica" in " ".join(actor.cmdline()), actor.cmdline()  # non-vacuity: the actor, not raylet
     actor.suspend()
