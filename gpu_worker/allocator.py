@@ -91,17 +91,23 @@ class Allocator:
 
     def name_full_pages(self, seq: Sequence) -> None:
         """Name the sequence's pages whose KV is complete and committed (prompt and generated
-        tokens alike, so a follow-up turn hits): from now on other requests may map them."""
+        tokens alike, so a follow-up turn hits): from now on other requests may map them. A page in
+        which no image begins is also a child ``PagePool.partial`` finds (the image's hash is in the
+        name, not in the tokens)."""
         size = self.page_size
         full = min(seq.kv_committed, seq.cacheable_len) // size
+        if seq.pages_registered >= full:
+            return
         names = seq.page_names
+        tokens = seq.prompt_ids + seq.output_ids
         if len(names) < full:
-            tokens = seq.prompt_ids + seq.output_ids
             names += chain(tokens[len(names) * size:], size, full - len(names), seq.page_salt,
                            parent=names[-1] if names else ROOT, page_salts=seq.image_salts(len(names), full, size))
-        for i in range(seq.pages_registered, full):
-            self.pages.register(seq.pages[i], names[i])
-        seq.pages_registered = max(seq.pages_registered, full)
+        first = seq.pages_registered
+        for i, image_salt in enumerate(seq.image_salts(first, full, size), first):
+            self.pages.register(seq.pages[i], names[i], names[i - 1] if i else ROOT, seq.page_salt,
+                                tokens[i * size:(i + 1) * size] if not image_salt else ())
+        seq.pages_registered = full
 
     def check_exclusive(self, seqs: list[Sequence], decode_pos: np.ndarray, prefill: list[PrefillChunk]) -> None:
         """Debug: a launch (its decode rows, then its prefill chunks) writes KV only into pages no

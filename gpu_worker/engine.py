@@ -303,6 +303,8 @@ class Engine:
         plan, admitted = self.scheduler.plan()
         for seq in admitted:
             self.runner.set_row(seq.row, seq.params, seq.seed, seq.pages, seq.task, seq.prompt_ids)
+            if seq.kv_copy is not None:
+                self.runner.copy_kv_rows(*seq.kv_copy)
             self.stats_.prefix_query_tokens += seq.prompt_len
             self.stats_.prefix_hit_tokens += seq.cached_tokens
             if seq.images:

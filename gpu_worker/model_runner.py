@@ -271,6 +271,14 @@ class ModelRunner:
         if self.skills is not None:
             self.device.compute.submit(lambda: self.skills.set_row(row, task or SkillTask()))
 
+    def copy_kv_rows(self, source: int, page: int, rows: int) -> None:
+        """Admission: the first ``rows`` of KV page ``source`` (every layer) into ``page``, on the compute
+        stream, so before the next forward (which may write ``source`` once it is evicted)."""
+        def copy() -> None:
+            for pool in (self.kv.k, self.kv.v):
+                pool[:, page, :rows] = pool[:, source, :rows]
+        self.device.compute.submit(copy)
+
     def load_lora(self, slot: int, name: str) -> None:
         """Write adapter ``name`` into LoRA slot ``slot``, after every step launched before."""
         self.device.compute.submit(lambda: self.lora.write(slot, name))

@@ -6,6 +6,13 @@ an adapter, image hashes). Two requests whose prompts begin with the same
 tokens therefore name the same leading pages, and the second maps them
 instead of computing them.
 
+Past its last full hit a prompt may still share tokens with a named page: the
+page after its parent's (an identical prompt whose tail page the earlier
+request filled with its answer, or one that differs mid-page). ``partial``
+finds the named child of that parent whose first tokens match longest; the
+engine copies those KV rows into the request's own page (a shared page would
+be written past them), so only the rest is computed.
+
 Every page is in exactly one state:
 - free: on the free list, holds nothing;
 - referenced: ``refs[page] > 0``, mapped by that many sequences;
@@ -18,13 +25,17 @@ Invariants (checked here, proved by tests/engine/test_prefix_cache.py):
   committed, so a hit never reads KV still being written (the engine calls
   ``register`` from its commit);
 - every reference is dropped exactly once: at idle every page is free or
-  cached (``idle``).
+  cached (``idle``);
+- a page is a child (``partial``) exactly while it is named.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 import numpy as np
+
+Family = tuple[bytes, bytes, int]  # a named page's parent's name, salt and first token: where ``partial`` looks
 
 class PagePool:
     """KV pages 1..num_pages-1 (page 0 is a scratch page for padded rows, never handed out)."""
@@ -39,6 +50,8 @@ class PagePool:
         self.hash_of: dict[int, bytes] = {}
         self.page_of: dict[bytes, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
+        self.children: dict[Family, dict[int, tuple[int, ...]]] = {}  # named pages by family -> their tokens
+        self.family_of: dict[int, Family] = {}
         self.evictions = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -66,6 +79,22 @@ class PagePool:
                 pages.append(page)
         return pages
 
+    def partial(self, parent: bytes, salt: bytes, tokens: Sequence[int]) -> tuple[int, int]:
+        """The named child of ``parent`` (with ``salt``) whose first tokens match ``tokens`` longest:
+        (its page, how many match), or (0, 0) if none does. A cached one becomes the most recent in
+        the LRU (its rows are about to be copied)."""
+        best, most = 0, 0
+        if self.caching and len(tokens):
+            for page, own in self.children.get((parent, salt, int(tokens[0])), {}).items():
+                n = 1
+                while n < len(tokens) and n < len(own) and own[n] == tokens[n]:
+                    n += 1
+                if n > most:
+                    best, most = page, n
+            if best in self.lru:
+                self.lru.move_to_end(best)
+        return best, most
+
     def can_allocate(self, n: int, hits: list[int] = ()) -> bool:
         """Room for ``n`` fresh pages once ``hits`` (which leave the LRU when mapped) are taken."""
         return n <= self.num_free - sum(1 for p in hits if p in self.lru)
@@ -85,6 +114,11 @@ class PagePool:
         elif self.lru:
             page, _ = self.lru.popitem(last=False)  # evict the least recently used cached page
             del self.page_of[self.hash_of.pop(page)]
+            family = self.family_of.pop(page, None)
+            if family is not None:
+                del self.children[family][page]
+                if not self.children[family]:
+                    del self.children[family]
             self.evictions += 1
         else:
             raise MemoryError("kv pages: none free or cached")
@@ -104,14 +138,19 @@ class PagePool:
                 else:
                     self._free.append(p)
 
-    def register(self, page: int, name: bytes) -> None:
-        """Name a referenced page whose KV is complete. If another page already has the name
-        (the same prefix computed twice at once), this one stays unnamed and is freed at release."""
+    def register(self, page: int, name: bytes, parent: bytes | None = None, salt: bytes = b"",
+                 tokens: Sequence[int] = ()) -> None:
+        """Name a referenced page whose KV is complete; with its ``parent``'s name, ``salt`` and
+        ``tokens`` it is also a child ``partial`` finds. If another page already has the name (the
+        same prefix computed twice at once), this one stays unnamed and is freed at release."""
         if not self.caching or name in self.page_of or page in self.hash_of:
             return
         assert self.refs[page] > 0, f"kv page {page} registered while unreferenced"
         self.hash_of[page] = name
         self.page_of[name] = page
+        if parent is not None and len(tokens):
+            family = self.family_of[page] = (parent, salt, int(tokens[0]))
+            self.children.setdefault(family, {})[page] = tuple(int(t) for t in tokens)
 
     def exclusive(self, page: int) -> bool:
         """True if writing the page cannot change KV another request reads (one owner, unnamed)."""

@@ -10,7 +10,9 @@ and reserves a request's whole KV (prompt + max_tokens) up front, so a running
 sequence never runs out of pages; a request that does not fit waits. The
 leading full pages of a prompt that the prefix cache holds are mapped, not
 computed: prefill starts after them (always recomputing at least the last
-prompt token, whose logits sample the first output token). A request naming a
+prompt token, whose logits sample the first output token); past them, the
+first tokens a named page shares with the prompt are copied into the
+request's own next page (``PagePool.partial``; not for prompts with images). A request naming a
 LoRA adapter also takes a reference to its adapter's slot at admission
 (``lora_slots.py``); while every slot is referenced by running requests of
 other adapters it waits at the head of the queue (FIFO is kept: no request
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.page_names import chain
+from shared.page_names import ROOT, chain
 
 from .allocator import Allocator
 from .lora_slots import LoraSlots
@@ -75,8 +77,11 @@ class Scheduler:
                 if slot is None:  # every slot is referenced: wait for one to be released
                     break
                 seq.lora_slot = slot
+            copied_from, rows = self._cached_rows(seq, hits)
             seq.row, seq.pages = self.alloc.admit(need, hits)
-            seq.num_prefilled = seq.kv_committed = seq.cached_tokens = len(hits) * self.alloc.page_size
+            if rows:
+                seq.kv_copy = (copied_from, seq.pages[len(hits)], rows)
+            seq.num_prefilled = seq.kv_committed = seq.cached_tokens = len(hits) * self.alloc.page_size + rows
             seq.admitted = True
             self.waiting.popleft()
             self.running.append(seq)
@@ -93,6 +98,15 @@ class Scheduler:
             n = (seq.prompt_len - 1) // size
             seq.page_names = chain(seq.prompt_ids, size, n, seq.page_salt, page_salts=seq.image_salts(0, n, size))
         return pool.lookup(seq.page_names)
+
+    def _cached_rows(self, seq: Sequence, hits: list[int]) -> tuple[int, int]:
+        """A named page whose first rows hold the prompt's next tokens after ``hits`` (the last
+        prompt token excluded), and how many: (page, 0) if none."""
+        if not self.alloc.pages.caching or seq.images:
+            return 0, 0
+        start = len(hits) * self.alloc.page_size
+        parent = seq.page_names[len(hits) - 1] if hits else ROOT
+        return self.alloc.pages.partial(parent, seq.page_salt, seq.prompt_ids[start:seq.prompt_len - 1])
 
     def plan(self) -> tuple[Plan, list[Sequence]]:
         """The next launch, and the sequences admitted for it."""

@@ -53,11 +53,12 @@ class Sequence:
     lora_slot: int = 0  # its adapter's device slot from admission to release (0: none)
     pages: list[int] = field(default_factory=list)
     # Prefix cache: names of the full pages whose tokens are known (a chain, page_pool.py),
-    # how many of them are registered, the prompt tokens mapped from the cache at admission,
-    # and how many positions have KV written by committed launches.
+    # how many of them are registered, the prompt tokens mapped or copied from the cache at
+    # admission, and how many positions have KV written by committed launches.
     page_names: list[bytes] = field(default_factory=list)
     pages_registered: int = 0
     cached_tokens: int = 0
+    kv_copy: tuple[int, int, int] | None = None  # admission: (named page, its page, rows) to copy before prefill
     kv_committed: int = 0
     num_prefilled: int = 0
     num_dispatched: int = 0

@@ -40,6 +40,8 @@ def pool_consistent(engine: Engine) -> None:
     assert len(free) + len(cached) + len(referenced) == pool.capacity
     assert all(p in pool.hash_of for p in cached) and not any(p in pool.hash_of for p in free)
     assert {pool.page_of[h]: h for h in pool.page_of} == pool.hash_of
+    assert set(pool.family_of) <= set(pool.hash_of)  # a child only while named
+    assert {p: f for f, pages in pool.children.items() for p in pages} == pool.family_of
 
 
 def workload(rng: random.Random) -> list[list[list[int]]]:
@@ -61,20 +63,32 @@ def workload(rng: random.Random) -> list[list[list[int]]]:
 
 def run_waves(engine: Engine, waves, params, turns: int = 2):
     """Every wave, then a multi-turn conversation: turn k+1's prompt is turn k's prompt,
-    its answer and a new question."""
-    outs, cached = [], []
-    for wave in waves:
+    its answer and a new question. Returns each request's (wave, prompt, output, cached tokens)."""
+    runs = []
+    for w, wave in enumerate(waves):
         seqs = [engine.submit(p, params) for p in wave]
         engine.run_until_idle()
-        outs += [s.output_ids for s in seqs]
-        cached += [s.cached_tokens for s in seqs]
+        runs += [(w, s.prompt_ids, s.output_ids, s.cached_tokens) for s in seqs]
     prompt = waves[0][0]
     for turn in range(turns):
         seq = engine.generate([prompt], params)[0]
-        outs.append(seq.output_ids)
-        cached.append(seq.cached_tokens)
+        runs.append((len(waves) + turn, prompt, seq.output_ids, seq.cached_tokens))
         prompt = prompt + seq.output_ids + [100 + turn, 200 + turn, 300 + turn]
-    return outs, cached
+    return runs
+
+
+def expected_hit(prompt: list[int], earlier: list[tuple]) -> int:
+    """The prompt tokens the cache should give: its longest common prefix with an earlier, finished
+    request's tokens, as far as that request's full pages go (the KV of its last token is never
+    written), never the last prompt token."""
+    best = 0
+    for _, p, out, _ in earlier:
+        tokens = p + out
+        n = 0
+        while n < min(len(prompt), len(tokens)) and prompt[n] == tokens[n]:
+            n += 1
+        best = max(best, min(n, (len(tokens) - 1) // PAGE * PAGE))
+    return min(best, len(prompt) - 1)
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
@@ -94,21 +108,22 @@ def test_greedy_tokens_identical_with_the_cache_on_and_off(pipeline):
             assert stats["prefix_hit_tokens"] > 0 and stats["kv_pages_cached"] > 0
         else:
             assert stats["prefix_hit_tokens"] == 0 and stats["kv_pages_cached"] == 0
-    (off, off_cached), (on, on_cached) = results[False], results[True]
-    assert on == off
-    assert len({tuple(o) for o in off}) > len(off) // 2  # non-vacuity: the prompts really differ
-    assert not any(off_cached)
+    off, on = results[False], results[True]
+    assert [r[2] for r in on] == [r[2] for r in off]
+    assert len({tuple(r[2]) for r in off}) > len(off) // 2  # non-vacuity: the prompts really differ
+    assert not any(r[3] for r in off)
+    # Each request maps (whole pages) or copies (the rows a named page shares) exactly its longest
+    # prefix shared with a request finished before it: none in the first wave (the twin prompt is in
+    # flight with its original), then the system prompts mid-page too, then the earlier turns.
+    on_cached = [r[3] for r in on]
+    assert on_cached == [expected_hit(p, [e for e in on if e[0] < w]) for w, p, _, _ in on]
     n = len(waves[0])
-    # First wave: nothing cached yet (the twin prompt is in flight with its original, so no hit either).
     assert on_cached[:n] == [0] * n
-    # Later waves hit the system prompts: whole pages, never the last prompt token.
-    for prompt, hit in zip([p for w in waves[1:] for p in w], on_cached[n:3 * n]):
-        assert hit % PAGE == 0 and hit <= len(prompt) - 1
-    assert on_cached[n] == 2 * PAGE and on_cached[n + 1] == 2 * PAGE and on_cached[n + 2] == 3 * PAGE
-    assert on_cached[n + 4] == PAGE  # diverged in its second page
-    # The follow-up turn maps the first turn's prompt and answer (generated tokens are cached too).
+    assert on_cached[n:n + 3] == [2 * PAGE, 3 * PAGE - 1, 3 * PAGE + 1]  # system prompts ending on and off pages
+    assert on_cached[n + 4] == PAGE + 3  # diverged in its second page
     first_turn = waves[0][0]
-    assert on_cached[-1] == (len(first_turn) + 20) // PAGE * PAGE > len(first_turn) - PAGE
+    assert on_cached[-2] == len(first_turn) - 1  # its wave-1 twin's pages hold it all (but the last token)
+    assert on_cached[-1] == len(first_turn) + 20 - 1 - (len(first_turn) + 20 - 1) % PAGE  # the last turn's full pages
 
 
 def test_identical_prompts_in_flight_do_not_share_pages_being_written():
@@ -127,7 +142,7 @@ def test_identical_prompts_in_flight_do_not_share_pages_being_written():
     # b only maps pages a had committed before b was admitted, never the ones still being written.
     assert b.cached_tokens < a.prompt_len - PAGE
     c = eng.generate([prompt], params)[0]
-    assert c.cached_tokens == 5 * PAGE and c.output_ids == a.output_ids == b.output_ids
+    assert c.cached_tokens == 6 * PAGE - 1 and c.output_ids == a.output_ids == b.output_ids
     eng.close()
 
 
@@ -200,6 +215,25 @@ def test_page_pool_unit():
     assert pool.idle
 
 
+def test_partial_finds_the_longest_matching_child_until_it_is_evicted():
+    pool = PagePool(5)
+    parent = chain(list(range(4)), 4, 1)[0]
+    a, b, c = pool.acquire([], 3)
+    pool.register(a, b"a", parent, b"", [7, 8, 9, 10])
+    pool.register(b, b"b", parent, b"", [7, 8, 1, 2])
+    pool.register(c, b"c", parent, b"lora:x", [7, 8, 9, 10])  # another salt: another family
+    assert pool.partial(parent, b"", [7, 8, 9]) == (a, 3)
+    assert pool.partial(parent, b"", [7, 8, 1, 2, 5]) == (b, 4)
+    assert pool.partial(parent, b"lora:x", [7, 8, 1]) == (c, 2)
+    assert pool.partial(parent, b"", [6, 8]) == (0, 0) and pool.partial(b"other", b"", [7]) == (0, 0)
+    pool.release([a, b, c])
+    assert pool.partial(parent, b"", [7, 8, 9]) == (a, 3)  # cached pages are found too, and made recent
+    assert list(pool.lru) == [b, c, a]
+    pool.acquire([], 3)  # one free page, then b and c are evicted
+    assert pool.partial(parent, b"", [7, 8, 1]) == (a, 2) and pool.partial(parent, b"lora:x", [7]) == (0, 0)
+    assert set(pool.family_of) == {a}
+
+
 @pytest.mark.slow
 def test_cached_tokens_reach_the_client_through_both_processes():
     """done.usage.cached_tokens travels on the first token's ring row: 0 on a miss, the
@@ -218,7 +252,7 @@ def test_cached_tokens_reach_the_client_through_both_processes():
                                  on_event=lambda r, kind, payload, done=done: done.update(payload) if kind == "done" else None)
                 svc.run_until(lambda req=req: req.ended, 60)
                 usages.append(done["usage"])
-            assert [u["cached_tokens"] for u in usages] == ([0, 5 * PAGE] if on else [0, 0])
+            assert [u["cached_tokens"] for u in usages] == ([0, 5 * PAGE] if on else [0, 0])  # (page 6 never filled)
             assert all(u["prompt_tokens"] == len(prompt) for u in usages)
         finally:
             svc.close()
