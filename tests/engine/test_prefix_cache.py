@@ -1,6 +1,7 @@
 """The prefix cache (gpu_worker/page_pool.py): the same tokens with the cache on and
-off, refcounts under a random walk of submits, cancels, stops and evictions, and no
-hit on pages an in-flight prefill is still writing."""
+off (whole pages mapped, a named page's shared rows copied), refcounts under a random
+walk of submits, cancels, stops and evictions, and no hit on pages an in-flight
+prefill is still writing."""
 from __future__ import annotations
 
 import random
