@@ -37,6 +37,7 @@ import numpy as np
 
 Family = tuple[bytes, bytes, int]  # a named page's parent's name, salt and first token: where ``partial`` looks
 
+
 class PagePool:
     """KV pages 1..num_pages-1 (page 0 is a scratch page for padded rows, never handed out)."""
 
