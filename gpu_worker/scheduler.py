@@ -101,7 +101,7 @@ class Scheduler:
 
     def _cached_rows(self, seq: Sequence, hits: list[int]) -> tuple[int, int]:
         """A named page whose first rows hold the prompt's next tokens after ``hits`` (the last
-        prompt token excluded), and how many: (page, 0) if none."""
+        prompt token excluded), and how many: (0, 0) if none."""
         if not self.alloc.pages.caching or seq.images:
             return 0, 0
         start = len(hits) * self.alloc.page_size
