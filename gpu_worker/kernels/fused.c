@@ -179,15 +179,22 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
 
 #if VW > 1
 #define MAX_CH (128 / VW) /* D <= 128 */
+#define ACC_REGS (VW == 16 ? 16 : 8) /* value accumulators pass 2 keeps in registers (of 32 or 16) */
 /* attention_item for head_dim = VW * CH, CH a literal at the call (always inlined): the loops over
  * a head's vectors unroll and the VW dot products and the value accumulators stay in registers
  * (with a run-time D they lived on the stack: 1.5x slower, the kernel alone at 32 sequences). Keys
- * and values are read from the cache for each query head (L1 after the first): a block's keys
- * staged for all heads were VW * CH vectors, spilled to the stack (2.3x slower at one sequence).
- * The same math in the same order as attention_item, so the two agree bit for bit. */
+ * are read from the cache for each query head (L1 after the first): a block's keys staged for all
+ * heads were VW * CH vectors, spilled to the stack (2.3x slower at one sequence). G, where a
+ * literal (0: the group is known at run time only), lets pass 2 convert each value once for the
+ * group's heads, whose G * CH accumulators then fit in registers.
+ * In float32 (and below AVX512-BF16) the same math in the same order as attention_item, so the
+ * two agree bit for bit. bf16 with AVX512-BF16: vdpbf16ps multiplies q's and the keys' bf16 pairs
+ * as stored (exact products, float32 sums) and the scale multiplies the sums: no conversion of
+ * the keys to float32, which took most of pass 1 (BENCHMARKS.md "Attention's bf16 dot products"). */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
-    int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH) {
+    int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH,
+    const int G) {
     const int64_t D = VW * CH;
     const size_t el = bf ? 2 : 4;
     const vf scale = v_set(1.f / sqrtf((float)D));
@@ -201,7 +208,20 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
         for (int64_t g = 0; g < group; g++) {
-            vf qv[MAX_CH], dots[VW];
+            vf dots[VW];
+#if VW == 16 && defined(__AVX512BF16__)
+            if (bf) {
+                for (int jj = 0; jj < VW; jj++) {
+                    dots[jj] = v_set(0.f);
+                    for (int c = 0; c < CH / 2; c++)
+                        dots[jj] = _mm512_dpbf16_ps(dots[jj], (__m512bh)_mm512_loadu_si512(qt + 2 * (g * D + 32 * c)),
+                                                    (__m512bh)_mm512_loadu_si512(kp[jj] + 64 * c));
+                }
+                put_scores(scores + g * max_len, j0, nb, v_mul(v_sums(dots), scale), &mx[g]);
+                continue;
+            }
+#endif
+            vf qv[MAX_CH];
             for (int c = 0; c < CH; c++) qv[c] = v_mul(v_load(qt, g * D + c * VW, VW, bf), scale);
             for (int jj = 0; jj < VW; jj++) {
                 dots[jj] = v_set(0.f);
@@ -211,11 +231,31 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         }
     }
     for (int64_t g = 0; g < group; g++) softmax(scores + g * max_len, len, mx[g]);
-    /* Pass 2: the weighted values, one head at a time over a block (its CH accumulators in
-     * registers), each value's vectors reloaded from L1 per head. */
+    page = off = 0;
+    if (G) { /* Pass 2: each value converted once and weighted for every head of the group, whose
+              * G * CH accumulators stay in registers; the same sums in the same order as below. */
+        vf accg[ACC_REGS > MAX_CH ? ACC_REGS : MAX_CH];
+        for (int i = 0; i < G * CH; i++) accg[i] = v_set(0.f);
+        for (int64_t j0 = 0; j0 < len; j0 += VW) {
+            const int64_t nb = len - j0 < VW ? len - j0 : VW;
+            walk_pages(v_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+            for (int64_t jj = 0; jj < nb; jj++) {
+                vf v[MAX_CH];
+                for (int c = 0; c < CH; c++) v[c] = v_load(kp[jj], c * VW, VW, bf);
+                for (int g = 0; g < G; g++) {
+                    const vf w = v_set(scores[g * max_len + j0 + jj]);
+                    for (int c = 0; c < CH; c++) accg[g * CH + c] = v_fma(w, v[c], accg[g * CH + c]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < CH; c++) v_store(ot, g * D + c * VW, VW, accg[g * CH + c], bf);
+        return;
+    }
+    /* Pass 2, the group known at run time only: one head at a time over a block (its CH
+     * accumulators in registers), each value's vectors reloaded from L1 per head. */
     vf acc[8 * MAX_CH];
     for (int64_t i = 0; i < group * CH; i++) acc[i] = v_set(0.f);
-    page = off = 0;
     for (int64_t j0 = 0; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         walk_pages(v_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
@@ -257,15 +297,26 @@ static void attention(const void *q, const void *k_cache, const void *v_cache, c
 #define ITEM(B)                                                                                                   \
     attention_item((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size, pos[t] + 1, \
                    kh, kv_heads, group, D, max_len, mine, (char *)out + at, B)
-#define FIXED(B, CH)                                                                                              \
+#define FIXED_G(B, CH, G)                                                                                         \
     attention_item_fixed((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size,       \
-                         pos[t] + 1, kh, kv_heads, group, max_len, mine, (char *)out + at, B, CH)
+                         pos[t] + 1, kh, kv_heads, group, max_len, mine, (char *)out + at, B, CH, G)
+/* The group as a literal where its G * CH accumulators fit in registers (or G is 1: as many as the
+ * run-time path's). */
+#define G_FITS(G, CH) ((G) == 1 || (G) * (CH) <= ACC_REGS ? (G) : 0)
+#define FIXED(B, CH)                                                                                              \
+    (group == 1 ? FIXED_G(B, CH, 1)                                                                               \
+     : group == 2 ? FIXED_G(B, CH, G_FITS(2, CH))                                                                 \
+     : group == 3 ? FIXED_G(B, CH, G_FITS(3, CH))                                                                 \
+     : group == 4 ? FIXED_G(B, CH, G_FITS(4, CH))                                                                 \
+                  : FIXED_G(B, CH, 0))
 #define FIXED64(B) FIXED(B, 64 / VW)
 #define FIXED128(B) FIXED(B, 128 / VW)
         if (fixed && D == 64) SPECIALISE(bf, FIXED64);
         else if (fixed) SPECIALISE(bf, FIXED128);
         else SPECIALISE(bf, ITEM);
 #undef ITEM
+#undef FIXED_G
+#undef G_FITS
 #undef FIXED
 #undef FIXED64
 #undef FIXED128
