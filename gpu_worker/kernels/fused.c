@@ -110,6 +110,20 @@ static inline void walk_pages(const char *cache, const int64_t *table, int64_t p
     }
 }
 
+/* The addresses of keys (or values) j0 .. j0 + nb - 1, as walk_pages, for a block of VW keys
+ * starting at a multiple of VW: where VW divides the page size the block lies in one page (rows
+ * at a fixed stride, no walk per key). */
+static inline void block_rows(const char *cache, const int64_t *table, int64_t page_size, int64_t kv_heads,
+                              int64_t kh, size_t row_bytes, int64_t j0, int64_t nb, int64_t *page, int64_t *off,
+                              const char **out) {
+    if (page_size % VW == 0) {
+        const char *first = cache + ((table[j0 / page_size] * page_size + j0 % page_size) * kv_heads + kh) * row_bytes;
+        for (int64_t jj = 0; jj < nb; jj++) out[jj] = first + jj * kv_heads * row_bytes;
+        return;
+    }
+    walk_pages(cache, table, page_size, kv_heads, kh, row_bytes, nb, page, off, out);
+}
+
 /* A block of nb scores (the first lanes of s) stored at sg + j0; the head's running max updated. */
 static inline void put_scores(float *sg, int64_t j0, int64_t nb, vf s, float *mx) {
     v_store(sg, j0, nb, s, 0);
@@ -179,6 +193,23 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
 
 #if VW > 1
 #define MAX_CH (128 / VW) /* D <= 128 */
+#if VW == 16 && defined(__AVX512BF16__)
+/* A block of scores of one query head qg [D = 16 CH] in bf16 against the keys at kp: vdpbf16ps on
+ * q's and the keys' bf16 pairs as stored (exact products, float32 sums), the scale applied to the
+ * sums. */
+static inline __attribute__((always_inline)) void scores_bf16(const char *qg, const char *const *kp, const int CH,
+                                                              float *sg, int64_t j0, int64_t nb, vf scale,
+                                                              float *mx) {
+    vf dots[VW];
+    for (int jj = 0; jj < VW; jj++) {
+        dots[jj] = v_set(0.f);
+        for (int c = 0; c < CH / 2; c++)
+            dots[jj] = _mm512_dpbf16_ps(dots[jj], (__m512bh)_mm512_loadu_si512(qg + 64 * c),
+                                        (__m512bh)_mm512_loadu_si512(kp[jj] + 64 * c));
+    }
+    put_scores(sg, j0, nb, v_mul(v_sums(dots), scale), mx);
+}
+#endif
 #define ACC_REGS (VW == 16 ? 16 : 8) /* value accumulators pass 2 keeps in registers (of 32 or 16) */
 /* attention_item for head_dim = VW * CH, CH a literal at the call (always inlined): the loops over
  * a head's vectors unroll and the VW dot products and the value accumulators stay in registers
@@ -188,9 +219,9 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
  * literal (0: the group is known at run time only), lets pass 2 convert each value once for the
  * group's heads, whose G * CH accumulators then fit in registers.
  * In float32 (and below AVX512-BF16) the same math in the same order as attention_item, so the
- * two agree bit for bit. bf16 with AVX512-BF16: vdpbf16ps multiplies q's and the keys' bf16 pairs
- * as stored (exact products, float32 sums) and the scale multiplies the sums: no conversion of
- * the keys to float32, which took most of pass 1 (BENCHMARKS.md "Attention's bf16 dot products"). */
+ * two agree bit for bit. bf16 with AVX512-BF16: pass 1 is scores_bf16 (no conversion of the keys
+ * to float32, which took most of it: BENCHMARKS.md "Attention's bf16 dot products"), and with a
+ * literal G the item is attention_item_bf16. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
     int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH,
@@ -205,19 +236,13 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *kp[VW];
     for (int64_t j0 = 0; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
-        walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+        block_rows(k_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
         for (int64_t g = 0; g < group; g++) {
             vf dots[VW];
 #if VW == 16 && defined(__AVX512BF16__)
             if (bf) {
-                for (int jj = 0; jj < VW; jj++) {
-                    dots[jj] = v_set(0.f);
-                    for (int c = 0; c < CH / 2; c++)
-                        dots[jj] = _mm512_dpbf16_ps(dots[jj], (__m512bh)_mm512_loadu_si512(qt + 2 * (g * D + 32 * c)),
-                                                    (__m512bh)_mm512_loadu_si512(kp[jj] + 64 * c));
-                }
-                put_scores(scores + g * max_len, j0, nb, v_mul(v_sums(dots), scale), &mx[g]);
+                scores_bf16(qt + 2 * g * D, kp, CH, scores + g * max_len, j0, nb, scale, &mx[g]);
                 continue;
             }
 #endif
@@ -238,7 +263,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         for (int i = 0; i < G * CH; i++) accg[i] = v_set(0.f);
         for (int64_t j0 = 0; j0 < len; j0 += VW) {
             const int64_t nb = len - j0 < VW ? len - j0 : VW;
-            walk_pages(v_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+            block_rows(v_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
             for (int64_t jj = 0; jj < nb; jj++) {
                 vf v[MAX_CH];
                 for (int c = 0; c < CH; c++) v[c] = v_load(kp[jj], c * VW, VW, bf);
@@ -258,7 +283,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
     for (int64_t i = 0; i < group * CH; i++) acc[i] = v_set(0.f);
     for (int64_t j0 = 0; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
-        walk_pages(v_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
+        block_rows(v_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
         for (int64_t g = 0; g < group; g++) {
             const float *sg = scores + g * max_len + j0;
             vf a[MAX_CH];
@@ -274,9 +299,89 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         for (int c = 0; c < CH; c++) v_store(ot, g * D + c * VW, VW, acc[g * CH + c], bf);
 }
 #define FIXED_ITEM(D, group) (((D) == 64 || (D) == 128) && (group) <= 8)
+
+#if VW == 16 && defined(__AVX512BF16__)
+/* attention_item_fixed in bf16 at AVX512-BF16 with a literal group G: pass 2 also in vdpbf16ps.
+ * The softmax's exponentials are rounded to bf16 (as PyTorch's CPU flash attention rounds them
+ * before its second matmul) and stored over their float32 scores; two keys' values interleaved
+ * word by word make one vdpbf16ps add both keys' products to each dimension's sum (half the
+ * multiplies and no bf16 -> float32 conversion of the values), and the division by the
+ * exponentials' sum scales the G x D sums once. The sums' lanes hold the dimensions in
+ * unpack order (32 c + 8 L + i: lo has i = 0..3, hi 4..7 of each 128-bit lane L), put back in
+ * order at the store. */
+static inline __attribute__((always_inline)) void attention_item_bf16(
+    const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
+    int64_t kh, int64_t kv_heads, int64_t max_len, float *scores, char *ot, const int CH, const int G) {
+    const int64_t D = 16 * CH, row = D * 2;
+    const vf scale = v_set(1.f / sqrtf((float)D));
+    float mx[8], inv[8];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    int64_t page = 0, off = 0;
+    const char *kp[VW + 1];
+    for (int64_t j0 = 0; j0 < len; j0 += VW) { /* pass 1: attention_item_fixed's */
+        const int64_t nb = len - j0 < VW ? len - j0 : VW;
+        block_rows(k_cache, table, page_size, kv_heads, kh, row, j0, nb, &page, &off, kp);
+        for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
+        for (int g = 0; g < G; g++) scores_bf16(qt + row * g, kp, CH, scores + g * max_len, j0, nb, scale, &mx[g]);
+    }
+    for (int g = 0; g < G; g++) { /* the exponentials in bf16, over their scores; a 0 after the last */
+        float *sg = scores + g * max_len;
+        uint16_t *eg = (uint16_t *)sg;
+        vf total = v_set(0.f);
+        for (int64_t j = 0; j < len; j += VW) {
+            const __mmask16 m = mask16(len - j);
+            const __m256i e = (__m256i)_mm512_cvtneps_pbh(v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx[g]))));
+            total = _mm512_mask_add_ps(total, m, total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16)));
+            _mm256_mask_storeu_epi16(eg + j, m, e);
+        }
+        eg[len] = 0;
+        inv[g] = 1.f / v_sum(total);
+    }
+    vf acc[ACC_REGS];
+    for (int i = 0; i < G * CH; i++) acc[i] = v_set(0.f);
+    page = off = 0;
+    for (int64_t j0 = 0; j0 < len; j0 += VW) { /* pass 2: a pair of keys per vdpbf16ps */
+        const int64_t nb = len - j0 < VW ? len - j0 : VW;
+        block_rows(v_cache, table, page_size, kv_heads, kh, row, j0, nb, &page, &off, kp);
+        kp[nb] = kp[nb - 1]; /* an odd block's last key pairs with itself, weighted 0 */
+        for (int64_t jj = 0; jj < nb; jj += 2) {
+            __m512i lo[4], hi[4];
+            for (int c = 0; c < CH / 2; c++) {
+                const __m512i a = _mm512_loadu_si512(kp[jj] + 64 * c), b = _mm512_loadu_si512(kp[jj + 1] + 64 * c);
+                lo[c] = _mm512_unpacklo_epi16(a, b);
+                hi[c] = _mm512_unpackhi_epi16(a, b);
+            }
+            for (int g = 0; g < G; g++) {
+                uint32_t pair;
+                memcpy(&pair, (const uint16_t *)(scores + g * max_len) + j0 + jj, 4);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int c = 0; c < CH / 2; c++) {
+                    acc[g * CH + 2 * c] = _mm512_dpbf16_ps(acc[g * CH + 2 * c], (__m512bh)lo[c], w);
+                    acc[g * CH + 2 * c + 1] = _mm512_dpbf16_ps(acc[g * CH + 2 * c + 1], (__m512bh)hi[c], w);
+                }
+            }
+        }
+    }
+    /* lane d of a 16-dimension half: lo's lane 4 L + i or hi's (L = d / 8 + 2 half, i = d % 8) */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < CH / 2; c++) {
+            const vf a = acc[g * CH + 2 * c], b = acc[g * CH + 2 * c + 1];
+            v_store(ot, g * D + 32 * c, VW, v_mul(_mm512_permutex2var_ps(a, first, b), v_set(inv[g])), 1);
+            v_store(ot, g * D + 32 * c + 16, VW, v_mul(_mm512_permutex2var_ps(a, second, b), v_set(inv[g])), 1);
+        }
+}
+#define ITEM_BF16(B, G) ((B) && (G))
+#else
+#define ITEM_BF16(B, G) 0
+#define attention_item_bf16(...) ((void)0)
+#endif
 #else /* VW 1: the plain loops are the code */
 #define FIXED_ITEM(D, group) 0
 #define attention_item_fixed(...) ((void)0)
+#define ITEM_BF16(B, G) 0
+#define attention_item_bf16(...) ((void)0)
 #endif
 
 /* q [tokens, heads, D]; token t of sequence seq[t] sees keys 0 .. pos[t] of that sequence, whose
@@ -298,8 +403,12 @@ static void attention(const void *q, const void *k_cache, const void *v_cache, c
     attention_item((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size, pos[t] + 1, \
                    kh, kv_heads, group, D, max_len, mine, (char *)out + at, B)
 #define FIXED_G(B, CH, G)                                                                                         \
-    attention_item_fixed((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size,       \
-                         pos[t] + 1, kh, kv_heads, group, max_len, mine, (char *)out + at, B, CH, G)
+    (ITEM_BF16(B, G) ? attention_item_bf16((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, \
+                                           page_size, pos[t] + 1, kh, kv_heads, max_len, mine, (char *)out + at, \
+                                           CH, G)                                                                \
+                     : attention_item_fixed((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, \
+                                            page_size, pos[t] + 1, kh, kv_heads, group, max_len, mine,           \
+                                            (char *)out + at, B, CH, G))
 /* The group as a literal where its G * CH accumulators fit in registers (or G is 1: as many as the
  * run-time path's). */
 #define G_FITS(G, CH) ((G) == 1 || (G) * (CH) <= ACC_REGS ? (G) : 0)

@@ -146,10 +146,12 @@ def _paged_case(dtype, lens, chunk, H=6, Hkv=2, D=24, page_size=4):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [24, 64, 128])  # 64 and 128: the unrolled item (attention_item_fixed)
 @pytest.mark.parametrize("H, Hkv", [(6, 2), (8, 2), (3, 3)])  # groups of 3, 4 and 1: literal or not (G_FITS)
-def test_attention_over_pages_in_place(kernels, dtype, D, H, Hkv):
+@pytest.mark.parametrize("page_size", [4, 16])  # 16: a block of 16 keys is one page's (fused.c's block_rows)
+def test_attention_over_pages_in_place(kernels, dtype, D, H, Hkv, page_size):
     """Decode (one query per sequence) and short chunks (causal within the chunk) against SDPA over
-    the gathered pages; lengths end mid-page and cross pages, and a 16-key block."""
-    q, kv, batch, Hkv = _paged_case(dtype, lens=[1, 5, 13, 32, 37], chunk=[1, 2, 4, 1, 3], H=H, Hkv=Hkv, D=D)
+    the gathered pages; lengths odd and even, ending mid-page and crossing pages, and a 16-key block."""
+    q, kv, batch, Hkv = _paged_case(dtype, lens=[1, 5, 13, 32, 37], chunk=[1, 2, 4, 1, 3], H=H, Hkv=Hkv, D=D,
+                                    page_size=page_size)
     seq = batch.token_to_padded // batch.max_query_len
     with torch.inference_mode():
         got = kernels.attention(q, kv.k[0], kv.v[0], batch.block_tables, seq, batch.positions, Hkv)
