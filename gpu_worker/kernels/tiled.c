@@ -204,12 +204,15 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
  * int32 sums and float32 results, so each k-pair's weight vectors and x's broadcast pair serve MR x NT
  * products (the streamed path's 1 x 1 was bound by the broadcasts and loads: a third of the
  * integer dot product's rate). The same integers and the same float32 operations in the same order
- * as tq_tile, so a row's bits do not depend on the path its batch took. */
+ * as tq_tile, so a row's bits do not depend on the path its batch took. While it runs,
+ * `next_bytes` of `next` (the thread's next tiles) are prefetched into L2, spread over the blocks:
+ * unpacking them from memory after the multiplies left both cores waiting (1.1-1.25x slower
+ * than with the weights in cache; BENCHMARKS.md "The next tiles prefetched"). */
 static inline __attribute__((always_inline)) void tq_tiles_buffered(
     const int half, const int16_t *buf, const void *scale, const void *offset, int gshift, const int16_t *qx,
     const float *dx, const float *xs, int64_t K, int64_t N, int64_t t0, int64_t m0, const int MR, const int NT,
-    const float *bias, void *y, int y_bf, int64_t ldy) {
-    const int64_t blocks = K / 32, groups = K >> gshift;
+    const float *bias, void *y, int y_bf, int64_t ldy, const uint8_t *next, int64_t next_bytes) {
+    const int64_t blocks = K / 32, groups = K >> gshift, lines = (next_bytes / 64 + blocks - 1) / blocks;
     __m512 acc[MB][NT_MAX];
     for (int m = 0; m < MR; m++)
         for (int n = 0; n < NT; n++) acc[m][n] = _mm512_setzero_ps();
@@ -217,6 +220,8 @@ static inline __attribute__((always_inline)) void tq_tiles_buffered(
         vi isum[MB][NT_MAX];
         for (int m = 0; m < MR; m++)
             for (int n = 0; n < NT; n++) isum[m][n] = _mm512_setzero_si512();
+        for (int64_t l = b * lines; l < (b + 1) * lines && l * 64 < next_bytes; l++)
+            _mm_prefetch((const char *)next + l * 64, _MM_HINT_T1);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++) {
             vi wv[NT_MAX];
@@ -313,9 +318,13 @@ void tlinear(int fmt, const void *x, int x_bf, const void *wt, const void *scale
                     else tq_unpack(FMT_Q8, w + ((t0 + n) * blocks + b) * bytes, wv);
                     for (int j = 0; j < 16; j++) _mm512_storeu_si512(buf + ((n * blocks + b) * 16 + j) * 32, wv[j]);
                 }
-#define BLOCK(H, R, T) tq_tiles_buffered(H, buf, scale, offset, gshift, qx, dx, xs, K, N, t0, m0, R, T, bias, y, y_bf, ldy)
+#define BLOCK(H, R, T)                                                                                     \
+    tq_tiles_buffered(H, buf, scale, offset, gshift, qx, dx, xs, K, N, t0, m0, R, T, bias, y, y_bf, ldy,        \
+                      w + (t0 + nt) * blocks * bytes, m0 ? 0 : next_bytes)
 #define BLOCK_T(R, T) (half ? BLOCK(1, R, T) : BLOCK(0, R, T))
 #define BLOCK_R(R) (nt == 3 ? BLOCK_T(R, 3) : nt == 2 ? BLOCK_T(R, 2) : BLOCK_T(R, 1))
+            /* the thread's next tiles (static: its range is contiguous), prefetched by its first rows */
+            const int64_t after = tiles - t0 - nt, next_bytes = (after < NT_MAX ? after : NT_MAX) * blocks * bytes;
             int64_t m0 = 0;
             for (; m0 + MB <= M; m0 += MB) BLOCK_R(MB);
             switch (M - m0) {
