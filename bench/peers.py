@@ -308,9 +308,11 @@ def row_text(name: str, r: dict) -> str:
 
 def table(results: dict) -> str:
     """One row per engine and round; a peer's ratio is Tandem's over the peer's in the same round
-    (measured minutes apart, so a drift in the machine's speed between rounds cancels)."""
+    (measured minutes apart, so a drift in the machine's speed between rounds cancels): the Tandem
+    variant named for the peer's weights where there is one (``tandem q8_0`` for ``llama.cpp
+    Q8_0``: the same file), else the first."""
     eng = {k: v for k, v in results["engines"].items() if "error" not in v}
-    base = next((v for k, v in eng.items() if k.startswith("tandem")), None)  # the first Tandem variant
+    first = next((v for k, v in eng.items() if k.startswith("tandem")), None)
     n = results["workload"]["streams"]
     lines = [f"| engine | round | prompt tokens | 1 stream tok/s | ITL p50 ms | {n} streams tok/s | "
              f"TTFT p50 @{n} ms | server CPU @{n} | errors | load | Tandem / engine (1, {n} streams) |",
@@ -319,6 +321,7 @@ def table(results: dict) -> str:
         for i, r in enumerate(e["rounds"]):
             one, many = r["one"], r["many"]
             ratio = "-"
+            base = eng.get(f"tandem {name.rpartition(' ')[2].lower()}", first)
             if base is not None and not name.startswith("tandem") and i < len(base["rounds"]):
                 t = base["rounds"][i]
                 ratio = (f"{t['one']['output_tokens_per_s'] / one['output_tokens_per_s']:.2f}x, "

