@@ -206,8 +206,9 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
  * integer dot product's rate). The same integers and the same float32 operations in the same order
  * as tq_tile, so a row's bits do not depend on the path its batch took. While it runs,
  * `next_bytes` of `next` (the thread's next tiles) are prefetched into L2, spread over the blocks:
- * unpacking them from memory after the multiplies left both cores waiting (1.1-1.25x slower
- * than with the weights in cache; BENCHMARKS.md "The next tiles prefetched"). */
+ * unpacking them from memory after the multiplies left both cores waiting (1.2-1.3x slower
+ * than with the weights in cache; BENCHMARKS.md "Attention's values in bf16 pairs; the next
+ * tiles prefetched"). */
 static inline __attribute__((always_inline)) void tq_tiles_buffered(
     const int half, const int16_t *buf, const void *scale, const void *offset, int gshift, const int16_t *qx,
     const float *dx, const float *xs, int64_t K, int64_t N, int64_t t0, int64_t m0, const int MR, const int NT,
