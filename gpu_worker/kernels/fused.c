@@ -302,8 +302,8 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
 
 #if VW == 16 && defined(__AVX512BF16__)
 /* attention_item_fixed in bf16 at AVX512-BF16 with a literal group G: pass 2 also in vdpbf16ps.
- * The softmax's exponentials are rounded to bf16 (as PyTorch's CPU flash attention rounds them
- * before its second matmul) and stored over their float32 scores; two keys' values interleaved
+ * The softmax's exponentials are rounded to bf16 (PyTorch's CPU flash attention rounds its
+ * probabilities to bf16 before their matmul with the values) and stored over their float32 scores; two keys' values interleaved
  * word by word make one vdpbf16ps add both keys' products to each dimension's sum (half the
  * multiplies and no bf16 -> float32 conversion of the values), and the division by the
  * exponentials' sum scales the G x D sums once. The sums' lanes hold the dimensions in
