@@ -300,13 +300,18 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
 }
 #define FIXED_ITEM(D, group) (((D) == 64 || (D) == 128) && (group) <= 8)
 
+#else /* VW 1: the plain loops are the code */
+#define FIXED_ITEM(D, group) 0
+#define attention_item_fixed(...) ((void)0)
+#endif
+
 #if VW == 16 && defined(__AVX512BF16__)
 /* attention_item_fixed in bf16 at AVX512-BF16 with a literal group G: pass 2 also in vdpbf16ps.
  * The softmax's exponentials are rounded to bf16 (PyTorch's CPU flash attention rounds its
- * probabilities to bf16 before their matmul with the values) and stored over their float32 scores; two keys' values interleaved
- * word by word make one vdpbf16ps add both keys' products to each dimension's sum (half the
- * multiplies and no bf16 -> float32 conversion of the values), and the division by the
- * exponentials' sum scales the G x D sums once. The sums' lanes hold the dimensions in
+ * probabilities to bf16 before their matmul with the values) and stored over their float32
+ * scores; two keys' values interleaved word by word make one vdpbf16ps add both keys' products to
+ * each dimension's sum (half the multiplies and no bf16 -> float32 conversion of the values), and
+ * the division by the exponentials' sum scales the G x D sums once. The sums' lanes hold the dimensions in
  * unpack order (32 c + 8 L + i: lo has i = 0..3, hi 4..7 of each 128-bit lane L), put back in
  * order at the store. */
 static inline __attribute__((always_inline)) void attention_item_bf16(
@@ -374,12 +379,6 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
 }
 #define ITEM_BF16(B, G) ((B) && (G))
 #else
-#define ITEM_BF16(B, G) 0
-#define attention_item_bf16(...) ((void)0)
-#endif
-#else /* VW 1: the plain loops are the code */
-#define FIXED_ITEM(D, group) 0
-#define attention_item_fixed(...) ((void)0)
 #define ITEM_BF16(B, G) 0
 #define attention_item_bf16(...) ((void)0)
 #endif
