@@ -184,7 +184,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Exported per element type, as <name>_bf16 and <name>_f32 (fused.c).
 _PER_DTYPE = {
     "add_rmsnorm": (_P, _P, _P, _P, _I, _I, _F, ctypes.c_int),
-    "rope_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int),
+    "rope_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int),
     "attention": (_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, ctypes.c_int),
     "silu_mul": (_P, _P, _I, _I, ctypes.c_int),
     "layers": (_P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I,
@@ -193,7 +193,7 @@ _PER_DTYPE = {
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # bf16 only: moondream.c's (every level) and amx.c's (level amx).
 _BF16_ONLY = {
-    "partial_rope_kv_bf16": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int),
+    "partial_rope_kv_bf16": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int),
     "linear_pack_bf16": (_P, _P, _I, _I), "linear_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
     "linear_gelu_bf16": (_P, _P, _P, _P, _I, _I, _I, ctypes.c_int),
     "full_attention_bf16": (_P, _P, _I, _I, _I, _I, _F, ctypes.c_int),
@@ -259,9 +259,9 @@ class CpuKernels:
                eps: float) -> torch.Tensor:
         """Every decoder layer in one call (``kernels/layers.c``): x [T, hidden] updated in place as the
         residual stream; ``weights`` the int64 table of ``cpu_backend.layer_table``; the caches k, v
-        [layers, pages, page_size, kv_heads, head_dim]. -> norm(x) after the last layer."""
+        [layers, pages, kv_heads, page_size, head_dim]. -> norm(x) after the last layer."""
         T, hidden = x.shape
-        page_size = k.shape[2]
+        page_size = k.shape[3]
         max_len = block_tables.shape[1] * page_size
         threads = torch.get_num_threads()
         scratch = self._attention_scratch(threads, heads // kv_heads, max_len)
@@ -308,29 +308,30 @@ class CpuKernels:
                         kv_heads: int) -> torch.Tensor:
         """Moondream's rotary (``moondream.apply_partial_rope``, the same bits) on q and k of the
         fused qkv rows [T, (H + 2 Hkv) D] bf16 at ``positions`` (float32 tables [len, rot / 2]);
-        k and v written at ``kv_index`` in the caches; -> q [T, H, D]."""
+        k and v written at ``kv_index`` in the caches [pages, Hkv, page_size, D]; -> q [T, H, D]."""
         T, width = qkv.shape
         D = width // (heads + 2 * kv_heads)
         qkv = qkv.contiguous()
         q = torch.empty((T, heads, D), dtype=torch.bfloat16)
         self._fn["partial_rope_kv_bf16"](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                          kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
-                                         T, heads, kv_heads, D, 2 * cos.shape[1], torch.get_num_threads())
+                                         T, heads, kv_heads, D, 2 * cos.shape[1], k_cache.shape[2],
+                                         torch.get_num_threads())
         return q
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, starts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] bf16 (the rows of sequence s are ``starts[s] .. starts[s + 1] - 1``) over the
-        keys of one layer's caches [pages, page_size, Hkv, D] (page_size a multiple of 16): row t
+        keys of one layer's caches [pages, Hkv, page_size, D] (page_size a multiple of 16): row t
         sees its sequence's positions 0 .. ``last[t]`` -> [T, H * D]. On AMX; each row's result
         does not depend on the rows computed with it."""
         T, H, D = q.shape
         q = q.contiguous()
         out = torch.empty((T, H * D), dtype=torch.bfloat16)
         self._fn["paged_attention_amx_bf16"](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                             block_tables.data_ptr(), block_tables.shape[1], k_cache.shape[1],
+                                             block_tables.data_ptr(), block_tables.shape[1], k_cache.shape[2],
                                              starts.data_ptr(), last.data_ptr(), out.data_ptr(), block_tables.shape[0],
-                                             H, k_cache.shape[2], D, D ** -0.5, torch.get_num_threads())
+                                             H, k_cache.shape[1], D, D ** -0.5, torch.get_num_threads())
         return out
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -344,19 +345,19 @@ class CpuKernels:
                 kv_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
                 head_dim: int) -> torch.Tensor:
         """Rotary on q and k of the fused qkv rows [T, (H + 2 Hkv) D] at ``positions`` (float32 tables
-        [len, D / 2]); k and v written at ``kv_index`` in the caches; -> q [T, H, D]."""
+        [len, D / 2]); k and v written at ``kv_index`` in the caches [pages, Hkv, page_size, D]; -> q [T, H, D]."""
         T = qkv.shape[0]
         q = torch.empty((T, heads, head_dim), dtype=qkv.dtype)
         self._fn["rope_kv", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                        kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
-                                       T, heads, kv_heads, head_dim, torch.get_num_threads())
+                                       T, heads, kv_heads, head_dim, k_cache.shape[2], torch.get_num_threads())
         return q
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_of_token: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """Causal attention of q [T, H, D] over the pages of each token's sequence -> [T, H * D]."""
         T, H, D = q.shape
-        page_size = k_cache.shape[1]
+        page_size = k_cache.shape[2]
         max_len = block_tables.shape[1] * page_size
         threads = torch.get_num_threads()
         scratch = self._attention_scratch(threads, H // kv_heads, max_len)

@@ -12,7 +12,10 @@ import torch
 
 
 class PagedKVCache:
-    """K and V pools of shape ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
+    """K and V pools of shape ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]``: a kv
+    head's rows in a page are contiguous, as an attention item reads them (one kv head of one
+    sequence; ``kernels/kv_cache.h``). A token's *slot* is ``page * page_size + offset``
+    (``Batch.kv_index``).
 
     Page 0 is reserved by the engine as a scratch page that padded rows write
     to; nothing here treats it specially.
@@ -34,7 +37,7 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         # Zero-initialised so never-written places hold finite values: masked
         # attention weights are exactly 0, but 0 * NaN would still be NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -53,5 +56,26 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
 
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, Hkv, D] into ``layer`` at their slots."""
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        for cache, rows in ((self.k[layer], k), (self.v[layer], v)):
+            by_slot(cache)[pages, offsets] = rows.to(cache.dtype)
+
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the sequences whose pages are ``tables`` [S, P], each contiguous:
+        [S, Hkv, P * page_size, D], key j at position j of its sequence. ``index_select`` copies
+        whole pages (4x faster than ``cache[tables]`` on a CPU, BENCHMARKS.md "The CPU forward")."""
+        S, P = tables.shape
+        return tuple(cache.index_select(0, tables.reshape(-1)).view(S, P, self.num_kv_heads, self.page_size, -1)
+                     .transpose(1, 2).reshape(S, self.num_kv_heads, P * self.page_size, -1)
+                     for cache in (self.k[layer], self.v[layer]))
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def by_slot(cache: torch.Tensor) -> torch.Tensor:
+    """One layer's cache [pages, Hkv, page_size, D] as a view [pages, page_size, Hkv, D]: indexed
+    by (page, offset), a token's kv heads."""
+    return cache.transpose(1, 2)

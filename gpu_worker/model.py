@@ -168,7 +168,7 @@ def attention_mask(batch: Batch, kv: PagedKVCache, group: int, limit: torch.Tens
     ``group`` times to match the GQA folding (row g * Qmax + q). Keys past the sequence's length
     are masked out by the same rule, so stale cache contents never leak in."""
     limit = batch.query_pos if limit is None else limit
-    key_index = torch.arange(batch.block_tables.shape[1] * kv.k.shape[2], device=limit.device)
+    key_index = torch.arange(batch.block_tables.shape[1] * kv.page_size, device=limit.device)
     return (key_index <= limit.repeat(1, group)[:, :, None])[:, None]
 
 
@@ -177,29 +177,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     """Attention of the packed queries q [T, H, D] over their sequences' cached keys, after
     writing this forward's k, v [T, Hkv, D] into the cache -> [T, H * D]. ``mask``: see
     :func:`attention_mask`."""
-    Hkv, D = k.shape[1], k.shape[2]
     # Write the new K/V at their kv_index first, so the gather below sees
     # the whole sequence (cached prefix + this chunk) in one place.
-    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
-    k_cache.view(-1, Hkv, D).index_copy_(0, batch.kv_index, k.to(k_cache.dtype))
-    v_cache.view(-1, Hkv, D).index_copy_(0, batch.kv_index, v.to(v_cache.dtype))
+    kv.write(layer_idx, batch.kv_index, k, v)
     return attend_pages(q, layer_idx, batch, kv, mask)
 
 
 def attend_pages(q: torch.Tensor, layer_idx: int, batch: Batch, kv: PagedKVCache, mask: torch.Tensor) -> torch.Tensor:
     """The attention half of :func:`paged_attention`: q [T, H, D] over the cached keys (this
     forward's already written) -> [T, H * D]."""
-    H, D = q.shape[1], q.shape[2]
-    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # [pages, page_size, Hkv, D]
-    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-
-    # Gather each sequence's pages into a contiguous [S, L, Hkv, D], L = P * page_size;
-    # key j of that layout is position j of the sequence. index_select copies whole
-    # pages (4x faster than k_cache[block_tables] on a CPU, BENCHMARKS.md "The CPU forward").
-    S, P = batch.block_tables.shape
-    pages = batch.block_tables.view(-1)
-    keys = k_cache.index_select(0, pages).view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
-    values = v_cache.index_select(0, pages).view(S, P * page_size, Hkv, D).transpose(1, 2).to(q.dtype)
+    H, D, Hkv = q.shape[1], q.shape[2], kv.num_kv_heads
+    S = batch.block_tables.shape[0]
+    keys, values = (t.to(q.dtype) for t in kv.gather(layer_idx, batch.block_tables))  # [S, Hkv, L, D]
 
     # Padded queries [S, Qmax, H, D]. For GQA, fold the G = H / Hkv query heads
     # sharing a kv head into the query-length axis: [S, Hkv, G * Qmax, D].

@@ -276,7 +276,7 @@ class ModelRunner:
         stream, so before the next forward (which may write ``source`` once it is evicted)."""
         def copy() -> None:
             for pool in (self.kv.k, self.kv.v):
-                pool[:, page, :rows] = pool[:, source, :rows]
+                pool[:, page, :, :rows] = pool[:, source, :, :rows]  # [layers, pages, Hkv, page_size, D]
         self.device.compute.submit(copy)
 
     def load_lora(self, slot: int, name: str) -> None:

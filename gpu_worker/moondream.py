@@ -228,7 +228,7 @@ class TextAttention:
         self.heads, self.kv_heads, self.head_dim = t.n_heads, t.n_kv_heads, t.dim // t.n_heads
         self.batch, self.kv = batch, kv
         self._alone = None
-        self.kernels = kernels if kv.k.dtype == torch.bfloat16 and kv.k.shape[2] % 16 == 0 else None
+        self.kernels = kernels if kv.k.dtype == torch.bfloat16 and kv.page_size % 16 == 0 else None
         if self.kernels is not None:
             self.tables = model.rope_cos, model.rope_sin
             self.last = batch.positions if last is None else last

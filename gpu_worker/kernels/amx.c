@@ -9,6 +9,7 @@
  * Linux grants AMX's tile state per process on request (arch_prctl(ARCH_REQ_XCOMP_PERM)):
  * gpu_worker/cpu_kernels.py asks before it picks this level.
  */
+#include "kv_cache.h"
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VW == 16
@@ -393,12 +394,12 @@ void full_attention_bf16(const bf16 *qkv, bf16 *out, int64_t B, int64_t T, int64
 /* The text model's attention over the paged cache: the rows of sequence s are q rows
  * starts[s] .. starts[s + 1] - 1 (q [T, H, D], roped), and row t sees its sequence's keys at
  * positions 0 .. last[t] (causal: its own position; a prefix-LM block's rows: the block's last),
- * from the caches [pages, page_size, Hkv, D] through tables [S, table_width] (page_size a
+ * from the caches [pages, Hkv, page_size, D] through tables [S, table_width] (page_size a
  * multiple of 16: a group of 16 keys is in one page). -> out [T, H D]. */
 void paged_attention_amx_bf16(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *tables,
                               int64_t table_width, int64_t page_size, const int64_t *starts, const int64_t *last,
                               bf16 *out, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
-    const int64_t max_keys = table_width * page_size, group = H / Hkv, ld = Hkv * D;
+    const int64_t max_keys = table_width * page_size, group = H / Hkv;
     int64_t max_rows = 1;
     for (int64_t s = 0; s < S; s++) max_rows = starts[s + 1] - starts[s] > max_rows ? starts[s + 1] - starts[s] : max_rows;
 #pragma omp parallel num_threads(nthreads)
@@ -412,11 +413,12 @@ void paged_attention_amx_bf16(const bf16 *q, const bf16 *k_cache, const bf16 *v_
             int64_t keys = 0;
             for (int64_t i = 0; i < rows; i++) keys = last[first + i] + 1 > keys ? last[first + i] + 1 : keys;
             for (int64_t g = 0; g < (keys + 15) / 16; g++) {
-                const int64_t kv = tables[s * table_width + g * 16 / page_size] * page_size + g * 16 % page_size;
-                kg[g] = k_cache + kv * ld + kh * D;
-                vg[g] = v_cache + kv * ld + kh * D;
+                const int64_t row = kv_row(tables[s * table_width + g * 16 / page_size] * page_size + g * 16 % page_size,
+                                           kh, Hkv, page_size);
+                kg[g] = k_cache + row * D;
+                vg[g] = v_cache + row * D;
             }
-            attend_head(q + (first * H + h) * D, H * D, kg, vg, ld, keys, last + first, rows, D, scale,
+            attend_head(q + (first * H + h) * D, H * D, kg, vg, D, keys, last + first, rows, D, scale,
                         out + first * H * D + h * D, H * D, &hs);
         }
         head_scratch_free(&hs);

@@ -23,6 +23,7 @@
  * busy at once (a kernel call returns before torch's next op starts), each sized the same.
  */
 #include "fused.h"
+#include "kv_cache.h"
 #include "vec.h"
 
 /* One row: x += y (if y), rounded as the eager add; h = rmsnorm(x) * w, as transformers:
@@ -59,14 +60,16 @@ static void add_rmsnorm(void *x, const void *y, const void *w, void *h, int64_t 
 
 /* One token of qkv [(heads + 2 kv_heads) * head_dim]: rotary (the half-split layout) on its q and
  * k heads from the float32 tables' rows ct, st [head_dim / 2], rounded to the element type first
- * as the eager path does; q -> q_out [heads, head_dim], k -> k_dst, v -> v_dst [kv_heads, head_dim]. */
-static inline void rope_kv_row(const char *src, const float *ct, const float *st, char *q_out, char *k_dst,
-                               char *v_dst, int64_t heads, int64_t kv_heads, int64_t head_dim, int bf) {
+ * as the eager path does; q -> q_out [heads, head_dim], k and v -> slot `slot` of the caches. */
+static inline void rope_kv_row(const char *src, const float *ct, const float *st, char *q_out, char *k_cache,
+                               char *v_cache, int64_t slot, int64_t page_size, int64_t heads, int64_t kv_heads,
+                               int64_t head_dim, int bf) {
     const size_t el = bf ? 2 : 4;
     const int64_t half = head_dim / 2;
     for (int64_t hh = 0; hh < heads + kv_heads; hh++) {
         const char *x = src + hh * head_dim * el;
-        char *dst = hh < heads ? q_out + hh * head_dim * el : k_dst + (hh - heads) * head_dim * el;
+        char *dst = hh < heads ? q_out + hh * head_dim * el
+                               : k_cache + kv_row(slot, hh - heads, kv_heads, page_size) * head_dim * el;
         for (int64_t i = 0; i < half; i += VW) {
             const int64_t n = half - i;
             const vf c = v_round(v_load(ct, i, n, 0), bf), s = v_round(v_load(st, i, n, 0), bf);
@@ -75,34 +78,37 @@ static inline void rope_kv_row(const char *src, const float *ct, const float *st
             v_store(dst, i + half, n, v_add(v_round(v_mul(x2, c), bf), v_round(v_mul(x1, s), bf)), bf);
         }
     }
-    memcpy(v_dst, src + (heads + kv_heads) * head_dim * el, kv_heads * head_dim * el);
+    for (int64_t kh = 0; kh < kv_heads; kh++)
+        memcpy(v_cache + kv_row(slot, kh, kv_heads, page_size) * head_dim * el,
+               src + (heads + kv_heads + kh) * head_dim * el, head_dim * el);
 }
 
-/* qkv [tokens, (heads + 2 kv_heads) * head_dim] at positions pos[t]; k and v go to cache kv_index[t]. */
+/* qkv [tokens, (heads + 2 kv_heads) * head_dim] at positions pos[t]; k and v go to slot kv_index[t]
+ * of the caches [pages, kv_heads, page_size, head_dim]. */
 static void rope_kv(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,
                     const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens, int64_t heads,
-                    int64_t kv_heads, int64_t head_dim, int nthreads, int bf) {
+                    int64_t kv_heads, int64_t head_dim, int64_t page_size, int nthreads, int bf) {
     const size_t el = bf ? 2 : 4;
-    const int64_t half = head_dim / 2, row = (heads + 2 * kv_heads) * head_dim, kv_row = kv_heads * head_dim;
+    const int64_t half = head_dim / 2, row = (heads + 2 * kv_heads) * head_dim;
 #pragma omp parallel for num_threads(nthreads) if (tokens * row >= PAR_MIN)
     for (int64_t t = 0; t < tokens; t++) {
 #define ROW(B)                                                                                                    \
     rope_kv_row((const char *)qkv + t * row * el, cos_table + pos[t] * half, sin_table + pos[t] * half,           \
-                (char *)q_out + t * heads * head_dim * el, (char *)k_cache + kv_index[t] * kv_row * el,           \
-                (char *)v_cache + kv_index[t] * kv_row * el, heads, kv_heads, head_dim, B)
+                (char *)q_out + t * heads * head_dim * el, k_cache, v_cache, kv_index[t], page_size, heads,       \
+                kv_heads, head_dim, B)
         SPECIALISE(bf, ROW);
 #undef ROW
     }
 }
 
 /* The addresses of a sequence's next nb keys (or values) of kv head kh in a cache [pages,
- * page_size, kv_heads, D] (rows of row_bytes), walking its page table: (*page, *off) is where the
+ * kv_heads, page_size, D] (rows of row_bytes), walking its page table: (*page, *off) is where the
  * next one is, and is moved past them. */
 static inline void walk_pages(const char *cache, const int64_t *table, int64_t page_size, int64_t kv_heads,
                               int64_t kh, size_t row_bytes, int64_t nb, int64_t *page, int64_t *off,
                               const char **out) {
     for (int64_t jj = 0; jj < nb; jj++) {
-        out[jj] = cache + ((table[*page] * page_size + *off) * kv_heads + kh) * row_bytes;
+        out[jj] = cache + kv_row(table[*page] * page_size + *off, kh, kv_heads, page_size) * row_bytes;
         if (++*off == page_size) {
             *off = 0;
             ++*page;
@@ -112,13 +118,13 @@ static inline void walk_pages(const char *cache, const int64_t *table, int64_t p
 
 /* The addresses of keys (or values) j0 .. j0 + nb - 1, as walk_pages, for a block of VW keys
  * starting at a multiple of VW: where VW divides the page size the block lies in one page (rows
- * at a fixed stride, no walk per key). */
+ * one after the other, no walk per key). */
 static inline void block_rows(const char *cache, const int64_t *table, int64_t page_size, int64_t kv_heads,
                               int64_t kh, size_t row_bytes, int64_t j0, int64_t nb, int64_t *page, int64_t *off,
                               const char **out) {
     if (page_size % VW == 0) {
-        const char *first = cache + ((table[j0 / page_size] * page_size + j0 % page_size) * kv_heads + kh) * row_bytes;
-        for (int64_t jj = 0; jj < nb; jj++) out[jj] = first + jj * kv_heads * row_bytes;
+        const char *first = cache + kv_row(table[j0 / page_size] * page_size + j0 % page_size, kh, kv_heads, page_size) * row_bytes;
+        for (int64_t jj = 0; jj < nb; jj++) out[jj] = first + jj * row_bytes;
         return;
     }
     walk_pages(cache, table, page_size, kv_heads, kh, row_bytes, nb, page, off, out);
@@ -142,12 +148,12 @@ static inline void softmax(float *sg, int64_t len, float mx) {
 }
 
 /* One (token, kv head): its group of query heads qt [group, D] over the keys 0 .. len - 1 of its
- * sequence, key j in page table[j / page_size] of the caches [pages, page_size, kv_heads, D]:
+ * sequence, key j in page table[j / page_size] of the caches [pages, kv_heads, page_size, D]:
  * scores, softmax, then the weighted values -> ot [group, D]. scratch: group * max_len floats. */
 static inline void attention_item(const char *qt, const char *k_cache, const char *v_cache, const int64_t *table,
                                   int64_t page_size, int64_t len, int64_t kh, int64_t kv_heads, int64_t group,
                                   int64_t D, int64_t max_len, float *scratch, char *ot, int bf) {
-    const size_t el = bf ? 2 : 4, key_stride = kv_heads * D * el;
+    const size_t el = bf ? 2 : 4;
     const int64_t chunks = (D + VW - 1) / VW;
     const vf scale = v_set(1.f / sqrtf((float)D));
     float *scores = scratch;
@@ -178,9 +184,9 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
     /* Pass 2: the probability-weighted values, accumulated in registers. */
     for (int64_t i = 0; i < group * chunks; i++) acc[i] = v_set(0.f);
     for (int64_t first = 0; first < len; first += page_size) {
-        const char *v = v_cache + (table[first / page_size] * page_size * kv_heads + kh) * D * el;
+        const char *v = v_cache + kv_row(table[first / page_size] * page_size, kh, kv_heads, page_size) * D * el;
         const int64_t in_page = len - first < page_size ? len - first : page_size;
-        for (int64_t j = first; j < first + in_page; j++, v += key_stride)
+        for (int64_t j = first; j < first + in_page; j++, v += D * el)
             for (int64_t c = 0; c < chunks; c++) {
                 const vf vc = v_load(v, c * VW, D - c * VW, bf);
                 for (int64_t g = 0; g < group; g++)
@@ -460,9 +466,9 @@ static void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
     }                                                                                                            \
     void rope_kv_##SFX(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,     \
                        const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens,       \
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, int nthreads) {                        \
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, int nthreads) {     \
         rope_kv(qkv, cos_table, sin_table, pos, kv_index, k_cache, v_cache, q_out, tokens, heads, kv_heads,      \
-                head_dim, nthreads, BF);                                                                         \
+                head_dim, page_size, nthreads, BF);                                                              \
     }                                                                                                            \
     void attention_##SFX(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,        \
                          int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos,         \

@@ -8,7 +8,7 @@
                            int nthreads);                                                                        \
     void rope_kv_##SFX(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,     \
                        const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens,       \
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, int nthreads);                         \
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, int nthreads);      \
     void attention_##SFX(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,        \
                          int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos,         \
                          void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, \

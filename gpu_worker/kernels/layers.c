@@ -63,7 +63,8 @@ static void layers(void *x, void *h, const int64_t *table, int64_t n_layers, voi
     for (int64_t i = 0; i < n_layers; i++) {
         char *kc = (char *)k_cache + i * layer_stride * el, *vc = (char *)v_cache + i * layer_stride * el;
         linear(LINEAR(i, 0), h, qkv, tokens, hidden, bf, nthreads);
-        SFX(rope_kv)(qkv, cos_table, sin_table, pos, kv_index, kc, vc, q, tokens, heads, kv_heads, D, nthreads);
+        SFX(rope_kv)(qkv, cos_table, sin_table, pos, kv_index, kc, vc, q, tokens, heads, kv_heads, D, page_size,
+                     nthreads);
         SFX(attention)(q, kc, vc, tables, table_width, page_size, seq, pos, o, tokens, heads, kv_heads, D, max_len,
                        att_scratch, nthreads);
         linear(LINEAR(i, 1), o, proj, tokens, heads * D, bf, nthreads);

@@ -23,7 +23,7 @@ from prerequisites import unavailable
 from gpu_worker import cpu_backend, cpu_kernels
 from gpu_worker.batch import Batch
 from gpu_worker.cpu_backend import PackedLinear, layer_table, pack_linears
-from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.kv_cache import PagedKVCache, by_slot
 from gpu_worker.model import Llama, LlamaConfig, RMSNorm, apply_rope, attention_mask, paged_attention
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,6 +91,11 @@ def test_add_rmsnorm(kernels, dtype, rows, dim):
         assert torch.equal(alone, got)
 
 
+def _slots(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache [pages, Hkv, page_size, D] as rows [slots, Hkv, D] (a copy), by kv_index."""
+    return by_slot(cache).reshape(-1, cache.shape[1], cache.shape[3])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_kv_writes_the_cache_and_ropes_q(kernels, dtype):
     T, H, Hkv, D, page_size = 5, 6, 2, 24, 4
@@ -100,18 +105,18 @@ def test_rope_kv_writes_the_cache_and_ropes_q(kernels, dtype):
     cos, sin = freqs.cos(), freqs.sin()
     positions = torch.tensor([0, 7, 8, 30, 63])
     kv_index = torch.tensor([3, 17, 4, 9, 30])
-    k_cache = torch.zeros(8, page_size, Hkv, D, dtype=dtype)
+    k_cache = torch.zeros(8, Hkv, page_size, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     with torch.inference_mode():
         q = kernels.rope_kv(qkv, cos, sin, positions, kv_index, k_cache, v_cache, H, Hkv, D)
         c, s = cos[positions].to(dtype), sin[positions].to(dtype)
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), c, s)
         assert torch.equal(q, qk[:, :H])
-        assert torch.equal(k_cache.view(-1, Hkv, D)[kv_index], qk[:, H:])
-        assert torch.equal(v_cache.view(-1, Hkv, D)[kv_index], qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
-        untouched = torch.ones(k_cache.view(-1, Hkv, D).shape[0], dtype=torch.bool)
+        assert torch.equal(_slots(k_cache)[kv_index], qk[:, H:])
+        assert torch.equal(_slots(v_cache)[kv_index], qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
+        untouched = torch.ones(_slots(k_cache).shape[0], dtype=torch.bool)
         untouched[kv_index] = False
-        assert not k_cache.view(-1, Hkv, D)[untouched].any()
+        assert not _slots(k_cache)[untouched].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -409,7 +414,7 @@ def test_paged_attention_eager_still_writes_then_attends():
     v = torch.randn_like(k)
     mask = attention_mask(batch, kv, q.shape[1] // Hkv)
     out = paged_attention(q, k, v, 0, batch, kv, mask)
-    assert torch.equal(kv.k[0].reshape(-1, Hkv, q.shape[2])[batch.kv_index], k)
+    assert torch.equal(_slots(kv.k[0])[batch.kv_index], k)
     assert out.shape == (batch.num_tokens, q.shape[1] * q.shape[2])
 
 
@@ -590,16 +595,16 @@ def test_moondream_rotary_and_cache_write_in_one_pass_are_the_eager_bits(kernels
     qkv = (3 * torch.randn(T, (H + 2 * Hkv) * D, generator=g)).bfloat16()
     positions = torch.arange(5, 5 + T)
     kv_index = torch.arange(T).flip(0) * 2 + 1  # every other place, backwards
-    k_cache, v_cache = (torch.zeros(2 * T + 2, Hkv, D, dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.zeros((2 * T + 2) // 4, Hkv, 4, D, dtype=torch.bfloat16) for _ in range(2))
     q = kernels.partial_rope_kv(qkv, cos_t, sin_t, positions, kv_index, k_cache, v_cache, H, Hkv)
     eq, ek, ev = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     cos, sin = cos_t[positions], sin_t[positions]
     assert torch.equal(q, apply_partial_rope(eq.view(T, H, D), cos, sin))
-    assert torch.equal(k_cache[kv_index], apply_partial_rope(ek.reshape(T, Hkv, D), cos, sin))
-    assert torch.equal(v_cache[kv_index], ev.reshape(T, Hkv, D))
+    assert torch.equal(_slots(k_cache)[kv_index], apply_partial_rope(ek.reshape(T, Hkv, D), cos, sin))
+    assert torch.equal(_slots(v_cache)[kv_index], ev.reshape(T, Hkv, D))
     untouched = torch.ones(2 * T + 2, dtype=torch.bool)
     untouched[kv_index] = False
-    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    assert not _slots(k_cache)[untouched].any() and not _slots(v_cache)[untouched].any()
     assert not torch.equal(q[:, :, :D // 2], eq.view(T, H, D)[:, :, :D // 2])  # non-vacuity: it rotated
 
 
