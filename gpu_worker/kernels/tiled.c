@@ -142,16 +142,31 @@ static inline __m512 tq_scales(const void *p, int64_t i, const int half) {
     return _mm512_loadu_ps((const float *)p + i * TILE);
 }
 
-/* The epilogue of a (row, tile): the offsets' term, the bias, the store; the same for both paths. */
-static inline __attribute__((always_inline)) void tq_store(__m512 acc, const int half, const void *offset,
-                                                           const float *xs_row, int64_t groups, const float *bias,
-                                                           void *y, int y_bf, int64_t at, int64_t t, int64_t N) {
-    const int64_t rows = N - t * TILE < TILE ? N - t * TILE : TILE;
+/* The epilogue of MR rows x NT tiles (rows m0.., tiles t0..): the offsets' term, the bias, the store;
+ * the same for both paths. Each offset vector is converted once for the MR rows and each row's xs
+ * broadcast once for the NT tiles (once per (row, tile), q4 linears took 1.04-1.09x longer at 32
+ * rows: BENCHMARKS.md "Pages by kv head"); per (row, tile) the same float32 operations in the same
+ * order. */
+static inline __attribute__((always_inline)) void tq_finish(__m512 acc[MB][NT_MAX], const int MR, const int NT,
+                                                            const int half, const void *offset, const float *xs,
+                                                            int64_t m0, int64_t groups, const float *bias, void *y,
+                                                            int y_bf, int64_t ldy, int64_t t0, int64_t N) {
     if (offset)
-        for (int64_t g = 0; g < groups; g++)
-            acc = _mm512_fmadd_ps(tq_scales(offset, t * groups + g, half), _mm512_set1_ps(xs_row[g]), acc);
-    if (bias) acc = _mm512_add_ps(acc, v_load(bias, t * TILE, rows, 0));
-    v_store(y, at + t * TILE, rows, acc, y_bf);
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 xv[MB];
+            for (int m = 0; m < MR; m++) xv[m] = _mm512_set1_ps(xs[(m0 + m) * groups + g]);
+            for (int n = 0; n < NT; n++) {
+                const __m512 ov = tq_scales(offset, (t0 + n) * groups + g, half);
+                for (int m = 0; m < MR; m++) acc[m][n] = _mm512_fmadd_ps(ov, xv[m], acc[m][n]);
+            }
+        }
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NT; n++) {
+            const int64_t t = t0 + n, rows = N - t * TILE < TILE ? N - t * TILE : TILE;
+            __m512 out = acc[m][n];
+            if (bias) out = _mm512_add_ps(out, v_load(bias, t * TILE, rows, 0));
+            v_store(y, (m0 + m) * ldy + t * TILE, rows, out, y_bf);
+        }
 }
 
 /* Rows m0 .. m0 + MBC - 1 of x (at most MB: a decode step's) against tile t -> y, the tile's weights
@@ -164,8 +179,8 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
                                                           const float *bias, void *y, int y_bf, int64_t ldy) {
     const int64_t blocks = K / 32, groups = K >> gshift, bytes = fmt == FMT_Q4 ? 256 : 512;
     const uint8_t *tw = w + t * blocks * bytes;
-    __m512 acc[MB];
-    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    __m512 acc[MB][NT_MAX];
+    for (int m = 0; m < MB; m++) acc[m][0] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         /* all of block b + 4's lines: one line a block left q8's 8 to the hardware prefetcher, and a
          * one-row step 1.2x slower (BENCHMARKS.md "Tiles in k-quads") */
@@ -192,11 +207,10 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
 #endif
         const __m512 sv = tq_scales(scale, t * groups + ((32 * b) >> gshift), half);
         for (int m = 0; m < MBC; m++)
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
-                                     _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])), acc[m]);
+            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
+                                        _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])), acc[m][0]);
     }
-    for (int m = 0; m < MBC; m++)
-        tq_store(acc[m], half, offset, xs + (m0 + m) * groups, groups, bias, y, y_bf, (m0 + m) * ldy, t, N);
+    tq_finish(acc, MBC, 1, half, offset, xs, m0, groups, bias, y, y_bf, ldy, t, N);
 }
 
 /* Rows m0 .. m0 + MR - 1 of x against tiles t0 .. t0 + NT - 1, whose weights are in int16 in buf
@@ -239,9 +253,7 @@ static inline __attribute__((always_inline)) void tq_tiles_buffered(
                                             _mm512_mul_ps(sv, _mm512_set1_ps(dx[(m0 + m) * blocks + b])), acc[m][n]);
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int n = 0; n < NT; n++)
-            tq_store(acc[m][n], half, offset, xs + (m0 + m) * groups, groups, bias, y, y_bf, (m0 + m) * ldy, t0 + n, N);
+    tq_finish(acc, MR, NT, half, offset, xs, m0, groups, bias, y, y_bf, ldy, t0, N);
 }
 
 /* A buffer of at least `bytes` (64-byte aligned) of the calling thread's, buffer 0..3, reused from call
