@@ -526,7 +526,7 @@ def test_paged_amx_attention_is_sdpas_and_each_row_is_its_own(kernels, H, Hkv, D
         first = int(starts[0])
         changed = kv.k.clone()
         table = batch.block_tables[0]
-        changed[0, table[(block - 1) // 16], (block - 1) % 16] += 1  # the block's last key
+        changed[0, table[(block - 1) // 16], :, (block - 1) % 16] += 1  # the block's last key, every kv head
         kv2 = PagedKVCache(1, kv.k.shape[1], 16, Hkv, D, torch.bfloat16)
         kv2.k.copy_(changed)
         kv2.v.copy_(kv.v)
@@ -536,7 +536,8 @@ def test_paged_amx_attention_is_sdpas_and_each_row_is_its_own(kernels, H, Hkv, D
 
 
 def _float_cache(kv: PagedKVCache) -> PagedKVCache:
-    out = PagedKVCache(kv.k.shape[0], kv.k.shape[1], kv.k.shape[2], kv.k.shape[3], kv.k.shape[4], torch.float32)
+    layers, pages, kv_heads, page_size, D = kv.k.shape
+    out = PagedKVCache(layers, pages, page_size, kv_heads, D, torch.float32)
     out.k.copy_(kv.k)
     out.v.copy_(kv.v)
     return out
