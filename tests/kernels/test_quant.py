@@ -101,7 +101,7 @@ def test_the_kernel_is_a_float32_matmul_and_each_row_is_alone(kernels, fmt, x_dt
     assert kernels.tiles(w) == (kernels.level in ("avx512", "avx512_bf16", "amx") and fmt in ("q8", "q4", "q4/64"))
     dense = kernels.multiplied_weight(held, x_dtype).double()  # at bf16-dot levels with bf16 x: rounded to bf16
     assert kernels.bf16_dot == (kernels.level in ("avx512_bf16", "amx"))
-    for M in (1, 2, 3, 5, 9):  # around the kernel's blocks of rows (2 or 4), streamed and buffered
+    for M in (1, 2, 3, 5, 9, 33):  # around the kernel's blocks of rows (4), streamed and buffered, and a long batch
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(x_dtype)
         y = layer(x)
         assert y.dtype == x_dtype and y.shape == (M, N)
@@ -151,11 +151,11 @@ def test_q8_tiles_sum_extreme_integers_exactly(kernels):
     data = torch.where(torch.rand(N, K, generator=g) < 0.5, -128, 127).to(torch.int8)
     w = QWeight("q8", data, torch.ones(N, K // 32), None, 32, (N, K))
     layer = quant.QuantLinear([w], None, kernels)
-    x = torch.where(torch.rand(9, K, generator=g) < 0.5, -1.0, 1.0) * (1 + torch.arange(K) % 7)
+    x = torch.where(torch.rand(17, K, generator=g) < 0.5, -1.0, 1.0) * (1 + torch.arange(K) % 7)
     xm = kernels.multiplied_activation(x, layer.parts[0]).double()
     exact = xm @ data.double().T
     bound = K * 2 ** -24 * (xm.abs() @ data.double().abs().T)
-    for M in (1, 4, 9):  # streamed (up to 4 rows) and buffered
+    for M in (1, 4, 9, 17):  # streamed (up to 4 rows) and buffered
         assert ((layer(x[:M]).double() - exact[:M]).abs() <= bound[:M]).all()
 
 
