@@ -191,6 +191,10 @@ _PER_DTYPE = {
                _P, _P, _P, _P, _P, _P, _P, ctypes.c_int),
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# The kernels that write or read the KV cache, also over a cache of another type than the activations':
+# float32 activations over bf16 caches (the weight-only quantized models': half the bytes a step reads).
+_CACHE_TYPED = ("rope_kv", "attention", "layers")
+_KV_SUFFIX = {(torch.float32, torch.bfloat16): "f32_kvbf16"}
 # bf16 only: moondream.c's (every level) and amx.c's (level amx).
 _BF16_ONLY = {
     "partial_rope_kv_bf16": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int),
@@ -203,6 +207,11 @@ _BF16_ONLY = {
 _C = ctypes.c_int
 _QUANT = {"wlinear": (_C, _P, _C, _P, _P, _P, _I, _P, _P, _C, _I, _I, _I, _I, _C),
           "wgather": (_C, _P, _P, _P, _I, _I, _P, _I, _P), "wlinear_bf16_dot": (), "wlinear_tile_rows": ()}
+
+
+def _types(x: torch.Tensor, cache: torch.Tensor):
+    """The key of a cache-typed kernel: the activations' dtype, or (activations', cache's) where they differ."""
+    return x.dtype if x.dtype == cache.dtype else (x.dtype, cache.dtype)
 
 
 class _Functions(dict):
@@ -225,6 +234,8 @@ class CpuKernels:
         self._fn = _Functions(level)
         exported = {f"{name}_{sfx}": (argtypes, (name, dtype)) for name, argtypes in _PER_DTYPE.items()
                     for dtype, sfx in _SUFFIX.items()}
+        exported.update({f"{name}_{sfx}": (_PER_DTYPE[name], (name, types)) for name in _CACHE_TYPED
+                         for types, sfx in _KV_SUFFIX.items()})
         exported.update({name: (argtypes, name) for name, argtypes in (_BF16_ONLY | _QUANT).items()})
         for symbol, (argtypes, key) in exported.items():
             fn = getattr(dll, symbol, None)
@@ -271,7 +282,7 @@ class CpuKernels:
         proj = torch.empty_like(x)
         gate_up = torch.empty((T, 2 * intermediate), dtype=x.dtype)
         act = torch.empty((T, intermediate), dtype=x.dtype)
-        self._fn["layers", x.dtype](x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(),
+        self._fn["layers", _types(x, k)](x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(),
                                 v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                 kv_index.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
                                 seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden, intermediate, eps,
@@ -348,7 +359,7 @@ class CpuKernels:
         [len, D / 2]); k and v written at ``kv_index`` in the caches [pages, Hkv, page_size, D]; -> q [T, H, D]."""
         T = qkv.shape[0]
         q = torch.empty((T, heads, head_dim), dtype=qkv.dtype)
-        self._fn["rope_kv", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+        self._fn["rope_kv", _types(qkv, k_cache)](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                        kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
                                        T, heads, kv_heads, head_dim, k_cache.shape[2], torch.get_num_threads())
         return q
@@ -362,7 +373,7 @@ class CpuKernels:
         threads = torch.get_num_threads()
         scratch = self._attention_scratch(threads, H // kv_heads, max_len)
         out = torch.empty((T, H * D), dtype=q.dtype)
-        self._fn["attention", q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        self._fn["attention", _types(q, k_cache)](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                                        block_tables.shape[1], page_size, seq_of_token.data_ptr(), positions.data_ptr(),
                                        out.data_ptr(), T, H, kv_heads, D, max_len, scratch.data_ptr(), threads)
         return out

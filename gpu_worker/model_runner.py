@@ -120,6 +120,14 @@ def default_dtype(is_cuda: bool) -> torch.dtype:
     return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
+def kv_cache_dtype(activations: torch.dtype, quantized: bool, fused: bool) -> torch.dtype:
+    """The KV cache's type: the activations', except bf16 under a quantized model's float32
+    activations where the fused CPU kernels run its layers (``fused``): attention then reads half
+    the bytes (at 32 streams it read more than the weights did: BENCHMARKS.md "The KV cache in bf16
+    under quantized weights"), as llama.cpp keeps its cache in f16 under any weights."""
+    return torch.bfloat16 if quantized and fused and activations == torch.float32 else activations
+
+
 def _quantization(config: EngineConfig, dev: torch.device, path) -> str | None:
     """How the weights are held: ``gguf`` (a directory's GGUF file as it is), ``int8`` / ``int4``
     (quantized at load) or None (the checkpoint's floats); an impossible request raises."""
@@ -210,6 +218,8 @@ class ModelRunner:
             pack_linears(self.model, kernels)
         if isinstance(llama, Llama):
             llama.cpu_kernels = kernels
+        self.kv_dtype = kv_cache_dtype(self.dtype, quantized is not None,
+                                       isinstance(llama, Llama) and llama.cpu_kernels is not None)
         # Moondream: its region heads and per-row skill state (moondream_skills.py); None otherwise.
         self.moondream = llama if isinstance(llama, Moondream) else None
         self.skills = SkillRows(max_rows + 1, dev) if self.moondream is not None else None
@@ -231,7 +241,7 @@ class ModelRunner:
             raise ValueError(f"the model has {len(self.eos_ids)} EOS ids; at most {MAX_EOS_IDS} are supported")
         kv_pages = config.kv_pages
         per_page = PagedKVCache.page_bytes(self.config.num_hidden_layers, page_size,
-                                           self.config.num_key_value_heads, self.config.head_dim, self.dtype)
+                                           self.config.num_key_value_heads, self.config.head_dim, self.kv_dtype)
         if kv_pages is None:
             if device.is_cuda:
                 free, _total = torch.cuda.mem_get_info(dev)
@@ -245,7 +255,7 @@ class ModelRunner:
         self.max_model_len, self.context_reason = context_length(config.max_model_len, model_limit,
                                                                  (self.num_pages - 1) * page_size)
         log.info("context: %d tokens (%s)", self.max_model_len, self.context_reason)
-        self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.dtype, dev)
+        self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.kv_dtype, dev)
         self.max_pages_per_seq = ceil_div(self.max_model_len, page_size)
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
         self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)

@@ -60,43 +60,50 @@ static void add_rmsnorm(void *x, const void *y, const void *w, void *h, int64_t 
 
 /* One token of qkv [(heads + 2 kv_heads) * head_dim]: rotary (the half-split layout) on its q and
  * k heads from the float32 tables' rows ct, st [head_dim / 2], rounded to the element type first
- * as the eager path does; q -> q_out [heads, head_dim], k and v -> slot `slot` of the caches. */
+ * as the eager path does; q -> q_out [heads, head_dim], k and v -> slot `slot` of the caches, in
+ * the caches' type (kbf: bf16, rounded as PagedKVCache.write's cast). */
 static inline void rope_kv_row(const char *src, const float *ct, const float *st, char *q_out, char *k_cache,
                                char *v_cache, int64_t slot, int64_t page_size, int64_t heads, int64_t kv_heads,
-                               int64_t head_dim, int bf) {
-    const size_t el = bf ? 2 : 4;
+                               int64_t head_dim, int bf, int kbf) {
+    const size_t el = bf ? 2 : 4, kel = kbf ? 2 : 4;
     const int64_t half = head_dim / 2;
     for (int64_t hh = 0; hh < heads + kv_heads; hh++) {
         const char *x = src + hh * head_dim * el;
+        const int to_bf = hh < heads ? bf : kbf;
         char *dst = hh < heads ? q_out + hh * head_dim * el
-                               : k_cache + kv_row(slot, hh - heads, kv_heads, page_size) * head_dim * el;
+                               : k_cache + kv_row(slot, hh - heads, kv_heads, page_size) * head_dim * kel;
         for (int64_t i = 0; i < half; i += VW) {
             const int64_t n = half - i;
             const vf c = v_round(v_load(ct, i, n, 0), bf), s = v_round(v_load(st, i, n, 0), bf);
             const vf x1 = v_load(x, i, n, bf), x2 = v_load(x, i + half, n, bf);
-            v_store(dst, i, n, v_sub(v_round(v_mul(x1, c), bf), v_round(v_mul(x2, s), bf)), bf);
-            v_store(dst, i + half, n, v_add(v_round(v_mul(x2, c), bf), v_round(v_mul(x1, s), bf)), bf);
+            v_store(dst, i, n, v_sub(v_round(v_mul(x1, c), bf), v_round(v_mul(x2, s), bf)), to_bf);
+            v_store(dst, i + half, n, v_add(v_round(v_mul(x2, c), bf), v_round(v_mul(x1, s), bf)), to_bf);
         }
     }
-    for (int64_t kh = 0; kh < kv_heads; kh++)
-        memcpy(v_cache + kv_row(slot, kh, kv_heads, page_size) * head_dim * el,
-               src + (heads + kv_heads + kh) * head_dim * el, head_dim * el);
+    for (int64_t kh = 0; kh < kv_heads; kh++) {
+        const char *v = src + (heads + kv_heads + kh) * head_dim * el;
+        char *dst = v_cache + kv_row(slot, kh, kv_heads, page_size) * head_dim * kel;
+        if (bf == kbf) memcpy(dst, v, head_dim * el);
+        else
+            for (int64_t i = 0; i < head_dim; i += VW)
+                v_store(dst, i, head_dim - i, v_load(v, i, head_dim - i, bf), kbf);
+    }
 }
 
 /* qkv [tokens, (heads + 2 kv_heads) * head_dim] at positions pos[t]; k and v go to slot kv_index[t]
  * of the caches [pages, kv_heads, page_size, head_dim]. */
 static void rope_kv(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,
                     const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens, int64_t heads,
-                    int64_t kv_heads, int64_t head_dim, int64_t page_size, int nthreads, int bf) {
+                    int64_t kv_heads, int64_t head_dim, int64_t page_size, int nthreads, int bf, int kbf) {
     const size_t el = bf ? 2 : 4;
     const int64_t half = head_dim / 2, row = (heads + 2 * kv_heads) * head_dim;
 #pragma omp parallel for num_threads(nthreads) if (tokens * row >= PAR_MIN)
     for (int64_t t = 0; t < tokens; t++) {
-#define ROW(B)                                                                                                    \
+#define ROW(B, KB)                                                                                               \
     rope_kv_row((const char *)qkv + t * row * el, cos_table + pos[t] * half, sin_table + pos[t] * half,           \
                 (char *)q_out + t * heads * head_dim * el, k_cache, v_cache, kv_index[t], page_size, heads,       \
-                kv_heads, head_dim, B)
-        SPECIALISE(bf, ROW);
+                kv_heads, head_dim, B, KB)
+        SPECIALISE_KV(bf, kbf, ROW);
 #undef ROW
     }
 }
@@ -152,8 +159,8 @@ static inline void softmax(float *sg, int64_t len, float mx) {
  * scores, softmax, then the weighted values -> ot [group, D]. scratch: group * max_len floats. */
 static inline void attention_item(const char *qt, const char *k_cache, const char *v_cache, const int64_t *table,
                                   int64_t page_size, int64_t len, int64_t kh, int64_t kv_heads, int64_t group,
-                                  int64_t D, int64_t max_len, float *scratch, char *ot, int bf) {
-    const size_t el = bf ? 2 : 4;
+                                  int64_t D, int64_t max_len, float *scratch, char *ot, int bf, int kbf) {
+    const size_t el = kbf ? 2 : 4; /* the caches' */
     const int64_t chunks = (D + VW - 1) / VW;
     const vf scale = v_set(1.f / sqrtf((float)D));
     float *scores = scratch;
@@ -175,7 +182,7 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
                 dots[jj] = v_set(0.f);
                 if (jj < nb)
                     for (int64_t c = 0; c < chunks; c++)
-                        dots[jj] = v_fma(qv[g * chunks + c], v_load(kp[jj], c * VW, D - c * VW, bf), dots[jj]);
+                        dots[jj] = v_fma(qv[g * chunks + c], v_load(kp[jj], c * VW, D - c * VW, kbf), dots[jj]);
             }
             put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
         }
@@ -188,7 +195,7 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
         const int64_t in_page = len - first < page_size ? len - first : page_size;
         for (int64_t j = first; j < first + in_page; j++, v += D * el)
             for (int64_t c = 0; c < chunks; c++) {
-                const vf vc = v_load(v, c * VW, D - c * VW, bf);
+                const vf vc = v_load(v, c * VW, D - c * VW, kbf);
                 for (int64_t g = 0; g < group; g++)
                     acc[g * chunks + c] = v_fma(v_set(scores[g * max_len + j]), vc, acc[g * chunks + c]);
             }
@@ -230,10 +237,10 @@ static inline __attribute__((always_inline)) void scores_bf16(const char *qg, co
  * literal G the item is attention_item_bf16. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
-    int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, const int CH,
-    const int G) {
+    int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, int kbf,
+    const int CH, const int G) {
     const int64_t D = VW * CH;
-    const size_t el = bf ? 2 : 4;
+    const size_t el = kbf ? 2 : 4; /* the caches' */
     const vf scale = v_set(1.f / sqrtf((float)D));
     float mx[8]; /* group <= 8 (checked by the caller) */
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
@@ -256,7 +263,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
             for (int c = 0; c < CH; c++) qv[c] = v_mul(v_load(qt, g * D + c * VW, VW, bf), scale);
             for (int jj = 0; jj < VW; jj++) {
                 dots[jj] = v_set(0.f);
-                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[c], v_load(kp[jj], c * VW, VW, bf), dots[jj]);
+                for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[c], v_load(kp[jj], c * VW, VW, kbf), dots[jj]);
             }
             put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
         }
@@ -272,7 +279,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
             block_rows(v_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
             for (int64_t jj = 0; jj < nb; jj++) {
                 vf v[MAX_CH];
-                for (int c = 0; c < CH; c++) v[c] = v_load(kp[jj], c * VW, VW, bf);
+                for (int c = 0; c < CH; c++) v[c] = v_load(kp[jj], c * VW, VW, kbf);
                 for (int g = 0; g < G; g++) {
                     const vf w = v_set(scores[g * max_len + j0 + jj]);
                     for (int c = 0; c < CH; c++) accg[g * CH + c] = v_fma(w, v[c], accg[g * CH + c]);
@@ -296,7 +303,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
             for (int c = 0; c < CH; c++) a[c] = acc[g * CH + c];
             for (int64_t jj = 0; jj < nb; jj++) {
                 const vf w = v_set(sg[jj]);
-                for (int c = 0; c < CH; c++) a[c] = v_fma(w, v_load(kp[jj], c * VW, VW, bf), a[c]);
+                for (int c = 0; c < CH; c++) a[c] = v_fma(w, v_load(kp[jj], c * VW, VW, kbf), a[c]);
             }
             for (int c = 0; c < CH; c++) acc[g * CH + c] = a[c];
         }
@@ -395,7 +402,7 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
 static void attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
                       int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos, void *out,
                       int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, float *scratch,
-                      int nthreads, int bf) {
+                      int nthreads, int bf, int kbf) {
     const size_t el = bf ? 2 : 4;
     const int64_t group = heads / kv_heads, work = tokens * kv_heads;
     const int fixed = FIXED_ITEM(D, group);
@@ -404,30 +411,30 @@ static void attention(const void *q, const void *k_cache, const void *v_cache, c
         const int64_t t = item / kv_heads, kh = item % kv_heads;
         const int64_t at = (t * heads + kh * group) * D * el;
         float *mine = scratch + (int64_t)omp_get_thread_num() * group * max_len;
-#define ITEM(B)                                                                                                   \
+#define ITEM(B, KB)                                                                                              \
     attention_item((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size, pos[t] + 1, \
-                   kh, kv_heads, group, D, max_len, mine, (char *)out + at, B)
-#define FIXED_G(B, CH, G)                                                                                         \
+                   kh, kv_heads, group, D, max_len, mine, (char *)out + at, B, KB)
+#define FIXED_G(B, KB, CH, G)                                                                                    \
     (ITEM_BF16(B, G) ? attention_item_bf16((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, \
                                            page_size, pos[t] + 1, kh, kv_heads, max_len, mine, (char *)out + at, \
                                            CH, G)                                                                \
                      : attention_item_fixed((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, \
                                             page_size, pos[t] + 1, kh, kv_heads, group, max_len, mine,           \
-                                            (char *)out + at, B, CH, G))
+                                            (char *)out + at, B, KB, CH, G))
 /* The group as a literal where its G * CH accumulators fit in registers (or G is 1: as many as the
  * run-time path's). */
 #define G_FITS(G, CH) ((G) == 1 || (G) * (CH) <= ACC_REGS ? (G) : 0)
-#define FIXED(B, CH)                                                                                              \
-    (group == 1 ? FIXED_G(B, CH, 1)                                                                               \
-     : group == 2 ? FIXED_G(B, CH, G_FITS(2, CH))                                                                 \
-     : group == 3 ? FIXED_G(B, CH, G_FITS(3, CH))                                                                 \
-     : group == 4 ? FIXED_G(B, CH, G_FITS(4, CH))                                                                 \
-                  : FIXED_G(B, CH, 0))
-#define FIXED64(B) FIXED(B, 64 / VW)
-#define FIXED128(B) FIXED(B, 128 / VW)
-        if (fixed && D == 64) SPECIALISE(bf, FIXED64);
-        else if (fixed) SPECIALISE(bf, FIXED128);
-        else SPECIALISE(bf, ITEM);
+#define FIXED(B, KB, CH)                                                                                         \
+    (group == 1 ? FIXED_G(B, KB, CH, 1)                                                                          \
+     : group == 2 ? FIXED_G(B, KB, CH, G_FITS(2, CH))                                                            \
+     : group == 3 ? FIXED_G(B, KB, CH, G_FITS(3, CH))                                                            \
+     : group == 4 ? FIXED_G(B, KB, CH, G_FITS(4, CH))                                                            \
+                  : FIXED_G(B, KB, CH, 0))
+#define FIXED64(B, KB) FIXED(B, KB, 64 / VW)
+#define FIXED128(B, KB) FIXED(B, KB, 128 / VW)
+        if (fixed && D == 64) SPECIALISE_KV(bf, kbf, FIXED64);
+        else if (fixed) SPECIALISE_KV(bf, kbf, FIXED128);
+        else SPECIALISE_KV(bf, kbf, ITEM);
 #undef ITEM
 #undef FIXED_G
 #undef G_FITS
@@ -458,28 +465,33 @@ static void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
     }
 }
 
-/* The exported entry points, one per element type. */
+/* The exported entry points, one per element type; rope_kv and attention also per the caches' type
+ * (f32_kvbf16: float32 activations over bf16 caches, the weight-only quantized models'). */
 #define EXPORT(SFX, BF)                                                                                          \
     void add_rmsnorm_##SFX(void *x, const void *y, const void *w, void *h, int64_t rows, int64_t dim, float eps, \
                            int nthreads) {                                                                       \
         add_rmsnorm(x, y, w, h, rows, dim, eps, nthreads, BF);                                                   \
     }                                                                                                            \
+    void silu_mul_##SFX(const void *gate_up, void *out, int64_t rows, int64_t inter, int nthreads) {            \
+        silu_mul(gate_up, out, rows, inter, nthreads, BF);                                                       \
+    }
+#define EXPORT_KV(SFX, BF, KBF)                                                                                  \
     void rope_kv_##SFX(const void *qkv, const float *cos_table, const float *sin_table, const int64_t *pos,     \
                        const int64_t *kv_index, void *k_cache, void *v_cache, void *q_out, int64_t tokens,       \
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, int nthreads) {     \
         rope_kv(qkv, cos_table, sin_table, pos, kv_index, k_cache, v_cache, q_out, tokens, heads, kv_heads,      \
-                head_dim, page_size, nthreads, BF);                                                              \
+                head_dim, page_size, nthreads, BF, KBF);                                                         \
     }                                                                                                            \
     void attention_##SFX(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,        \
                          int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos,         \
                          void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, \
                          float *scratch, int nthreads) {                                                         \
         attention(q, k_cache, v_cache, tables, table_width, page_size, seq, pos, out, tokens, heads, kv_heads,  \
-                  D, max_len, scratch, nthreads, BF);                                                            \
-    }                                                                                                            \
-    void silu_mul_##SFX(const void *gate_up, void *out, int64_t rows, int64_t inter, int nthreads) {            \
-        silu_mul(gate_up, out, rows, inter, nthreads, BF);                                                       \
+                  D, max_len, scratch, nthreads, BF, KBF);                                                       \
     }
 
 EXPORT(bf16, 1)
 EXPORT(f32, 0)
+EXPORT_KV(bf16, 1, 1)
+EXPORT_KV(f32, 0, 0)
+EXPORT_KV(f32_kvbf16, 0, 1)

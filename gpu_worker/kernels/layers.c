@@ -14,7 +14,8 @@
  *       then per part PART_WIDTH: format (FMT_* or FMT_AMX), data, scale, offset, group, rows,
  *       bias (float32 for quant.c's formats, bf16 for FMT_AMX; 0: none). FMT_AMX is a part alone.
  * x [T, hidden] is the residual stream (updated in place); h [T, hidden] gets norm(x) after the
- * last layer. Buffers: qkv [T, (H + 2 Hkv) D], q and o [T, H D], proj [T, hidden], gu [T, 2
+ * last layer; the caches hold the activations' type, or bf16 under float32 activations
+ * (layers_f32_kvbf16). Buffers: qkv [T, (H + 2 Hkv) D], q and o [T, H D], proj [T, hidden], gu [T, 2
  * inter], act [T, inter]; att_scratch as attention's.
  */
 #include "fused.h"
@@ -54,18 +55,19 @@ static void layers(void *x, void *h, const int64_t *table, int64_t n_layers, voi
                    const int64_t *kv_index, const int64_t *tables, int64_t table_width, int64_t page_size,
                    const int64_t *seq, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t hidden,
                    int64_t inter, float eps, int64_t max_len, void *qkv, void *q, void *o, void *proj, void *gu,
-                   void *act, float *att_scratch, int nthreads, int bf) {
-    const size_t el = bf ? 2 : 4;
+                   void *act, float *att_scratch, int nthreads, int bf, int kbf) {
+    const size_t kel = kbf ? 2 : 4; /* the caches' */
 #define NORM(i, k) ((const void *)(intptr_t)table[(i) * LAYER_WIDTH + (k)])
 #define LINEAR(i, j) (table + (i) * LAYER_WIDTH + 3 + (j) * LINEAR_WIDTH)
 #define SFX(name) (bf ? name##_bf16 : name##_f32)
+#define KV_SFX(name) (bf ? name##_bf16 : kbf ? name##_f32_kvbf16 : name##_f32)
     SFX(add_rmsnorm)(x, NULL, NORM(0, 0), h, tokens, hidden, eps, nthreads);
     for (int64_t i = 0; i < n_layers; i++) {
-        char *kc = (char *)k_cache + i * layer_stride * el, *vc = (char *)v_cache + i * layer_stride * el;
+        char *kc = (char *)k_cache + i * layer_stride * kel, *vc = (char *)v_cache + i * layer_stride * kel;
         linear(LINEAR(i, 0), h, qkv, tokens, hidden, bf, nthreads);
-        SFX(rope_kv)(qkv, cos_table, sin_table, pos, kv_index, kc, vc, q, tokens, heads, kv_heads, D, page_size,
+        KV_SFX(rope_kv)(qkv, cos_table, sin_table, pos, kv_index, kc, vc, q, tokens, heads, kv_heads, D, page_size,
                      nthreads);
-        SFX(attention)(q, kc, vc, tables, table_width, page_size, seq, pos, o, tokens, heads, kv_heads, D, max_len,
+        KV_SFX(attention)(q, kc, vc, tables, table_width, page_size, seq, pos, o, tokens, heads, kv_heads, D, max_len,
                        att_scratch, nthreads);
         linear(LINEAR(i, 1), o, proj, tokens, heads * D, bf, nthreads);
         SFX(add_rmsnorm)(x, proj, NORM(i, 1), h, tokens, hidden, eps, nthreads);
@@ -75,11 +77,12 @@ static void layers(void *x, void *h, const int64_t *table, int64_t n_layers, voi
         SFX(add_rmsnorm)(x, proj, NORM(i, 2), h, tokens, hidden, eps, nthreads);
     }
 #undef SFX
+#undef KV_SFX
 #undef LINEAR
 #undef NORM
 }
 
-#define EXPORT(SFX, BF)                                                                                          \
+#define EXPORT(SFX, BF, KBF)                                                                                        \
     void layers_##SFX(void *x, void *h, const int64_t *table, int64_t n_layers, void *k_cache, void *v_cache,    \
                       int64_t layer_stride, const float *cos_table, const float *sin_table, const int64_t *pos,  \
                       const int64_t *kv_index, const int64_t *tables, int64_t table_width, int64_t page_size,    \
@@ -88,8 +91,9 @@ static void layers(void *x, void *h, const int64_t *table, int64_t n_layers, voi
                       void *proj, void *gu, void *act, float *att_scratch, int nthreads) {                       \
         layers(x, h, table, n_layers, k_cache, v_cache, layer_stride, cos_table, sin_table, pos, kv_index,       \
                tables, table_width, page_size, seq, tokens, heads, kv_heads, D, hidden, inter, eps, max_len,     \
-               qkv, q, o, proj, gu, act, att_scratch, nthreads, BF);                                             \
+               qkv, q, o, proj, gu, act, att_scratch, nthreads, BF, KBF);                                             \
     }
 
-EXPORT(bf16, 1)
-EXPORT(f32, 0)
+EXPORT(bf16, 1, 1)
+EXPORT(f32, 0, 0)
+EXPORT(f32_kvbf16, 0, 1)

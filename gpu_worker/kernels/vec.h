@@ -322,3 +322,5 @@ static inline vf v_gelu_tanh(vf x) {
  * calls a per-row function with a literal flag (`bf ? row(.., 1) : row(.., 0)`): two
  * specialised copies. */
 #define SPECIALISE(bf, call_with) ((bf) ? call_with(1) : call_with(0))
+/* The same for an activations' and a KV cache's type (bf16 activations always have a bf16 cache). */
+#define SPECIALISE_KV(bf, kbf, call_with) ((bf) ? call_with(1, 1) : (kbf) ? call_with(0, 1) : call_with(0, 0))

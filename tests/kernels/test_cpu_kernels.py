@@ -64,6 +64,8 @@ def rounding_error(t: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 DTYPES = [torch.float32, torch.bfloat16]
+# (activations, KV cache): each dtype over its own cache, and float32 over bf16 (the quantized models')
+CACHE_TYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -96,8 +98,10 @@ def _slots(cache: torch.Tensor) -> torch.Tensor:
     return by_slot(cache).reshape(-1, cache.shape[1], cache.shape[3])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_kv_writes_the_cache_and_ropes_q(kernels, dtype):
+@pytest.mark.parametrize("dtype, kv_dtype", CACHE_TYPES)
+def test_rope_kv_writes_the_cache_and_ropes_q(kernels, dtype, kv_dtype):
+    """q and k roped as the eager path does, in the activations' type; k and v written to the cache in
+    its own type, rounded as the eager path's cast (PagedKVCache.write)."""
     T, H, Hkv, D, page_size = 5, 6, 2, 24, 4
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
@@ -105,15 +109,15 @@ def test_rope_kv_writes_the_cache_and_ropes_q(kernels, dtype):
     cos, sin = freqs.cos(), freqs.sin()
     positions = torch.tensor([0, 7, 8, 30, 63])
     kv_index = torch.tensor([3, 17, 4, 9, 30])
-    k_cache = torch.zeros(8, Hkv, page_size, D, dtype=dtype)
+    k_cache = torch.zeros(8, Hkv, page_size, D, dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
     with torch.inference_mode():
         q = kernels.rope_kv(qkv, cos, sin, positions, kv_index, k_cache, v_cache, H, Hkv, D)
         c, s = cos[positions].to(dtype), sin[positions].to(dtype)
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), c, s)
-        assert torch.equal(q, qk[:, :H])
-        assert torch.equal(_slots(k_cache)[kv_index], qk[:, H:])
-        assert torch.equal(_slots(v_cache)[kv_index], qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
+        assert q.dtype == dtype and torch.equal(q, qk[:, :H])
+        assert torch.equal(_slots(k_cache)[kv_index], qk[:, H:].to(kv_dtype))
+        assert torch.equal(_slots(v_cache)[kv_index], qkv[:, (H + Hkv) * D:].view(T, Hkv, D).to(kv_dtype))
         untouched = torch.ones(_slots(k_cache).shape[0], dtype=torch.bool)
         untouched[kv_index] = False
         assert not _slots(k_cache)[untouched].any()
@@ -164,6 +168,24 @@ def test_attention_over_pages_in_place(kernels, dtype, D, H, Hkv, page_size):
         want = attend_pages(q, 0, batch, kv, attention_mask(batch, kv, q.shape[1] // Hkv))
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("D", [24, 64])
+@pytest.mark.parametrize("H, Hkv", [(6, 2), (3, 3)])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_float32_queries_over_a_bf16_cache_are_the_float32_kernel_over_it_widened(kernels, D, H, Hkv, page_size):
+    """The quantized models' attention: float32 queries over bf16 caches give, bit for bit, the float32
+    kernel over the same values widened to float32 (the loads widen exactly; the math is the same)."""
+    q, kv, batch, Hkv = _paged_case(torch.float32, lens=[1, 5, 13, 32, 37], chunk=[1, 2, 4, 1, 3], H=H, Hkv=Hkv,
+                                    D=D, page_size=page_size)
+    seq = batch.token_to_padded // batch.max_query_len
+    k16, v16 = kv.k[0].bfloat16(), kv.v[0].bfloat16()
+    with torch.inference_mode():
+        got = kernels.attention(q, k16, v16, batch.block_tables, seq, batch.positions, Hkv)
+        want = kernels.attention(q, k16.float(), v16.float(), batch.block_tables, seq, batch.positions, Hkv)
+        unrounded = kernels.attention(q, kv.k[0], kv.v[0], batch.block_tables, seq, batch.positions, Hkv)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.equal(got, unrounded)  # non-vacuity: the bf16 cache's values were read, rounded
 
 
 TINY = LlamaConfig(vocab_size=96, hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=6,
@@ -253,7 +275,7 @@ def test_a_prompt_chunked_or_whole_gives_the_same_bits(kernels, cfg, packed):
     assert torch.equal(whole.k, chunked.k) and torch.equal(whole.v, chunked.v)
 
 
-def _one_call_equals_python_loop(model, kernels, dtype):
+def _one_call_equals_python_loop(model, kernels, dtype, kv_dtype=None):
     """The model's forward with every layer in one C call against ``fused_layers``' Python loop over
     the same kernels: the same logits and caches, bit for bit, over a prefill and decode steps."""
     assert layer_table(model, kernels) is not None  # non-vacuity: the one-call path runs below
@@ -265,7 +287,7 @@ def _one_call_equals_python_loop(model, kernels, dtype):
             return getattr(kernels, name)
 
     g = torch.Generator().manual_seed(8)
-    caches = [PagedKVCache.from_config(TINY32, 12, 4, dtype, "cpu") for _ in range(2)]
+    caches = [PagedKVCache.from_config(TINY32, 12, 4, kv_dtype or dtype, "cpu") for _ in range(2)]
     tables = [list(range(1, 6)), list(range(6, 11))]
     steps = [([(0, 9, tables[0]), (0, 5, tables[1])], torch.randint(0, 96, (14,), generator=g))]
     steps += [([(9 + i, 1, tables[0]), (5 + i, 1, tables[1])], torch.randint(0, 96, (2,), generator=g)) for i in range(3)]
@@ -291,10 +313,10 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
     assert layer_table(model, kernels) is None  # e.g. LoRA's wrapped linears
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_quantized_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels, dtype):
-    """Weight-only quantized linears at every level, activations float32 and bf16: every layer in one
-    C call is the Python loop bit for bit, with a fused qkv of three formats (a Q4_K_M file mixes
+@pytest.mark.parametrize("dtype, kv_dtype", CACHE_TYPES)
+def test_quantized_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels, dtype, kv_dtype):
+    """Weight-only quantized linears at every level, activations float32 and bf16 (float32 over a bf16
+    cache too, as the engine serves them): every layer in one C call is the Python loop bit for bit, with a fused qkv of three formats (a Q4_K_M file mixes
     them) and a bias read from each part's columns; a linear with more parts than the table holds
     keeps the Python loop."""
     from gpu_worker.quant import QuantKernels, QuantLinear, quantize
@@ -317,7 +339,7 @@ def test_quantized_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels, d
             TINY32.hidden_size, generator=g), qk)
     tiled = ["t4", "t8", "bf16"] if qk.tile_rows else ["q4", "q8", "bf16"]  # tiles at the VW 16 levels
     assert [p.fmt for p in model.layers[0].self_attn.qkv_proj.parts] == tiled
-    _one_call_equals_python_loop(model, kernels, dtype)
+    _one_call_equals_python_loop(model, kernels, dtype, kv_dtype)
     halves = v.split(Hkv * D // 2)
     model.layers[1].self_attn.qkv_proj = QuantLinear(  # four parts: more than the table holds
         [quantize(q, "int4", 32), quantize(k, "int8", 32), quantize(halves[0], "int4", 32),

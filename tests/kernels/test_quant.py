@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gpu_worker import cpu_kernels, quant
+from gpu_worker.model_runner import kv_cache_dtype
 from gpu_worker.quant import QWeight
 
 pytestmark = pytest.mark.slow
@@ -240,13 +241,13 @@ def smollm2():
     return path, seqs, tops
 
 
-def top1_agreement(model, seqs, tops, dtype=torch.float32) -> float:
+def top1_agreement(model, seqs, tops, kv_dtype=torch.float32) -> float:
     """The share of positions where ``model``'s top-1 token, over each whole sequence in one
     forward, is transformers'."""
     from model_harness import PAGE_SIZE, Harness
 
     pages = sum(-(-(len(s) + 1) // PAGE_SIZE) for _, s in seqs) + 1
-    h = Harness(model, [s for _, s in seqs], max_new=1, num_pages=pages, kv_dtype=dtype)
+    h = Harness(model, [s for _, s in seqs], max_new=1, num_pages=pages, kv_dtype=kv_dtype)
     same = total = 0
     for i, ((n_prompt, s), top) in enumerate(zip(seqs, tops)):
         logits = h.step([(i, len(s))])
@@ -279,6 +280,8 @@ def test_quantized_smollm2_agrees_with_its_float32_weights(smollm2, method, dtyp
     else:
         model = Llama.from_pretrained(path, dtype=torch.float32, max_model_len=512)
         assert quantize_linears(model, method, 32, kernels) == 30 * 4 + 1
-    agreement = top1_agreement(model, seqs, tops, dtype)
-    print(f"{method} {dtype}: top-1 agreement {agreement:.4f} over {len(tops) * NEW_TOKENS} positions")
+    model.cpu_kernels = kernels.source  # the layers as the engine runs them, over the engine's KV cache
+    kv_dtype = kv_cache_dtype(dtype, True, model.cpu_kernels is not None)
+    agreement = top1_agreement(model, seqs, tops, kv_dtype)
+    print(f"{method} {dtype} (KV cache {kv_dtype}): top-1 agreement {agreement:.4f} over {len(tops) * NEW_TOKENS} positions")
     assert agreement >= floor
