@@ -222,6 +222,38 @@ static inline __attribute__((always_inline)) void scores_bf16(const char *qg, co
     }
     put_scores(sg, j0, nb, v_mul(v_sums(dots), scale), mx);
 }
+
+/* A float32 query head (already scaled) as two bf16 halves, hi = bf16(q) and lo = bf16(q - hi): hi +
+ * lo is q to 2^-18 of it, and each of their products with a bf16 key is exact. qs [D]: float32. */
+static inline __attribute__((always_inline)) void split_query(const float *qs, const int CH, __m512bh *hi,
+                                                              __m512bh *lo) {
+    for (int c = 0; c < CH / 2; c++) {
+        const vf a = _mm512_loadu_ps(qs + 32 * c), b = _mm512_loadu_ps(qs + 32 * c + 16);
+        hi[c] = _mm512_cvtne2ps_pbh(b, a);
+        const __m512i h = (__m512i)hi[c]; /* a's and b's halves widened back */
+        const vf ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+        const vf hb = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+        lo[c] = _mm512_cvtne2ps_pbh(v_sub(b, hb), v_sub(a, ha));
+    }
+}
+
+/* A block of scores of a float32 query head, split (split_query), against bf16 keys at kp: vdpbf16ps
+ * on hi and on lo, so the keys are read as stored, never widened (the quantized models' float32
+ * activations over their bf16 cache: BENCHMARKS.md "The KV cache in bf16 under quantized weights"). */
+static inline __attribute__((always_inline)) void scores_split(const __m512bh *hi, const __m512bh *lo,
+                                                               const char *const *kp, const int CH, float *sg,
+                                                               int64_t j0, int64_t nb, float *mx) {
+    vf dots[VW];
+    for (int jj = 0; jj < VW; jj++) {
+        dots[jj] = v_set(0.f);
+        for (int c = 0; c < CH / 2; c++) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kp[jj] + 64 * c);
+            dots[jj] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(dots[jj], hi[c], k), lo[c], k);
+        }
+    }
+    put_scores(sg, j0, nb, v_sums(dots), mx);
+}
 #endif
 #define ACC_REGS (VW == 16 ? 16 : 8) /* value accumulators pass 2 keeps in registers (of 32 or 16) */
 /* attention_item for head_dim = VW * CH, CH a literal at the call (always inlined): the loops over
@@ -234,7 +266,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const char *qg, co
  * In float32 (and below AVX512-BF16) the same math in the same order as attention_item, so the
  * two agree bit for bit. bf16 with AVX512-BF16: pass 1 is scores_bf16 (no conversion of the keys
  * to float32, which took most of it: BENCHMARKS.md "Attention's bf16 dot products"), and with a
- * literal G the item is attention_item_bf16. */
+ * literal G the item is attention_item_bf16; float32 over a bf16 cache: pass 1 is scores_split. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
     int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, int kbf,
@@ -247,6 +279,15 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
     /* Pass 1: the scores, VW keys at a time; a short last block repeats its last key. */
     int64_t page = 0, off = 0;
     const char *kp[VW];
+#if VW == 16 && defined(__AVX512BF16__)
+    __m512bh q_hi[8 * MAX_CH / 2], q_lo[8 * MAX_CH / 2];
+    if (!bf && kbf)
+        for (int64_t g = 0; g < group; g++) {
+            float qs[VW * MAX_CH];
+            for (int c = 0; c < CH; c++) v_store(qs, c * VW, VW, v_mul(v_load(qt, g * D + c * VW, VW, 0), scale), 0);
+            split_query(qs, CH, q_hi + g * CH / 2, q_lo + g * CH / 2);
+        }
+#endif
     for (int64_t j0 = 0; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         block_rows(k_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
@@ -256,6 +297,10 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
 #if VW == 16 && defined(__AVX512BF16__)
             if (bf) {
                 scores_bf16(qt + 2 * g * D, kp, CH, scores + g * max_len, j0, nb, scale, &mx[g]);
+                continue;
+            }
+            if (kbf) {
+                scores_split(q_hi + g * CH / 2, q_lo + g * CH / 2, kp, CH, scores + g * max_len, j0, nb, &mx[g]);
                 continue;
             }
 #endif
