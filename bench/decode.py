@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.arith import ceil_div
+from shared.config import QUANTIZATIONS
 from shared.models.registry import DEFAULT_MODEL, REGISTRY, builtin
 from shared.moondream_config import moondream_version
 
@@ -77,6 +78,9 @@ OPTIONS = [
     (("--seed",), dict(default=0, type=int, help="prompt and random-weight seed")),
     (("--dtype",), dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="model dtype; auto: the engine's (bf16 on CUDA and on CPUs with native bf16, fp32 else)")),
+    (("--quantization",), dict(default="auto", choices=list(QUANTIZATIONS),
+                               help="as `tandem serve --quantization`: auto serves a model's GGUF file as it is "
+                                    "on a CPU; none its float weights; int8 / int4 quantizes them at load")),
     (("--no-cuda-graphs",), dict(flag=True, help="disable CUDA graphs (CUDA only)")),
     (("--baseline",), dict(default=None, choices=["transformers"],
                            help="also time transformers generate on the same weights and prompts")),
@@ -112,6 +116,7 @@ class Loaded:
     dtype: object  # torch.dtype
     torch_device: str
     eos: tuple[int, ...] = ()  # the model's EOS ids (shared.models.info.ModelInfo's, or a built-in config's)
+    weights: str = "float"  # how the weights are held: "float" (in dtype), "gguf" (a GGUF file's blocks), ...
 
 
 def resolve_device(spec: str) -> str:
@@ -122,7 +127,10 @@ def resolve_device(spec: str) -> str:
     return spec
 
 
-def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_model_len: int) -> Loaded:
+def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_model_len: int,
+               quantization: str = "auto") -> Loaded:
+    """A built-in random model, or a model's files as `tandem serve` holds them (``quantization`` as
+    its option: ``auto`` serves a GGUF file's blocks on a CPU; ``none`` its float weights)."""
     import torch
 
     from gpu_worker.model import Llama, LlamaConfig
@@ -142,13 +150,18 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
         cfg = LlamaConfig.from_hf_config(model.random_config)
         llama = Llama.random(cfg, seed=seed, dtype=dtype, device=torch_device, max_model_len=max_model_len)
         return Loaded(name, llama, None, dtype, torch_device, model_eos_ids(EngineConfig(model=name)))
+    from gpu_worker.device import Device
+    from gpu_worker.model_runner import load_model as load_served
     from shared.models.registry import resolve_model
 
+    # as `tandem serve` holds it: its own format (a GGUF file's blocks on a CPU), dtype and kernels
     path = resolve_model(name)
     cfg = LlamaConfig.from_pretrained(path)
-    llama = Llama.from_pretrained(path, dtype=dtype, device=torch_device,
-                                  max_model_len=min(max_model_len, cfg.max_position_embeddings))
-    return Loaded(name, llama, str(path), dtype, torch_device, model_eos_ids(EngineConfig(model=str(path))))
+    served = load_served(EngineConfig(model=str(path), dtype=None if auto else dtype_name, quantization=quantization,
+                                      max_model_len=min(max_model_len, cfg.max_position_embeddings)),
+                         Device(torch_device))
+    return Loaded(name, served.model, str(path), served.dtype, torch_device, model_eos_ids(EngineConfig(model=str(path))),
+                  served.quantized or "float")
 
 
 def make_engine(loaded: Loaded, device: str, pipelined: bool, max_batch: int, max_model_len: int,
@@ -543,7 +556,7 @@ def run(args) -> dict:
 
     t_load = time.perf_counter()
     progress(args, f"loading {args.model} on {device}")
-    loaded = load_model(args.model, device, args.dtype, args.seed, max_model_len)
+    loaded = load_model(args.model, device, args.dtype, args.seed, max_model_len, args.quantization)
     cuda_graphs = not args.no_cuda_graphs
     engines = {m: make_engine(loaded, device, m == "pipelined", max_streams, max_model_len, kv_pages,
                               prefill_budget, cuda_graphs) for m in modes}
@@ -557,7 +570,8 @@ def run(args) -> dict:
         "device": device,
         "model": args.model,
         "dtype": str(loaded.dtype).replace("torch.", ""),
-        "params": loaded.llama.num_params(),
+        "params": type(loaded.llama)(loaded.llama.config, device="meta").num_params(),  # quantized ones too
+        "weights": loaded.weights,
         "cuda_graphs": cuda_graphs and device.startswith("cuda"),
         "tokens": args.tokens,
         "prompt_len": args.prompt_len,
@@ -618,15 +632,18 @@ def _overruns(row: dict) -> str:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"Decode benchmark: model {result['model']} ({result['params'] / 1e6:.0f} M params, {result['dtype']}"
-             f"{', CUDA graphs' if result['cuda_graphs'] else ''}) on {result['device']}; {result['tokens']} decode "
+    held = "" if result.get("weights", "float") == "float" else f", weights {result['weights']}"
+    lines = [f"Decode benchmark: model {result['model']} ({result['params'] / 1e6:.0f} M params{held}, activations "
+             f"{result['dtype']}{', CUDA graphs' if result['cuda_graphs'] else ''}) on {result['device']}; "
+             f"{result['tokens']} decode "
              f"steps per stream, prompt {result['prompt_len']} tokens, median of {result['repeats']} interleaved "
              f"repeats"]
     if result.get("baseline_dtype"):
         lines[0] += f"; transformers in {result['baseline_dtype']}"
     if not result["rows"]:
-        lines[0] = (f"Decode benchmark: model {result['model']} ({result['params'] / 1e6:.0f} M params, "
-                    f"{result['dtype']}) on {result['device']}; median of {result['repeats']} interleaved repeats")
+        lines[0] = (f"Decode benchmark: model {result['model']} ({result['params'] / 1e6:.0f} M params{held}, "
+                    f"activations {result['dtype']}) on {result['device']}; median of {result['repeats']} interleaved "
+                    f"repeats")
     head = ("| streams | mode | ms/step | spread (min-max) | device idle | overruns | host ms/step | zombie tax "
             "| tokens/s | vs blocking | vs transformers |")
     if result["rows"]:

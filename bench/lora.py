@@ -62,7 +62,7 @@ def run(args) -> dict:
     from shared.sampling import SamplingParams
 
     counts = _csv(args.adapters, int)
-    loaded = load_model(args.model, args.device, args.dtype, args.seed, 2048)
+    loaded = load_model(args.model, args.device, args.dtype, args.seed, 2048, quantization="none")  # LoRA: float
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-lora-"))
     loras = {}
     for i in range(max(counts)):

@@ -135,7 +135,7 @@ def profile(args) -> None:
     from gpu_worker.cpu_backend import PackedLinear, pack_linears
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    loaded = load_model(args.model, args.device, args.dtype, 0, 2048)
+    loaded = load_model(args.model, args.device, args.dtype, 0, 2048, quantization="none")  # float linears
     model, dev = loaded.llama, loaded.torch_device
     if args.kernels and dev == "cpu" and loaded.dtype == torch.bfloat16:
         from gpu_worker import cpu_kernels
@@ -144,9 +144,9 @@ def profile(args) -> None:
     kernels_loaded = model.cpu_kernels
     plain = onednn = None
     if args.compare_pack:  # a second, unpacked copy of the weights
-        plain = load_model(args.model, args.device, args.dtype, 0, 2048).llama
+        plain = load_model(args.model, args.device, args.dtype, 0, 2048, quantization="none").llama
     if args.compare_matmul and kernels_loaded is not None:  # a second copy, packed for oneDNN
-        onednn = load_model(args.model, args.device, args.dtype, 0, 2048).llama
+        onednn = load_model(args.model, args.device, args.dtype, 0, 2048, quantization="none").llama
         pack_linears(onednn)
         onednn.cpu_kernels = kernels_loaded
     if args.pack:

@@ -181,6 +181,52 @@ def context_length(requested: int | None, model_limit: int, kv_tokens: int | Non
     return requested, "--max-model-len"
 
 
+@dataclass
+class LoadedModel:
+    """A model as the engine serves it: ``quantized`` as :func:`_quantization` says (or ``"built"``: a
+    model handed over with its linears already quantized), ``kernels`` the CPU kernels it runs on."""
+    model: torch.nn.Module
+    vision: VisionEncoder | None
+    image_params: ImageProcessorParams | None
+    dtype: torch.dtype
+    quantized: str | None
+    kernels: cpu_kernels.CpuKernels | None
+
+
+def load_model(config: EngineConfig, device: Device, llama: torch.nn.Module | None = None,
+               vision: VisionEncoder | None = None, image_params: ImageProcessorParams | None = None) -> LoadedModel:
+    """``config.model`` loaded as the engine serves it (its format, dtype and kernels), with its vision
+    encoder if it takes images; or ``llama`` (and ``vision``, ``image_params``), an already-built model
+    (tests, benchmarks), given the same dtype and kernels."""
+    dev = device.torch_device
+    path = resolve_model(config.model) if llama is None else None
+    if path is not None:
+        family_of(read_config(path))  # an unsupported architecture or quantization: refused before any work
+    built = quant.kernels_of(llama) if llama is not None else None  # a model handed over already quantized
+    quantized = _quantization(config, dev, path) or ("built" if built is not None else None)
+    # Quantized weights are expanded to float32 in registers and summed in float32: float32
+    # activations cost nothing in weight traffic and keep the GGUF reference's numerics.
+    dtype = getattr(torch, config.dtype) if config.dtype else torch.float32 if quantized else default_dtype(device.is_cuda)
+    kernels = None
+    if built is not None:  # the kernels its linears multiply with (the layers then run in one call)
+        kernels = built.source if config.cpu_kernels else None
+    elif config.cpu_kernels and dev.type == "cpu" and (dtype == torch.bfloat16 or quantized):
+        kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
+    if quantized and kernels is None and built is None:
+        raise RuntimeError("quantized weights need the CPU kernels, which did not build here (see the log); "
+                           "--quantization none serves the dequantized weights")
+    quant_kernels = built or (quant.QuantKernels(kernels) if quantized else None)
+    if llama is None:  # the family's model, and its image encoder if it takes images
+        at_load = (quantized, config.quantization_group) if quantized in ("int8", "int4") else None
+        loaded = families.load(path, dtype, dev, config.max_model_len, quant_kernels, gguf=quantized == "gguf",
+                               quantize=at_load)
+        llama, vision, image_params = loaded.model, loaded.vision, loaded.image_params
+    if quantized in ("int8", "int4"):  # a model that knows which of its weights to quantize says so
+        quantize = getattr(llama, "quantize_weights", None) or partial(quantize_linears, llama)
+        quantize(quantized, config.quantization_group, quant_kernels)
+    return LoadedModel(llama, vision, image_params, dtype, quantized, kernels)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: Device, llama: Llama | None = None,
                  vision: VisionEncoder | None = None, image_params: ImageProcessorParams | None = None) -> None:
@@ -189,29 +235,9 @@ class ModelRunner:
         self.device = device
         dev = device.torch_device
         page_size, max_rows = config.page_size, config.max_batch
-        path = resolve_model(config.model) if llama is None else None
-        if path is not None:
-            family_of(read_config(path))  # an unsupported architecture or quantization: refused before any work
-        quantized = _quantization(config, dev, path)
-        # Quantized weights are expanded to float32 in registers and summed in float32: float32
-        # activations cost nothing in weight traffic and keep the GGUF reference's numerics.
-        self.dtype = getattr(torch, config.dtype) if config.dtype else \
-            torch.float32 if quantized else default_dtype(device.is_cuda)
-        kernels = None
-        if config.cpu_kernels and dev.type == "cpu" and (self.dtype == torch.bfloat16 or quantized):
-            kernels = cpu_kernels.load()  # None (logged) without a C compiler: the eager forward
-        if quantized and kernels is None:
-            raise RuntimeError("quantized weights need the CPU kernels, which did not build here (see the log); "
-                               "--quantization none serves the dequantized weights")
-        quant_kernels = quant.QuantKernels(kernels) if quantized else None
-        if llama is None:  # the family's model, and its image encoder if it takes images
-            at_load = (quantized, config.quantization_group) if quantized in ("int8", "int4") else None
-            loaded = families.load(path, self.dtype, dev, config.max_model_len, quant_kernels, gguf=quantized == "gguf",
-                                   quantize=at_load)
-            llama, vision, image_params = loaded.model, loaded.vision, loaded.image_params
-        if quantized in ("int8", "int4"):  # a model that knows which of its weights to quantize says so
-            quantize = getattr(llama, "quantize_weights", None) or partial(quantize_linears, llama)
-            quantize(quantized, config.quantization_group, quant_kernels)
+        loaded = load_model(config, device, llama, vision, image_params)
+        llama, vision, image_params, kernels = loaded.model, loaded.vision, loaded.image_params, loaded.kernels
+        quantized, self.dtype = loaded.quantized, loaded.dtype
         self.model = llama.eval()
         self.config = llama.config
         if config.prepack:  # before LoRA wraps the linears (it calls them, packed or not)

@@ -361,6 +361,11 @@ class QuantLinear(nn.Module):
             f"{p.fmt}/{p.group}x{p.shape[0]}" for p in self.parts)
 
 
+def kernels_of(model: nn.Module) -> QuantKernels | None:
+    """The kernels a model's quantized linears multiply with; None where it has none."""
+    return next((m.kernels for m in model.modules() if isinstance(m, QuantLinear)), None)
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table kept quantized: looked-up rows are expanded to float32, then cast."""
 

@@ -224,3 +224,29 @@ def test_moondream_bench_in_memory_and_its_summary(monkeypatch, capsys, tmp_path
     assert "=== Moondream random-moondream2" in table
     assert [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| text") or
             line.startswith("| detect")] == [["| text", "1"], ["| text", "3"], ["| detect", "1"], ["| detect", "2"]]
+
+
+def test_a_real_model_is_measured_as_it_is_served():
+    """A model's files are benchmarked as `tandem serve` holds them: the default model as its GGUF
+    file's blocks with float32 activations, every layer in the kernels' one call over a bf16 cache
+    (not its dequantized weights in the CPU's default dtype)."""
+    import torch
+    from prerequisites import unavailable
+
+    from gpu_worker.cpu_backend import layer_table
+    from shared.models.registry import resolve_model
+
+    try:
+        resolve_model("smollm2-135m", quiet=True)
+    except (ImportError, FileNotFoundError) as e:
+        unavailable(f"smollm2-135m weights not available here: {e!r}")
+    loaded = decode.load_model("smollm2-135m", "cpu", None, seed=0, max_model_len=256)
+    assert (loaded.weights, loaded.dtype) == ("gguf", torch.float32)
+    engine = decode.make_engine(loaded, "cpu", True, max_batch=2, max_model_len=256, kv_pages=40, prefill_budget=256,
+                                cuda_graphs=False)
+    try:
+        runner = engine.runner
+        assert runner.model is loaded.llama and runner.kv.k.dtype == torch.bfloat16
+        assert layer_table(runner.model, runner.model.cpu_kernels) is not None
+    finally:
+        engine.close()
