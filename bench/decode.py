@@ -160,8 +160,8 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
     served = load_served(EngineConfig(model=str(path), dtype=None if auto else dtype_name, quantization=quantization,
                                       max_model_len=min(max_model_len, cfg.max_position_embeddings)),
                          Device(torch_device))
-    return Loaded(name, served.model, str(path), served.dtype, torch_device, model_eos_ids(EngineConfig(model=str(path))),
-                  served.quantized or "float")
+    eos = model_eos_ids(EngineConfig(model=str(path)))
+    return Loaded(name, served.model, str(path), served.dtype, torch_device, eos, served.quantized or "float")
 
 
 def make_engine(loaded: Loaded, device: str, pipelined: bool, max_batch: int, max_model_len: int,

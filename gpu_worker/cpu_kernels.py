@@ -282,12 +282,12 @@ class CpuKernels:
         proj = torch.empty_like(x)
         gate_up = torch.empty((T, 2 * intermediate), dtype=x.dtype)
         act = torch.empty((T, intermediate), dtype=x.dtype)
-        self._fn["layers", _types(x, k)](x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(),
-                                v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                kv_index.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
-                                seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden, intermediate, eps,
-                                max_len, qkv.data_ptr(), q.data_ptr(), o.data_ptr(), proj.data_ptr(), gate_up.data_ptr(),
-                                act.data_ptr(), scratch.data_ptr(), threads)
+        self._fn["layers", _types(x, k)](
+            x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(), v.data_ptr(), k[0].numel(),
+            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), kv_index.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], page_size, seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden,
+            intermediate, eps, max_len, qkv.data_ptr(), q.data_ptr(), o.data_ptr(), proj.data_ptr(),
+            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), threads)
         return h
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
@@ -359,9 +359,10 @@ class CpuKernels:
         [len, D / 2]); k and v written at ``kv_index`` in the caches [pages, Hkv, page_size, D]; -> q [T, H, D]."""
         T = qkv.shape[0]
         q = torch.empty((T, heads, head_dim), dtype=qkv.dtype)
-        self._fn["rope_kv", _types(qkv, k_cache)](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                       kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
-                                       T, heads, kv_heads, head_dim, k_cache.shape[2], torch.get_num_threads())
+        self._fn["rope_kv", _types(qkv, k_cache)](
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), kv_index.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), T, heads, kv_heads, head_dim, k_cache.shape[2],
+            torch.get_num_threads())
         return q
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -373,9 +374,10 @@ class CpuKernels:
         threads = torch.get_num_threads()
         scratch = self._attention_scratch(threads, H // kv_heads, max_len)
         out = torch.empty((T, H * D), dtype=q.dtype)
-        self._fn["attention", _types(q, k_cache)](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                                       block_tables.shape[1], page_size, seq_of_token.data_ptr(), positions.data_ptr(),
-                                       out.data_ptr(), T, H, kv_heads, D, max_len, scratch.data_ptr(), threads)
+        self._fn["attention", _types(q, k_cache)](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            page_size, seq_of_token.data_ptr(), positions.data_ptr(), out.data_ptr(), T, H, kv_heads, D, max_len,
+            scratch.data_ptr(), threads)
         return out
 
     def _attention_scratch(self, threads: int, group: int, max_len: int) -> torch.Tensor:

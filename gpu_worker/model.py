@@ -316,7 +316,8 @@ class Llama(nn.Module):
             index, features = image_features
             x = x.index_copy(0, index, features.to(x.dtype))
         kernels = self.cpu_kernels
-        if kernels is not None and (x.dtype == kv.k.dtype or (x.dtype, kv.k.dtype) == (torch.float32, torch.bfloat16)):
+        # the kernels run the layers over a cache of the activations' type, or bf16 under float32 ones
+        if kernels is not None and kv.k.dtype in (x.dtype, torch.bfloat16):
             return self.lm_head(fused_layers(self, x, batch, kv, kernels)[logits_indices]).float()
         cos = self.rope_cos[batch.positions].to(x.dtype)
         sin = self.rope_sin[batch.positions].to(x.dtype)

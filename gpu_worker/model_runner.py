@@ -206,7 +206,8 @@ def load_model(config: EngineConfig, device: Device, llama: torch.nn.Module | No
     quantized = _quantization(config, dev, path) or ("built" if built is not None else None)
     # Quantized weights are expanded to float32 in registers and summed in float32: float32
     # activations cost nothing in weight traffic and keep the GGUF reference's numerics.
-    dtype = getattr(torch, config.dtype) if config.dtype else torch.float32 if quantized else default_dtype(device.is_cuda)
+    dtype = getattr(torch, config.dtype) if config.dtype else \
+        torch.float32 if quantized else default_dtype(device.is_cuda)
     kernels = None
     if built is not None:  # the kernels its linears multiply with (the layers then run in one call)
         kernels = built.source if config.cpu_kernels else None

@@ -327,9 +327,9 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels):
 @pytest.mark.parametrize("dtype, kv_dtype", CACHE_TYPES)
 def test_quantized_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels, dtype, kv_dtype):
     """Weight-only quantized linears at every level, activations float32 and bf16 (float32 over a bf16
-    cache too, as the engine serves them): every layer in one C call is the Python loop bit for bit, with a fused qkv of three formats (a Q4_K_M file mixes
-    them) and a bias read from each part's columns; a linear with more parts than the table holds
-    keeps the Python loop."""
+    cache too, as the engine serves them): every layer in one C call is the Python loop bit for bit,
+    with a fused qkv of three formats (a Q4_K_M file mixes them) and a bias read from each part's
+    columns; a linear with more parts than the table holds keeps the Python loop."""
     from gpu_worker.quant import QuantKernels, QuantLinear, quantize
 
     model = Llama.random(TINY32, seed=7, dtype=dtype)

@@ -283,5 +283,6 @@ def test_quantized_smollm2_agrees_with_its_float32_weights(smollm2, method, dtyp
     model.cpu_kernels = kernels.source  # the layers as the engine runs them, over the engine's KV cache
     kv_dtype = kv_cache_dtype(dtype, True, model.cpu_kernels is not None)
     agreement = top1_agreement(model, seqs, tops, kv_dtype)
-    print(f"{method} {dtype} (KV cache {kv_dtype}): top-1 agreement {agreement:.4f} over {len(tops) * NEW_TOKENS} positions")
+    print(f"{method} {dtype} (KV cache {kv_dtype}): top-1 agreement {agreement:.4f} "
+          f"over {len(tops) * NEW_TOKENS} positions")
     assert agreement >= floor
