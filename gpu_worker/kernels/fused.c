@@ -223,12 +223,12 @@ static inline __attribute__((always_inline)) void scores_bf16(const char *qg, co
     put_scores(sg, j0, nb, v_mul(v_sums(dots), scale), mx);
 }
 
-/* A float32 query head (already scaled) as two bf16 halves, hi = bf16(q) and lo = bf16(q - hi): hi +
- * lo is q to 2^-18 of it, and each of their products with a bf16 key is exact. qs [D]: float32. */
-static inline __attribute__((always_inline)) void split_query(const float *qs, const int CH, __m512bh *hi,
+/* A float32 query head q [D] times scale as two bf16 halves, hi = bf16(q) and lo = bf16(q - hi): hi +
+ * lo is q to 2^-18 of it, and each of their products with a bf16 key is exact. */
+static inline __attribute__((always_inline)) void split_query(const float *q, vf scale, const int CH, __m512bh *hi,
                                                               __m512bh *lo) {
     for (int c = 0; c < CH / 2; c++) {
-        const vf a = _mm512_loadu_ps(qs + 32 * c), b = _mm512_loadu_ps(qs + 32 * c + 16);
+        const vf a = v_mul(_mm512_loadu_ps(q + 32 * c), scale), b = v_mul(_mm512_loadu_ps(q + 32 * c + 16), scale);
         hi[c] = _mm512_cvtne2ps_pbh(b, a);
         const __m512i h = (__m512i)hi[c]; /* a's and b's halves widened back */
         const vf ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
@@ -282,11 +282,8 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
 #if VW == 16 && defined(__AVX512BF16__)
     __m512bh q_hi[8 * MAX_CH / 2], q_lo[8 * MAX_CH / 2];
     if (!bf && kbf)
-        for (int64_t g = 0; g < group; g++) {
-            float qs[VW * MAX_CH];
-            for (int c = 0; c < CH; c++) v_store(qs, c * VW, VW, v_mul(v_load(qt, g * D + c * VW, VW, 0), scale), 0);
-            split_query(qs, CH, q_hi + g * CH / 2, q_lo + g * CH / 2);
-        }
+        for (int64_t g = 0; g < group; g++)
+            split_query((const float *)qt + g * D, scale, CH, q_hi + g * CH / 2, q_lo + g * CH / 2);
 #endif
     for (int64_t j0 = 0; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
