@@ -164,15 +164,29 @@ def load_model(name: str, device: str, dtype_name: str | None, seed: int, max_mo
     return Loaded(name, served.model, str(path), served.dtype, torch_device, eos, served.quantized or "float")
 
 
+def on_compute(shared, fn):
+    """fn() on ``shared``'s compute thread (a CPU's Device the engines share: the process's one OpenMP
+    pool), its result returned; without one, fn() here."""
+    if shared is None:
+        return fn()
+    result = []
+    shared.compute.submit(lambda: result.append(fn()))
+    shared.compute.record().synchronize()
+    return result[0]
+
+
 def make_engine(loaded: Loaded, device: str, pipelined: bool, max_batch: int, max_model_len: int,
-                kv_pages: int, prefill_budget: int, cuda_graphs: bool):
+                kv_pages: int, prefill_budget: int, cuda_graphs: bool, shared=None):
+    """An engine on ``loaded``'s weights; ``shared``: a Device the process's engines share (a CPU's:
+    libgomp keeps a thread pool per compute thread and stops spinning once the process's pools hold
+    more threads than there are CPUs, BENCHMARKS.md "Where a served one-stream step goes")."""
     from gpu_worker.engine import Engine, EngineConfig
 
     dtype_name = str(loaded.dtype).replace("torch.", "")
     cfg = EngineConfig(model=loaded.name, device=device, pipeline=pipelined, max_batch=max_batch,
                        max_model_len=max_model_len, page_size=16, kv_pages=kv_pages,
                        prefill_budget=prefill_budget, dtype=dtype_name, cuda_graphs=cuda_graphs)
-    return Engine(cfg, llama=loaded.llama)
+    return Engine(cfg, llama=loaded.llama, device=shared)
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int, avoid=()) -> list[list[int]]:
@@ -343,13 +357,14 @@ def _check_dtype(hf, dtype):
 
 
 class HFBaseline:
-    def __init__(self, loaded: Loaded, dtype_name: str | None = None) -> None:
+    def __init__(self, loaded: Loaded, dtype_name: str | None = None, shared=None) -> None:
         import torch
 
         self.torch = torch
         self.dtype = getattr(torch, dtype_name) if dtype_name else loaded.dtype
         self.model = build_hf_model(loaded, self.dtype)
         self.device = loaded.torch_device
+        self.shared = shared  # a CPU's Device the engines share: generate runs on its compute thread too
         self.pad = 0
 
     def _generate(self, prompts, new_tokens: int):
@@ -361,14 +376,18 @@ class HFBaseline:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        self._sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad,
-                                      use_cache=True)
-        self._sync()
-        return time.perf_counter() - t0, out[:, width:].tolist()
+
+        def timed() -> tuple[float, list]:
+            self._sync()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad,
+                                          use_cache=True)
+            self._sync()
+            return time.perf_counter() - t0, out[:, width:].tolist()
+
+        return on_compute(self.shared, timed)
 
     def _sync(self) -> None:
         if self.device != "cpu":
@@ -547,6 +566,21 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     if args.baseline and device.startswith("sim"):
         raise SystemExit("--baseline transformers runs on a real device: use --device cpu or cuda")
+    if device != "cpu":
+        return _run(args, streams_list, modes, device, None)
+    # Every mode's engine (and the baseline) on one compute thread, the host's OpenMP regions on one
+    # thread: one pool in the process, as in the worker (see make_engine)
+    from gpu_worker.device import Device, openmp_left_to_the_streams
+
+    with openmp_left_to_the_streams():
+        shared = Device("cpu")
+        try:
+            return _run(args, streams_list, modes, device, shared)
+        finally:
+            shared.close()
+
+
+def _run(args, streams_list: list[int], modes: list[str], device: str, shared) -> dict:
     need_len = args.prompt_len + max(args.tokens + 1, ZOMBIE_TARGET + 40 if args.zombie_case else 0) + 16
     max_model_len = max(512, 1 << math.ceil(math.log2(need_len)))
     max_streams = max(streams_list) if not args.no_throughput else 1
@@ -559,11 +593,11 @@ def run(args) -> dict:
     loaded = load_model(args.model, device, args.dtype, args.seed, max_model_len, args.quantization)
     cuda_graphs = not args.no_cuda_graphs
     engines = {m: make_engine(loaded, device, m == "pipelined", max_streams, max_model_len, kv_pages,
-                              prefill_budget, cuda_graphs) for m in modes}
+                              prefill_budget, cuda_graphs, shared) for m in modes}
     hf = None
     if args.baseline == "transformers" and not args.no_throughput:
         progress(args, "building the transformers baseline on the same weights")
-        hf = HFBaseline(loaded, args.baseline_dtype)
+        hf = HFBaseline(loaded, args.baseline_dtype, shared)
     progress(args, f"ready in {time.perf_counter() - t_load:.1f} s")
 
     result = {
@@ -584,7 +618,7 @@ def run(args) -> dict:
         "baseline_ratio": {},
         "baseline_ratio_by_mode": {},
         "zombie": [],
-        "machine": machine_info(device),
+        "machine": machine_info(device, shared),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     try:
@@ -601,11 +635,12 @@ def run(args) -> dict:
     return result
 
 
-def machine_info(device: str) -> dict:
+def machine_info(device: str, shared=None) -> dict:
+    """``shared``: the Device the engines share, whose compute thread's count is the forward's."""
     import torch
 
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+            "cpus": os.cpu_count(), "torch_threads": on_compute(shared, torch.get_num_threads)}
     try:
         import transformers
 

@@ -37,6 +37,7 @@ of device time, whatever the host does meanwhile, as on a GPU:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -63,8 +64,9 @@ def leave_openmp_to_the_streams() -> bool:
     threads stop spinning between regions: each region then starts with futex wake-ups. On 2
     cores a one-row forward on the compute stream's thread took 21-41 ms after the host thread had
     run 2-thread regions (loading the model), 9 ms when it had not (BENCHMARKS.md "The host
-    thread's OpenMP pool"). For the worker process only: its host thread then computes little
-    (in-process callers, tests and benchmarks, keep their threads). Returns whether torch's
+    thread's OpenMP pool"); each more compute thread (another engine's) adds its pool too. For the
+    worker process, and `bench.decode` on a CPU (its engines share one device), whose host thread
+    computes little; other in-process callers (tests) keep their threads. Returns whether torch's
     OpenMP runtime (libgomp) was found."""
     torch.get_num_threads()  # torch's lazy per-thread init first: it would set the count back later
     try:
@@ -75,6 +77,18 @@ def leave_openmp_to_the_streams() -> bool:
     gomp.omp_set_num_threads(1)
     log.info("host thread: OpenMP regions on 1 thread; the streams' threads keep torch's count")
     return True
+
+
+@contextlib.contextmanager
+def openmp_left_to_the_streams():
+    """:func:`leave_openmp_to_the_streams` for a block (a benchmark run inside a test process); the
+    host thread's count is restored after it."""
+    before = torch.get_num_threads()
+    leave_openmp_to_the_streams()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 SIM_SAMPLE_SHARE = 0.1  # of a simulated step: each sampling launch; the forward takes the rest

@@ -80,11 +80,16 @@ MaskFn = Callable[[list[Sequence], int], tuple[np.ndarray, "np.ndarray | None"]]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, llama=None, vision=None, image_params=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, llama=None, vision=None, image_params=None,
+                 device: Device | None = None) -> None:
+        """``device``: streams shared with the process's other engines, which then run one at a time
+        (benchmarks on a CPU: one OpenMP thread pool in the process; see ``leave_openmp_to_the_streams``);
+        the caller closes it. Else the engine's own, for ``config.device``."""
         self.config = cfg = config or EngineConfig()
         if cfg.max_batch < 1 or cfg.page_size < 1 or cfg.prefill_budget < 1:
             raise ValueError("max_batch, page_size and prefill_budget must be >= 1")
-        self.device = Device(cfg.device)
+        self._own_device = device is None
+        self.device = Device(cfg.device) if device is None else device
         self.runner = ModelRunner(cfg, self.device, llama, vision, image_params)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -232,7 +237,8 @@ class Engine:
         try:
             self.device.synchronize()
         finally:
-            self.device.close()
+            if self._own_device:
+                self.device.close()
 
     # ------------------------------------------------------------------ the tick
     def tick(self, masks: np.ndarray | None = None, masks_missing: np.ndarray | None = None,

@@ -73,6 +73,30 @@ def test_decode_single_mode_and_table(capsys):
     assert "| 1 | pipelined |" in out and "| blocking |" not in out
 
 
+def test_on_a_cpu_every_mode_shares_one_compute_thread(capsys, monkeypatch):
+    """The engines of every mode, and the baseline, run on one Device: libgomp keeps a thread pool per
+    thread that runs parallel regions and stops spinning once the pools outnumber the CPUs (a
+    one-stream step took 2x the served one). The host thread's OpenMP count is back afterwards."""
+    import torch
+
+    engines, generated_on = [], []
+    real_engine, real_generate = decode.make_engine, decode.HFBaseline._generate
+    monkeypatch.setattr(decode, "make_engine", lambda *a: engines.append(real_engine(*a)) or engines[-1])
+
+    def generate(self, *a):
+        out = real_generate(self, *a)
+        generated_on.append(self.shared)
+        return out
+
+    monkeypatch.setattr(decode.HFBaseline, "_generate", generate)
+    before = torch.get_num_threads()
+    result = run_json(capsys, "--device", "cpu", "--streams", "1", "--baseline", "transformers")
+    assert len(engines) == 2 and engines[0].device is engines[1].device
+    assert generated_on and all(d is engines[0].device for d in generated_on)
+    assert torch.get_num_threads() == before and result["machine"]["torch_threads"] == before
+    assert engines[0].device.compute._thread.is_alive() is False  # closed once, by the benchmark
+
+
 def test_baseline_transformers(capsys):
     result = run_json(capsys, "--device", "cpu", "--streams", "2", "--baseline", "transformers")
     modes = {r["mode"]: r for r in result["rows"]}

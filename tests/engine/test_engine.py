@@ -9,18 +9,20 @@ import pytest
 from workload import VOCAB, WORDS, BannedByLastToken, workload
 
 from gpu_worker import cpu_kernels
-from gpu_worker.device import DeviceError
+from gpu_worker.device import Device, DeviceError
 from gpu_worker.engine import Engine, EngineConfig
 from shared.finish import FinishReason
 from shared.sampling import SamplingParams
 
 
-def make_engine(pipeline=True, device="cpu", **kw) -> Engine:
+def make_engine(pipeline=True, device="cpu", shared=None, **kw) -> Engine:
+    """``shared``: a Device the engine runs on, with others (else its own)."""
     kw.setdefault("max_batch", 32)
     kw.setdefault("prefill_budget", 96)
     kw.setdefault("kv_pages", 1200)
     kw.setdefault("page_size", 8)
-    engine = Engine(EngineConfig(model="tiny-random", device=device, pipeline=pipeline, debug=True, **kw))
+    engine = Engine(EngineConfig(model="tiny-random", device=device, pipeline=pipeline, debug=True, **kw),
+                    device=shared)
     engine.masks = BannedByLastToken()  # answers the mask requests of constrained rows (see run)
     return engine
 
@@ -111,6 +113,30 @@ def test_pipelined_equals_blocking_at_every_cpu_kernels_level(reference, level, 
         outs[pipelined] = [(s.output_ids, s.finish_reason) for s in seqs]
     assert sum(r == FinishReason.STOP for _, r in outs[True]) >= 3
     assert outs[True] == outs[False]
+
+
+def test_engines_sharing_a_device_give_their_own_tokens_and_leave_it_open(reference):
+    """Engines on one Device (a benchmark's modes: one compute thread) run one after another with the
+    tokens each gives alone; closing one leaves the device to the others."""
+    reqs, stops = reference
+    reqs = reqs[:12]
+    alone = {}
+    for pipelined in (False, True):
+        eng = make_engine(pipeline=pipelined)
+        alone[pipelined] = [s.output_ids for s in run(eng, reqs, stops)]
+        eng.close()
+    shared = Device("cpu")
+    try:
+        engines = {p: make_engine(pipeline=p, shared=shared) for p in (False, True)}
+        first = [s.output_ids for s in run(engines[True], reqs, stops)]
+        engines[True].close()
+        assert shared.compute._thread.is_alive()
+        second = [s.output_ids for s in run(engines[False], reqs, stops)]
+        engines[False].close()
+        assert first == alone[True] and second == alone[False]
+    finally:
+        shared.close()
+    assert not shared.compute._thread.is_alive()
 
 
 def test_non_vacuity_a_different_run_is_detected(reference):
