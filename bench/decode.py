@@ -177,9 +177,7 @@ def on_compute(shared, fn):
 
 def make_engine(loaded: Loaded, device: str, pipelined: bool, max_batch: int, max_model_len: int,
                 kv_pages: int, prefill_budget: int, cuda_graphs: bool, shared=None):
-    """An engine on ``loaded``'s weights; ``shared``: a Device the process's engines share (a CPU's:
-    libgomp keeps a thread pool per compute thread and stops spinning once the process's pools hold
-    more threads than there are CPUs, BENCHMARKS.md "Where a served one-stream step goes")."""
+    """An engine on ``loaded``'s weights; ``shared``: the Device a CPU run's engines share (see run)."""
     from gpu_worker.engine import Engine, EngineConfig
 
     dtype_name = str(loaded.dtype).replace("torch.", "")
@@ -569,7 +567,8 @@ def run(args) -> dict:
     if device != "cpu":
         return _run(args, streams_list, modes, device, None)
     # Every mode's engine (and the baseline) on one compute thread, the host's OpenMP regions on one
-    # thread: one pool in the process, as in the worker (see make_engine)
+    # thread: one libgomp pool in the process, as in the worker (a pool per compute thread stopped
+    # libgomp spinning and doubled the step: BENCHMARKS.md "Where a served one-stream step goes")
     from gpu_worker.device import Device, openmp_left_to_the_streams
 
     with openmp_left_to_the_streams():
