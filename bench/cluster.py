@@ -13,16 +13,17 @@ child processes, HTTP on loopback, every process with the same
    with the same requests, ``--repeats`` times alternately: the medians of
    TTFT p50 and output tokens/s of each, and the cluster's over the direct
    server's; and where the cluster's CPU went during its runs (per second and
-   per output token, by process role: Serve's HTTP proxy, the ingress, the
-   replica's actor, its ``tandem serve``, the worker). ``--variant
+   per output token, by process role: Serve's HTTP proxy (none since the
+   ingress serves the address itself), the ingress, the replica's actor, its
+   ``tandem serve``, the worker). ``--variant
    NAME:VAR=VALUE,...`` measures another cluster too, with those environment
    variables (Ray's Serve settings, e.g. Ray's defaults in place of
    ``frontend.cluster.HOP_ENV``), after the first and beside the same direct
    server: a before/after within one run.
    ``--part latency``: where one request's time goes on the way, from the
    medians of ``--latency-requests`` sequential requests to each server,
-   alternated: ``GET /v1/models`` (the ingress answers it: Serve's proxy and
-   the ingress), ``GET /metrics`` (the ingress asks a replica: one handle
+   alternated: ``GET /v1/models`` (the ingress answers it alone: ``tandem
+   cluster`` has it serve HTTP itself), ``GET /metrics`` (the ingress asks a replica: one handle
    call, the replica's actor, its ``tandem serve``'s ``info``) and a
    one-token chat completion (the whole path); the cluster's extra for each.
 2. **Affinity.** ``tandem cluster --replicas 2`` with the affinity router,

@@ -3,7 +3,8 @@
 Each replica is a ``tandem serve`` (frontend + worker, one GPU) run as the
 child process of a Serve replica (``replica.py``); the ingress serves the
 HTTP routes of ``tandem serve`` itself over a bridge to the replicas
-(``ingress.py``), reading a same-node replica's ``tandem serve`` over ZeroMQ
+(``ingress.py``; on the address of ``tandem cluster`` itself, else behind
+Serve's HTTP proxy), reading a same-node replica's ``tandem serve`` over ZeroMQ
 itself (``direct.py``: Ray chooses, the tokens do not cross it); the router keeps sessions and shared prompt prefixes on one
 replica while its load stays within a bound (``routing.py``, pure;
 ``router.py``, its Serve router);
@@ -21,8 +22,9 @@ MAX_OVERLOAD = 0.25  # how far above the average load a replica may go before af
 SERVE_ONLY = ("bind", "curve_secret_key", "curve_clients")  # serve's options a cluster has no use for (its replicas
                                                           # listen on private ipc:// endpoints)
 # Ray Serve's settings for the hop, read by each Ray process when it imports Serve (BENCHMARKS.md, Cluster: the
-# hop). A streamed batch crosses one hop, ingress -> Serve's HTTP proxy (two from a replica on another node:
-# replica -> ingress -> proxy; a same-node replica's are read over ZeroMQ, direct.py): over gRPC between the two
+# hop). Under serve run and KubeRay a streamed batch crosses one hop, ingress -> Serve's HTTP proxy (none under
+# tandem cluster, whose ingress serves HTTP itself; one more from a replica on another node: replica -> ingress;
+# a same-node replica's are read over ZeroMQ, direct.py): over gRPC between the two
 # processes instead of one Ray object each (the object store's bookkeeping per item); Serve's code, the user's
 # and the router on each process's one event loop (not a thread and a loop of their own: a handoff per item);
 # request-path logs buffered. Ray's own RAY_SERVE_THROUGHPUT_OPTIMIZED, less its direct ingress (which would

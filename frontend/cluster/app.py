@@ -6,7 +6,10 @@
 lists, less the network ones), plus ``replicas`` (default 1), ``api_key``
 (default ``$TANDEM_API_KEY``), ``not_ready_grace_s``, ``router``
 (``affinity``, or ``ray``: Serve's default, for A/B runs) and ``max_overload``
-(the affinity router's load bound, ``routing.py``). Each replica runs
+(the affinity router's load bound, ``routing.py``) and ``listen``
+(``HOST:PORT``: the ingress serves HTTP there itself, on the node that
+deploys the application, instead of Serve's HTTP proxy; ``tandem cluster``
+gives it). Each replica runs
 ``tandem serve`` with exactly those options (``serve_argv``: the mapping is
 read from the ``serve`` command itself, so it is never written twice).
 """
@@ -24,8 +27,9 @@ from .ingress import TandemIngress
 from .replica import TandemReplica
 from .router import AffinityRouter
 from .routing import checked_overload
+from ..cli.serve_options import parse_http
 
-CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router", "max_overload")
+CLUSTER_ARGS = ("replicas", "api_key", "not_ready_grace_s", "router", "max_overload", "listen")
 NOT_FORWARDED = frozenset({*SERVE_ONLY, "http", "host", "port", "api_key", "insecure"})  # all but SERVE_ONLY: the ingress's
 HEALTH_CHECK_PERIOD_S = 2.0
 QUIET = {"enable_access_log": False}  # Serve logs a line per request and per replica call otherwise
@@ -67,6 +71,8 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
     max_overload = checked_overload(float(options.pop("max_overload", MAX_OVERLOAD)))
+    listen = options.pop("listen", None)
+    listen = parse_http(listen) if listen is not None else None
     argv = serve_argv(options)
     # the hop's settings in the deployments' processes also where Ray was started without them (serve run,
     # tandem cluster --address); Serve's proxy has them only from the Ray nodes' own environment
@@ -88,11 +94,22 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=2.0))
     ingress = serve.deployment(TandemIngress, name="TandemIngress", num_replicas=1,
                                max_ongoing_requests=replicas * max_queue,
-                               ray_actor_options={"num_cpus": 0, "runtime_env": hop_env},
+                               ray_actor_options={"num_cpus": 0, "runtime_env": hop_env,
+                                                  **(_on_this_node() if listen is not None else {})},
                                logging_config=QUIET)
     # the direct token path needs the router that counts what the ingress sends itself (direct.py)
     return ingress.bind(replica.bind(argv, max_queue, grace_s), api_key, options.get("metrics_compat"),
-                        direct=router == "affinity")
+                        direct=router == "affinity", listen=listen)
+
+
+def _on_this_node() -> dict[str, Any]:
+    """Actor options that place it on this process's Ray node (where its HTTP address is)."""
+    if not ray.is_initialized():
+        return {}
+    here = ray.get_runtime_context().get_node_id()
+    resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == here)
+    node = next(name for name in resources if name.startswith("node:") and name != "node:__internal_head__")
+    return {"resources": {node: 0.001}}
 
 
 def _gpus(device: str) -> int:

@@ -9,7 +9,11 @@ serve`` over ZeroMQ itself (``direct.py``: the tokens never cross Ray); else it
 calls the replica through the handle (its actor streams the messages back).
 Either way it feeds the same ``Call`` the HTTP routes read, so streaming,
 disconnects and cancellation (to the ``tandem serve`` that has the request)
-behave as on one server. Each answer a replica gave carries its name in
+behave as on one server. Under ``tandem cluster`` the ingress's actor serves
+the HTTP address itself (``listen``: ``AppServer``, uvicorn on the actor's
+loop, as ``tandem serve --http`` runs it on a thread of its own); under ``serve
+run`` and KubeRay, Serve's HTTP proxy hands it the requests. Each answer a
+replica gave carries its name in
 ``x-tandem-replica``. A stream that loses its replica (its ``tandem serve``
 exited, the actor died, Serve could not route it) gets one ``worker_failed``
 error as its terminal message: it never hangs. A request no replica began
@@ -38,6 +42,7 @@ from shared.models.registry import load_tokenizer
 from ..http.app import build_app as build_http_app
 from ..http.bridge import TERMINAL, Call
 from ..http.common import Context
+from ..http.listener import AppServer, listen_socket
 from frontend.server.metrics import Metrics
 from frontend.server.tokenization import chat_prompt_ids, text_prompt_ids
 from .direct import DirectPath
@@ -234,26 +239,36 @@ class ReplicaHeader:
 @serve.ingress()
 class TandemIngress:
     async def __init__(self, replicas, api_key: str | None = None, metrics_compat: str | None = None,
-                       direct: bool = True) -> None:
+                       direct: bool = True, listen: tuple[str, int] | None = None) -> None:
         """``direct``: send requests to this node's replicas' ``tandem serve`` directly (``direct.py``;
-        the affinity router's choice, which counts them)."""
+        the affinity router's choice, which counts them). ``listen``: (host, port) this actor serves the
+        HTTP routes on itself (``tandem cluster``), so a client's requests and tokens never cross
+        Serve's HTTP proxy; None: Serve's proxy serves them (``serve run``, KubeRay)."""
+        self._http: AppServer | None = None
         info = await replicas.info.remote()
         tokenizer = replicas_tokenizer(info)
         node = ray.get_runtime_context().get_node_id()
         self._bridge = ClusterBridge(replicas, tokenizer, DirectPath(node) if direct else None)
         name = info.get("served_model_name") or info["model"]
-        self._ctx = Context(bridge=self._bridge, model=name, tokenizer=tokenizer,
-                            aliases=tuple({info["model"]} - {name}), max_model_len=int(info["max_model_len"]),
-                            adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")),
-                            native_skills=native_skills(info.get("family")),
-                            sampling_defaults=info.get("sampling_defaults") or {})
-        self._api_key = api_key
-        self._metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
+        ctx = Context(bridge=self._bridge, model=name, tokenizer=tokenizer,
+                      aliases=tuple({info["model"]} - {name}), max_model_len=int(info["max_model_len"]),
+                      adapters=tuple(info.get("adapters") or ()), vision=bool(info.get("vision")),
+                      native_skills=native_skills(info.get("family")),
+                      sampling_defaults=info.get("sampling_defaults") or {})
+        metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
+        # /health: Serve routes only to healthy replicas and holds requests while none is
+        self._app = ReplicaHeader(build_http_app(ctx, metrics, lambda: "ready", api_key))
+        if listen is not None:
+            self._http = AppServer(self._app)
+            self._serving = await self._http.begin(listen_socket(*listen))
 
     async def __del__(self) -> None:
-        """Serve's graceful shutdown: the direct links' sockets closed."""
+        """Serve's graceful shutdown: the listener's streams end (uvicorn's grace), the direct links'
+        sockets close."""
+        if self._http is not None:
+            self._http.should_exit = True
+            await self._serving
         await self._bridge.close()
 
     def __serve_build_asgi_app__(self):
-        # /health: Serve routes only to healthy replicas and holds requests while none is
-        return ReplicaHeader(build_http_app(self._ctx, self._metrics, lambda: "ready", self._api_key))
+        return self._app

@@ -1,6 +1,8 @@
 """``tandem cluster``: start (or join) Ray, deploy the application, serve HTTP, stop cleanly.
 
-Without ``--address`` a local Ray instance is started in this process (its
+The ingress serves the HTTP address itself, on this node (``build_app``'s
+``listen``); Serve's HTTP proxy is not started (a hop of its own, on the path
+of every token: BENCHMARKS.md, the cluster hop). Without ``--address`` a local Ray instance is started in this process (its
 GCS, raylet and workers are this process's descendants) with every address
 on loopback, and stopped on exit. SIGINT/SIGTERM: the application is shut
 down (each replica's ``tandem serve`` drains), then the Ray instance this
@@ -16,6 +18,7 @@ from typing import Any
 
 import click
 
+from ..http.listener import listen_socket
 from . import HOP_ENV
 
 APP_NAME = "tandem"
@@ -49,6 +52,10 @@ def run(replicas: int, address: str | None, http: tuple[str, int], options: dict
     from .app import build_app
 
     host, port = http
+    try:  # a taken address fails now, naming it, not once the ingress's actor cannot bind it
+        listen_socket(host, port).close()
+    except OSError as e:
+        raise click.ClickException(str(e)) from None
     shown = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     try:
         if address is None:
@@ -58,9 +65,10 @@ def run(replicas: int, address: str | None, http: tuple[str, int], options: dict
         else:
             ray.init(address=address)
         trap(on_signal)  # again: ray.init installs its own SIGTERM handler
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(proxy_location="Disabled", http_options={"host": host, "port": port})  # (the address Serve logs)
         click.echo(f"tandem: deploying {replicas} replica(s) ...", err=True)
-        serve.run(build_app({"replicas": replicas, **options}), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_app({"replicas": replicas, "listen": shown.removeprefix("http://"), **options}),
+                  name=APP_NAME, route_prefix="/", blocking=False)
         click.echo(f"tandem: serving on {shown} ({replicas} replica(s))", err=True)
         stopping.wait()
     except _Stop:

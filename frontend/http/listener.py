@@ -8,6 +8,7 @@ message); the thread's loop runs the app and one ``Bridge`` into the server's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import socket
@@ -52,6 +53,31 @@ class JsonErrorsH11Protocol(H11Protocol):
             self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
         self.transport.close()  # else a response is under way: ending the connection is all that is left
+
+
+class AppServer(uvicorn.Server):
+    """uvicorn serving ``app`` on the running loop, with the JSON errors of every route; the process's
+    signals are left to its owner (``tandem serve``, or the Ray actor of the cluster's ingress), where
+    uvicorn's own handlers would take SIGTERM from them when it runs on the main thread."""
+
+    def __init__(self, app) -> None:
+        super().__init__(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=5, ws="none", http=JsonErrorsH11Protocol))
+        self.config.setup_event_loop = lambda: None
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+    async def begin(self, sock: socket.socket) -> asyncio.Task:
+        """Serve on ``sock`` (``listen_socket``) in a task of the running loop; returned once it accepts
+        connections (raising what stopped it before)."""
+        serving = asyncio.create_task(self.serve(sockets=[sock]))
+        while not self.started:
+            if serving.done():
+                serving.result()
+                raise RuntimeError("the HTTP server stopped before it started")
+            await asyncio.sleep(0.01)
+        return serving
 
 
 class HttpListener:
@@ -112,19 +138,10 @@ class HttpListener:
                       limits=self._server.limits, adapters=tuple(service.adapters), vision=service.model.vision,
                       native_skills=service.model.family.native_skills,
                       sampling_defaults=service.model.sampling_defaults)
-        app = build_app(ctx, self._server.metrics, self._state, self._api_key)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, ws="none", http=JsonErrorsH11Protocol)
-        self._uvicorn = uvicorn.Server(config)
-        self._uvicorn.config.setup_event_loop = lambda: None
-        started = asyncio.create_task(self._signal_started())
+        self._uvicorn = AppServer(build_app(ctx, self._server.metrics, self._state, self._api_key))
         try:
-            await self._uvicorn.serve(sockets=[self._sock])
+            serving = await self._uvicorn.begin(self._sock)
+            self._started.set()
+            await serving
         finally:
-            started.cancel()
             await bridge.close()
-
-    async def _signal_started(self) -> None:
-        while not self._uvicorn.started:
-            await asyncio.sleep(0.01)
-        self._started.set()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +30,7 @@ import pytest
 import yaml
 from processes import ROOT
 
-from bench.cluster import LocalCluster
+from bench.cluster import LocalCluster, free_port
 from frontend.cluster.routing import NOT_STARTED, rendezvous
 from shared.config import EngineConfig
 from shared.models.random_weights import TINY_RANDOM_CONFIG
@@ -379,6 +381,56 @@ def test_cluster_refuses_http_beyond_loopback_without_a_key():
     assert "ray" not in out.stderr.lower()  # refused before Ray was started
 
 
+def test_cluster_names_a_taken_address_before_starting_ray():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "frontend.cli.main", "cluster", "--http", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"cannot listen for HTTP on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "starting a local Ray instance" not in out.stderr
+
+
+def test_serve_run_of_the_application_serves_through_serves_proxy(tmp_path):
+    """``serve run`` (and KubeRay's serveConfigV2) deploys ``build_app`` without ``listen``: Serve's
+    HTTP proxy serves the ingress's routes (``tandem cluster`` has the ingress serve them itself)."""
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "tandem", "import_path": "frontend.cluster:build_app", "route_prefix": "/",
+                          "args": {"replicas": 1, "model": "tiny-random", "device": "cpu"}}]}))
+    log = tmp_path / "serve-run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(config)], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # ready: Serve's proxy answers the ingress's route (a 503 or a refused connection before)
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+                                "ignore_eos": True}) as r:
+            assert r.status_code == 200 and r.headers["x-tandem-replica"]
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 5, events  # a role delta, 4 tokens, the end
+        owners = {p.info["pid"]: " ".join(p.info["cmdline"] or ()) for p in psutil.process_iter(["pid", "cmdline"])}
+        listener = next(c.pid for c in psutil.net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+        assert "ProxyActor" in owners[listener], owners[listener]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _manifests() -> list[dict]:
     return [d for f in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
 
@@ -486,6 +538,12 @@ def test_the_openai_client_streams_through_one_address(cluster):
     metrics = httpx.get(f"{cluster.url}/metrics", timeout=30)  # the replicas' serve took --metrics-compat too
     assert metrics.headers["x-tandem-replica"] in cluster.replicas()
     assert 'vllm:num_requests_running{model_name="tiny-random"}' in metrics.text
+    # the ingress's actor serves the address itself: no Serve proxy on the path (frontend/cluster/run.py)
+    procs = {p.pid: " ".join(p.cmdline()) for p in cluster.processes()}
+    (listener,) = {c.pid for c in psutil.net_connections("tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr.port == cluster.port}
+    assert "TandemIngress" in procs[listener], procs.get(listener)
+    assert not any("ProxyActor" in cmd for cmd in procs.values()), procs
 
 
 def test_a_sessions_turns_stay_on_one_replica_and_hit_its_prefix_cache(cluster):
