@@ -256,7 +256,8 @@ class TandemIngress:
                       native_skills=native_skills(info.get("family")),
                       sampling_defaults=info.get("sampling_defaults") or {})
         metrics = Metrics(metrics_compat)  # /metrics: the engine figures of the replica that answers info
-        # /health: Serve routes only to healthy replicas and holds requests while none is
+        # /health: ready once this runs (it has a replica's info); Serve's router holds a request while no
+        # replica is healthy
         self._app = ReplicaHeader(build_http_app(ctx, metrics, lambda: "ready", api_key))
         if listen is not None:
             self._http = AppServer(self._app)

@@ -2,9 +2,10 @@
 
 The ingress serves the HTTP address itself, on this node (``build_app``'s
 ``listen``); Serve's HTTP proxy is not started (a hop of its own, on the path
-of every token: BENCHMARKS.md, the cluster hop). Without ``--address`` a local Ray instance is started in this process (its
-GCS, raylet and workers are this process's descendants) with every address
-on loopback, and stopped on exit. SIGINT/SIGTERM: the application is shut
+of every token: BENCHMARKS.md, the cluster hop). Without ``--address`` a
+local Ray instance is started in this process (its GCS, raylet and workers
+are this process's descendants) with every address on loopback, and stopped
+on exit. SIGINT/SIGTERM: the application is shut
 down (each replica's ``tandem serve`` drains), then the Ray instance this
 command started; nothing is left running. With ``--address`` only the
 application is deleted.

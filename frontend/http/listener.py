@@ -90,7 +90,7 @@ class HttpListener:
         self.host, self.port = host, self._sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}"
-        self._uvicorn: uvicorn.Server | None = None
+        self._uvicorn: AppServer | None = None
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tandem-http", daemon=True)
