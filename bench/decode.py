@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.arith import ceil_div
-from shared.config import QUANTIZATIONS
+from shared.config import ATTENTIONS, QUANTIZATIONS
 from shared.models.registry import DEFAULT_MODEL, REGISTRY, builtin
 from shared.moondream_config import moondream_version
 
@@ -82,6 +82,8 @@ OPTIONS = [
                                help="as `tandem serve --quantization`: auto serves a model's GGUF file as it is "
                                     "on a CPU; none its float weights; int8 / int4 quantizes them at load")),
     (("--no-cuda-graphs",), dict(flag=True, help="disable CUDA graphs (CUDA only)")),
+    (("--attention",), dict(default="auto", choices=list(ATTENTIONS),
+                            help="as `tandem serve --attention`: how CUDA decode graphs read the KV pages")),
     (("--baseline",), dict(default=None, choices=["transformers"],
                            help="also time transformers generate on the same weights and prompts")),
     (("--baseline-dtype",), dict(default=None, help="dtype of the baseline (default: Tandem's --dtype); e.g. "
@@ -176,14 +178,14 @@ def on_compute(shared, fn):
 
 
 def make_engine(loaded: Loaded, device: str, pipelined: bool, max_batch: int, max_model_len: int,
-                kv_pages: int, prefill_budget: int, cuda_graphs: bool, shared=None):
+                kv_pages: int, prefill_budget: int, cuda_graphs: bool, shared=None, attention: str = "auto"):
     """An engine on ``loaded``'s weights; ``shared``: the Device a CPU run's engines share (see run)."""
     from gpu_worker.engine import Engine, EngineConfig
 
     dtype_name = str(loaded.dtype).replace("torch.", "")
     cfg = EngineConfig(model=loaded.name, device=device, pipeline=pipelined, max_batch=max_batch,
                        max_model_len=max_model_len, page_size=16, kv_pages=kv_pages,
-                       prefill_budget=prefill_budget, dtype=dtype_name, cuda_graphs=cuda_graphs)
+                       prefill_budget=prefill_budget, dtype=dtype_name, cuda_graphs=cuda_graphs, attention=attention)
     return Engine(cfg, llama=loaded.llama, device=shared)
 
 
@@ -592,7 +594,7 @@ def _run(args, streams_list: list[int], modes: list[str], device: str, shared) -
     loaded = load_model(args.model, device, args.dtype, args.seed, max_model_len, args.quantization)
     cuda_graphs = not args.no_cuda_graphs
     engines = {m: make_engine(loaded, device, m == "pipelined", max_streams, max_model_len, kv_pages,
-                              prefill_budget, cuda_graphs, shared) for m in modes}
+                              prefill_budget, cuda_graphs, shared, args.attention) for m in modes}
     hf = None
     if args.baseline == "transformers" and not args.no_throughput:
         progress(args, "building the transformers baseline on the same weights")
@@ -606,6 +608,7 @@ def _run(args, streams_list: list[int], modes: list[str], device: str, shared) -
         "params": type(loaded.llama)(loaded.llama.config, device="meta").num_params(),  # quantized ones too
         "weights": loaded.weights,
         "cuda_graphs": cuda_graphs and device.startswith("cuda"),
+        "attention": args.attention,
         "tokens": args.tokens,
         "prompt_len": args.prompt_len,
         "repeats": args.repeats,
@@ -628,7 +631,8 @@ def _run(args, streams_list: list[int], modes: list[str], device: str, shared) -
     finally:
         for m, e in engines.items():
             st = e.stats()
-            result.setdefault("graphs", {})[m] = {"count": st["cuda_graphs"], "capture_s": st["graph_capture_s"]}
+            result.setdefault("graphs", {})[m] = {"count": st["cuda_graphs"], "capture_s": st["graph_capture_s"],
+                                                  "in_place": st["graphs_in_place"]}
             e.close()
     result["wall_s"] = time.perf_counter() - t_load
     return result

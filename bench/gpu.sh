@@ -18,11 +18,13 @@
 #    ids copied into a page-locked arena, a failed launch fails only its steps. Stops here if not.
 # 2. Decode table: random-135m and random-1b, bf16, CUDA graphs, 1 and 32 streams,
 #    blocking vs pipelined, device idle from CUDA events, host ms per step, transformers
-#    generate on the same weights; the zombie tax; CUDA-graph capture time. Then the
+#    generate on the same weights; the zombie tax; CUDA-graph capture time; the first model
+#    again with its decode graphs gathering the KV pages (--attention gather). Then the
 #    moondream2-shaped random model (bench/moondream.py): text and detect streams at 1 and 32
 #    rows, blocking vs pipelined, device idle; image encode per crop count, caption TTFT, ms per
 #    object.
-# 3. Feature checks (bench/gpu_features.py): LoRA in CUDA graphs, the prefix cache, images
+# 3. Feature checks (bench/gpu_features.py): LoRA in CUDA graphs, the prefix cache, decode
+#    graphs reading the pages in place (FlexAttention) against gathering them, images
 #    through the vision encoder and its cache, Moondream's skills against the reference's own
 #    answers, the two processes; each against a reference.
 # 4. Feature numbers: two-process vs in-process tokens/s (1 and 32 streams), one decode step's
@@ -119,12 +121,15 @@ for model in $MODELS; do  # random-135m (+ the zombie case) within 90 s, random-
         --tokens "$TOKENS" --repeats "$REPEATS" --mode blocking,pipelined --baseline transformers \
         --json-out "$DIR/decode-$model.json" "${extra[@]}"
 done
+stage "2/5 decode ${MODELS%% *}, pages gathered (against the in-place attention above)" 60 - "$PY" -m bench.decode \
+    --model "${MODELS%% *}" --device "$DEVICE" --streams 1,32 --tokens "$TOKENS" --repeats "$REPEATS" \
+    --mode pipelined --attention gather --json-out "$DIR/decode-${MODELS%% *}-gather.json"
 
 stage "2/5 Moondream $MOONDREAM (text and detect streams, encode per crop count, TTFT, ms/object)" 120 \
     "$DIR/moondream.json" "$PY" -m bench.moondream --model "$MOONDREAM" --device "$DEVICE" --dtype bfloat16 \
     --repeats "$REPEATS" --streams 32 --detect-streams 32 --tokens "$TOKENS" --json
 
-stage "3/5 feature checks (LoRA, prefix cache, images, Moondream, two processes)" 150 - \
+stage "3/5 feature checks (LoRA, prefix cache, attention in place, images, Moondream, two processes)" 170 - \
     "$PY" -m bench.gpu_features --device "$DEVICE" --llm "$LLM" --vlm "$VLM"
 
 for streams in 1 32; do

@@ -277,11 +277,30 @@ def _decode_table(results: list[dict]) -> None:
         for m, g in r.get("graphs", {}).items():
             if g["count"]:
                 print(f"  CUDA graphs {r['model']} {m}: {g['count']} captured in {g['capture_s'] * 1e3:.0f} ms "
-                      f"({g['capture_s'] * 1e3 / g['count']:.0f} ms each)")
+                      f"({g['capture_s'] * 1e3 / g['count']:.0f} ms each), {g.get('in_place', 0)} reading the KV "
+                      "pages in place")
         for z in r.get("zombie", []):
             print(f"  zombie case {r['model']} {z['mode']}: {z['zombie_rows_per_request']:.0f} zombie rows per "
                   f"{z['answer_tokens']}-token answer (tax {z['zombie_tax']:.4f})")
     print(f"target pipelined idle < 3%: {'met' if ok else 'NOT met'}")
+    _attention_lines(results)
+
+
+def _attention_lines(results: list[dict]) -> None:
+    """The pipelined step with the KV pages read in place against gathered (``--attention gather``)."""
+    for gathered in (r for r in results if r.get("attention") == "gather"):
+        in_place = next((r for r in results if r["model"] == gathered["model"] and r.get("attention") != "gather"), None)
+        if in_place is None:
+            continue
+        ms = {r.get("attention"): {x["streams"]: x["ms_per_step"] for x in r["rows"] if x["mode"] == "pipelined"}
+              for r in (in_place, gathered)}
+        graphs = in_place.get("graphs", {}).get("pipelined", {})
+        how = f"--attention {in_place.get('attention')} ({graphs.get('in_place', 0)} of {graphs.get('count', 0)} " \
+              "graphs in place)"
+        for s in sorted(set(ms["gather"]) & set(ms[in_place.get("attention")])):
+            a, b = ms[in_place.get("attention")][s], ms["gather"][s]
+            print(f"  attention {gathered['model']}, {s} streams, pipelined: {a:.2f} ms/step with {how}, {b:.2f} "
+                  f"with the pages gathered ({b / a:.2f}x)")
 
 
 def _feature_line(r: dict) -> str:

@@ -21,6 +21,11 @@ Every check runs one workload on DEVICE and compares the greedy tokens with a re
   detect, and the eos-biased checkpoint's early stops), every case at once on DEVICE
   (float32, graphs, pipelined; the skill state and region values on the device); then each
   case alone, bfloat16 pipelined against blocking, ids and values identical.
+- ``attention``: decode graphs that read the KV pages in place (FlexAttention,
+  ``gpu_worker/flex_paged.py``) against graphs that gather them, on DEVICE
+  (float32, pipelined, prompts of many lengths sharing a prefix-cached system
+  prompt); and how many of the graphs read in place (each falls back to
+  gathering if its kernel fails or differs at capture).
 - ``service``: the two processes (worker, token ring, tile blocks, acks) on
   DEVICE: text, image and stop-token requests one at a time through a
   ``Service``, against the same requests one at a time in-process on DEVICE.
@@ -47,7 +52,7 @@ import numpy as np
 
 from bench.gpu_check import _sync_watch
 
-CHECKS = ("lora", "prefix", "vision", "moondream", "service")
+CHECKS = ("lora", "prefix", "attention", "vision", "moondream", "service")
 GREEDY_TOKENS = 12
 
 
@@ -186,6 +191,28 @@ def check_prefix(device: str, llm: str) -> str:
         raise AssertionError(f"only {st['prefix_hit_tokens']} prompt tokens came from the cache")
     return (f"2 turns x 6 conversations; {st['prefix_hit_tokens']} of {st['prefix_query_tokens']} prompt tokens "
             "from the cache")
+
+
+def check_attention(device: str, llm: str) -> str:
+    rng = np.random.default_rng(4)
+    system = rng.integers(3, 32000, 40).tolist()
+    waves = [[dict(prompt_ids=system + p, params=_greedy(24)) for p in _prompts(n, rng, 1, 300)] for n in (1, 13)]
+    outs, graphs = [], []
+    for attention in ("gather", "auto"):
+        eng = _engine(llm, device, "float32", True, attention=attention)
+        try:
+            outs.append([_run(eng, w) for w in waves])
+            graphs.append([g.attention for g in eng.runner.graphs.values()])
+        finally:
+            eng.close()
+    for i, (got, want) in enumerate(zip(*reversed(outs))):
+        _same(f"wave {i + 1}: in place against gathered pages", got, want)
+    if any(a != "gather" for a in graphs[0]):
+        raise AssertionError(f"--attention gather captured {graphs[0]}")
+    in_place = graphs[1].count("in place")
+    if device.startswith("cuda") and not in_place:
+        raise AssertionError(f"no decode graph reads the pages in place (of {len(graphs[1])}; the log says why)")
+    return f"{in_place} of {len(graphs[1])} decode graphs read the pages in place; tokens as gathered"
 
 
 IMAGE_TEXTS = [f"<|im_start|>User:{before}<image>Describe this image.<end_of_utterance>\nAssistant:"
@@ -375,6 +402,7 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
     checks = {"lora": lambda: check_lora(args.device, args.llm),
               "prefix": lambda: check_prefix(args.device, args.llm),
+              "attention": lambda: check_attention(args.device, args.llm),
               "vision": lambda: check_vision(args.device, args.vlm),
               "moondream": lambda: check_moondream(args.device),
               "service": lambda: check_service(args.device, args.vlm)}

@@ -35,6 +35,7 @@ from shared.families import read_config
 from gpu_worker.batch import Batch
 from gpu_worker.cpu_backend import fused_layers
 from gpu_worker.cpu_kernels import CpuKernels
+from gpu_worker.flex_paged import InPlace, attend_pages_in_place, block_mask
 from gpu_worker.kv_cache import PagedKVCache
 
 # Default cap on the rope table length when the engine does not pass max_model_len.
@@ -173,13 +174,15 @@ def attention_mask(batch: Batch, kv: PagedKVCache, group: int, limit: torch.Tens
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, batch: Batch,
-                    kv: PagedKVCache, mask: torch.Tensor) -> torch.Tensor:
+                    kv: PagedKVCache, mask: "torch.Tensor | InPlace") -> torch.Tensor:
     """Attention of the packed queries q [T, H, D] over their sequences' cached keys, after
     writing this forward's k, v [T, Hkv, D] into the cache -> [T, H * D]. ``mask``: see
-    :func:`attention_mask`."""
+    :func:`attention_mask`; or ``flex_paged.InPlace``: read the pages in place."""
     # Write the new K/V at their kv_index first, so the gather below sees
     # the whole sequence (cached prefix + this chunk) in one place.
     kv.write(layer_idx, batch.kv_index, k, v)
+    if isinstance(mask, InPlace):
+        return attend_pages_in_place(q, layer_idx, batch, kv, mask.mask, mask.attention)
     return attend_pages(q, layer_idx, batch, kv, mask)
 
 
@@ -277,6 +280,9 @@ class Llama(nn.Module):
         # The fused CPU kernels (cpu_kernels.py), attached by the runner for bf16 on a CPU; None: eager.
         self._cpu_kernels: CpuKernels | None = None
         self._layer_table: tuple | None = None  # cpu_backend.layer_table's (kernels, parts, table)
+        # The attention that reads a heads_major cache in place (flex_paged.py; set by the runner for the
+        # decode graphs it captures with it); None: the gather path.
+        self.attention_in_place: Callable | None = None
         if torch.device(device).type != "meta":
             self._init_rope(device)
 
@@ -321,7 +327,10 @@ class Llama(nn.Module):
             return self.lm_head(fused_layers(self, x, batch, kv, kernels)[logits_indices]).float()
         cos = self.rope_cos[batch.positions].to(x.dtype)
         sin = self.rope_sin[batch.positions].to(x.dtype)
-        mask = attention_mask(batch, kv, self.config.num_attention_heads // self.config.num_key_value_heads)
+        if self.attention_in_place is not None:
+            mask = InPlace(block_mask(batch, kv.num_pages, kv.page_size), self.attention_in_place)
+        else:
+            mask = attention_mask(batch, kv, self.config.num_attention_heads // self.config.num_key_value_heads)
 
         for layer in self.layers:
             x = layer(x, cos, sin, batch, kv, mask)

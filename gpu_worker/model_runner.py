@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from shared.arith import ceil_div
-from shared.config import QUANTIZATIONS, EngineConfig
+from shared.config import ATTENTIONS, QUANTIZATIONS, EngineConfig
 from shared.families import family_of, read_config
 from shared.models.gguf_files import GGUF_FILE
 from shared.models.info import ModelInfo
@@ -43,7 +43,7 @@ from .device import Device
 from .batch import Batch
 from .kv_cache import PagedKVCache
 from .lora import LoraPool
-from . import cpu_kernels, families, quant
+from . import cpu_kernels, families, flex_paged, quant
 from .cpu_backend import pack_linears
 from .gguf_weights import quantize_linears
 from .model import Llama
@@ -282,7 +282,15 @@ class ModelRunner:
         self.max_model_len, self.context_reason = context_length(config.max_model_len, model_limit,
                                                                  (self.num_pages - 1) * page_size)
         log.info("context: %d tokens (%s)", self.max_model_len, self.context_reason)
-        self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.kv_dtype, dev)
+        # A model whose forward reads values back to the host (Moondream 3's expert counts) is never captured.
+        self.use_graphs = config.cuda_graphs and device.is_cuda and getattr(self.model, "graph_capturable", True)
+        if config.attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {config.attention!r} (one of {', '.join(ATTENTIONS)})")
+        # a CUDA decode graph may read the pages in place (flex_paged.py): each kv head's pages together
+        self.in_place = (self.use_graphs and config.attention == "auto" and isinstance(self.model, Llama)
+                         and self.model.cpu_kernels is None)
+        self.kv = PagedKVCache.from_config(self.config, self.num_pages, page_size, self.kv_dtype, dev,
+                                           heads_major=self.in_place)
         self.max_pages_per_seq = ceil_div(self.max_model_len, page_size)
         # Row max_rows is a scratch row for padded graph rows; it always holds token 0.
         self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)
@@ -292,8 +300,6 @@ class ModelRunner:
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
         self.step_buffers = [StepBuffers(device, max_rows) for _ in range(NUM_STEP_BUFFERS)]
-        # A model whose forward reads values back to the host (Moondream 3's expert counts) is never captured.
-        self.use_graphs = config.cuda_graphs and device.is_cuda and getattr(self.model, "graph_capturable", True)
         self.graphs: dict[tuple[int, int, int, str | None], "_DecodeGraph"] = {}
         self.graph_capture_s = 0.0  # wall time spent capturing them (warm-up and new buckets)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -568,7 +574,8 @@ class ModelRunner:
             self.graphs[key] = _DecodeGraph(self, b, p, self._graph_pool)
             took = time.perf_counter() - t0
             self.graph_capture_s += took
-            log.info("captured decode graph buffer=%d batch=%d pages=%d in %.0f ms", buffer, b, p, took * 1e3)
+            log.info("captured decode graph buffer=%d batch=%d pages=%d (attention: %s) in %.0f ms", buffer, b, p,
+                     self.graphs[key].attention, took * 1e3)
         return self.graphs[key]
 
     def warmup(self, batch_sizes=(1, 8, 32), pages=(8, 16), progress=None) -> None:
@@ -581,6 +588,27 @@ class ModelRunner:
             self._graph_for(*key)
             if progress is not None:
                 progress(i + 1, len(todo))
+
+
+def _in_place_attention(runner: ModelRunner, forward, bucket: str):
+    """The compiled FlexAttention for a decode graph about to be captured, if it runs here and gives
+    the gather path's logits on the graph's warm-up inputs; else None (logged: the graph gathers; a
+    kernel that does not compile or run is not tried again)."""
+    model = runner.model
+    reference = forward()[0].float()
+    model.attention_in_place = flex_paged.compiled_flex_attention()
+    try:
+        logits = forward()[0].float()
+        gap = float((logits - reference).abs().max())
+        why = None if torch.allclose(logits, reference, rtol=1e-2, atol=1e-2) else \
+            f"its logits differ from the gather path's by up to {gap:.3g}"
+    except Exception as e:  # noqa: BLE001 - a kernel this GPU or torch build cannot compile or run
+        why, runner.in_place = f"{type(e).__name__}: {e}", False
+    attention, model.attention_in_place = model.attention_in_place, None
+    if why is not None:
+        log.warning("decode graph %s: the gather path (FlexAttention in place: %s)", bucket, why)
+        return None
+    return attention
 
 
 class _DecodeGraph:
@@ -597,20 +625,45 @@ class _DecodeGraph:
         self.lora_slots = torch.zeros(batch_size, dtype=torch.int64, device=dev)
         if runner.lora is not None:
             runner.lora.token_slots = self.lora_slots
+        bucket = f"batch={batch_size} pages={num_pages}"
+
+        def forward():
+            return runner._forward(runner.pending[self.rows], self.rows, self.batch, self.logits_index)
+
         # Capture is rare (warm-up, or a new bucket): quiesce the device, warm up on a
-        # side stream (lazy inits), then capture on torch's private capture stream.
+        # side stream (lazy inits, the in-place attention's compile), then capture on
+        # torch's private capture stream.
         torch.cuda.synchronize(dev)
         side = torch.cuda.Stream(dev)
+        model = runner.model
         with torch.inference_mode(), torch.cuda.stream(side):
+            if runner.in_place:
+                model.attention_in_place = _in_place_attention(runner, forward, bucket)
             for _ in range(2):
-                runner._forward(runner.pending[self.rows], self.rows, self.batch, self.logits_index)
+                forward()
         side.synchronize()
+        self.attention = "in place" if model.attention_in_place is not None else "gather"
+        try:
+            self._capture(forward, pool)
+        except Exception as e:  # noqa: BLE001 - the in-place attention cannot be captured here: gather
+            if model.attention_in_place is None:
+                raise
+            log.warning("decode graph %s: the gather path (capturing FlexAttention in place failed: %s: %s)",
+                        bucket, type(e).__name__, e)
+            model.attention_in_place, self.attention = None, "gather"
+            torch.cuda.synchronize(dev)
+            self._capture(forward, pool)
+        finally:
+            model.attention_in_place = None  # the eager forwards (prefill) keep the gather path
+        if runner.lora is not None:
+            runner.lora.token_slots = None
+
+
+    def _capture(self, forward, pool) -> None:
         with torch.inference_mode():
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.out = runner._forward(runner.pending[self.rows], self.rows, self.batch, self.logits_index)
-        if runner.lora is not None:
-            runner.lora.token_slots = None
+                self.out = forward()
 
     def replay(self, batch: Batch, rows: torch.Tensor, lora_slots: torch.Tensor | None = None) -> tuple:
         """-> (logits, hidden or None), the graph's static outputs."""

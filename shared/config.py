@@ -21,6 +21,7 @@ def _about(default: Any, help: str) -> Any:
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # --quantization (gpu_worker/quant.py)
+ATTENTIONS = ("auto", "gather")  # --attention (gpu_worker/flex_paged.py)
 INT4_GROUPS = (32, 64, 128)
 
 
@@ -54,6 +55,9 @@ class EngineConfig:
                                              "defaults of requests that leave them out), vllm (Tandem's defaults; its "
                                              "EOS ids still apply) or a folder holding one.")
     cuda_graphs: bool = True
+    attention: str = _about("auto", "How a CUDA decode graph reads the KV pages: auto (in place, FlexAttention over "
+                                    "the cache, where it matches the gather path when the graph is captured) or "
+                                    "gather (each sequence's pages copied out, then SDPA). Elsewhere: gather.")
     prepack: bool = True  # bf16 on a CPU: matmul weights packed once (gpu_worker.cpu_backend.PackedLinear)
     cpu_kernels: bool = True  # bf16 on a CPU: norms, rope, attention, silu fused, AMX matmul (gpu_worker/kernels/)
     encoder_cache_mb: float = _about(256.0, "Vision models: device memory for image features kept for reuse "

@@ -19,7 +19,7 @@ import click
 
 from frontend.client import DEFAULT_ENDPOINT
 from frontend.server.metrics import COMPAT
-from shared.config import INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
+from shared.config import ATTENTIONS, INT4_GROUPS, QUANTIZATIONS, EngineConfig, config_field
 from shared.lora_config import KERNELS
 from shared.generation_config import SAMPLING_DEFAULTS
 from shared.models.registry import REGISTRY
@@ -98,6 +98,7 @@ def engine_options(fn: Callable) -> Callable:
         option("Engine", "--lora", multiple=True, metavar="NAME=DIR", help=config_field("loras").metadata["help"]),
         engine_option("--max-loras", "max_loras", type=click.IntRange(min=1)),
         engine_option("--lora-kernel", "lora_kernel", type=click.Choice(KERNELS)),
+        engine_option("--attention", "attention", type=click.Choice(ATTENTIONS)),
     ])
 
 
