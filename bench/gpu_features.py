@@ -21,14 +21,14 @@ Every check runs one workload on DEVICE and compares the greedy tokens with a re
   detect, and the eos-biased checkpoint's early stops), every case at once on DEVICE
   (float32, graphs, pipelined; the skill state and region values on the device); then each
   case alone, bfloat16 pipelined against blocking, ids and values identical.
+- ``service``: the two processes (worker, token ring, tile blocks, acks) on
+  DEVICE: text, image and stop-token requests one at a time through a
+  ``Service``, against the same requests one at a time in-process on DEVICE.
 - ``attention``: decode graphs that read the KV pages in place (FlexAttention,
   ``gpu_worker/flex_paged.py``) against graphs that gather them, on DEVICE
   (float32, pipelined, prompts of many lengths sharing a prefix-cached system
   prompt); and how many of the graphs read in place (each falls back to
   gathering if its kernel fails or differs at capture).
-- ``service``: the two processes (worker, token ring, tile blocks, acks) on
-  DEVICE: text, image and stop-token requests one at a time through a
-  ``Service``, against the same requests one at a time in-process on DEVICE.
 
 The float32 comparisons turn TF32 off (conv and matmul), so both sides compute in
 true float32; bfloat16 comparisons keep identical launches (length caps only),
@@ -52,7 +52,7 @@ import numpy as np
 
 from bench.gpu_check import _sync_watch
 
-CHECKS = ("lora", "prefix", "attention", "vision", "moondream", "service")
+CHECKS = ("lora", "prefix", "vision", "moondream", "service", "attention")  # attention last: it compiles kernels
 GREEDY_TOKENS = 12
 
 

@@ -39,7 +39,10 @@ class InPlace:
     the attention that reads it (``flex_attention``, or a compiled one)."""
 
     mask: BlockMask
-    attention: Callable = flex_attention
+    attention: Callable
+
+
+Q_BLOCK = 128  # the BlockMask's query block (FlexAttention's default): a multiple of every kernel's query tile
 
 
 def page_owner(tables: torch.Tensor, used: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -66,7 +69,8 @@ def block_mask(batch: Batch, num_pages: int, page_size: int) -> BlockMask:
         logical = owner[b, kv_idx // page_size]
         return (logical >= 0) & (logical * page_size + kv_idx % page_size <= query_pos[b, q_idx])
 
-    return BlockMask.from_kv_blocks(used.to(torch.int32)[:, None, None], indices, BLOCK_SIZE=(Qmax, page_size),
+    q_block = -(-Qmax // Q_BLOCK) * Q_BLOCK  # one row of blocks; the kernels tile it by 16 query rows or more
+    return BlockMask.from_kv_blocks(used.to(torch.int32)[:, None, None], indices, BLOCK_SIZE=(q_block, page_size),
                                     mask_mod=visible, seq_lengths=(Qmax, num_pages * page_size),
                                     compute_q_blocks=False)  # (the backward's transpose: never needed here)
 
@@ -88,9 +92,10 @@ RECOMPILES = 64  # dynamo's default limit is 8; past it a call would silently ru
 
 @functools.cache
 def compiled_flex_attention() -> Callable:
-    """FlexAttention compiled (its eager form is a dense reference: every slot of the cache). The
-    first decode graph's shapes compile static, the next ones once more with dynamic shapes
-    (dynamo's automatic dynamic), so capture time does not grow with the buckets."""
+    """FlexAttention compiled (its eager form is a dense reference: every slot of the cache), with
+    static shapes: FlexAttention's decoding kernel (split over the keys, a kv head's query heads in
+    one block) needs a static batch. Only the batch size varies between decode graphs (the cache's
+    length is fixed, the table width stays outside), so there is one compile per batch bucket."""
     limit = torch._dynamo.config
     limit.recompile_limit = max(limit.recompile_limit, RECOMPILES)
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=False)

@@ -597,8 +597,9 @@ def _in_place_attention(runner: ModelRunner, forward, bucket: str):
     model = runner.model
     reference = forward()[0].float()
     model.attention_in_place = flex_paged.compiled_flex_attention()
+    t0 = time.perf_counter()
     try:
-        logits = forward()[0].float()
+        logits = forward()[0].float()  # (compiles FlexAttention for a new batch size)
         gap = float((logits - reference).abs().max())
         why = None if torch.allclose(logits, reference, rtol=1e-2, atol=1e-2) else \
             f"its logits differ from the gather path's by up to {gap:.3g}"
@@ -608,6 +609,8 @@ def _in_place_attention(runner: ModelRunner, forward, bucket: str):
     if why is not None:
         log.warning("decode graph %s: the gather path (FlexAttention in place: %s)", bucket, why)
         return None
+    log.info("decode graph %s: the KV pages read in place (FlexAttention; first call %.1f s)", bucket,
+             time.perf_counter() - t0)
     return attention
 
 
