@@ -25,8 +25,8 @@ Every check runs one workload on DEVICE and compares the greedy tokens with a re
   DEVICE: text, image and stop-token requests one at a time through a
   ``Service``, against the same requests one at a time in-process on DEVICE.
 - ``attention``: decode graphs that read the KV pages in place (FlexAttention,
-  ``gpu_worker/flex_paged.py``) against graphs that gather them, on DEVICE
-  (float32, pipelined, prompts of many lengths sharing a prefix-cached system
+  ``gpu_worker/flex_paged.py``), pipelined, against graphs that gather them,
+  blocking, on DEVICE (float32, prompts of many lengths sharing a prefix-cached system
   prompt); and how many of the graphs read in place (each falls back to
   gathering if its kernel fails or differs at capture).
 
@@ -198,8 +198,8 @@ def check_attention(device: str, llm: str) -> str:
     system = rng.integers(3, 32000, 40).tolist()
     waves = [[dict(prompt_ids=system + p, params=_greedy(24)) for p in _prompts(n, rng, 1, 300)] for n in (1, 13)]
     outs, graphs = [], []
-    for attention in ("gather", "auto"):
-        eng = _engine(llm, device, "float32", True, attention=attention)
+    for attention in ("gather", "auto"):  # the reference blocking, as in every check
+        eng = _engine(llm, device, "float32", attention == "auto", attention=attention)
         try:
             outs.append([_run(eng, w) for w in waves])
             graphs.append([g.attention for g in eng.runner.graphs.values()])
