@@ -221,7 +221,7 @@ class Engine:
             "device_overruns": b.overruns,  # sim: steps whose real CPU work did not fit the simulated time
             **self.alloc.stats(),
             "cuda_graphs": len(self.runner.graphs),
-            "graphs_in_place": sum(g.attention == "in place" for g in self.runner.graphs.values()),
+            "graphs_in_place": sum(g.in_place for g in self.runner.graphs.values()),
             "graph_capture_s": self.runner.graph_capture_s,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),

@@ -574,8 +574,8 @@ class ModelRunner:
             self.graphs[key] = _DecodeGraph(self, b, p, self._graph_pool)
             took = time.perf_counter() - t0
             self.graph_capture_s += took
-            log.info("captured decode graph buffer=%d batch=%d pages=%d (attention: %s) in %.0f ms", buffer, b, p,
-                     self.graphs[key].attention, took * 1e3)
+            log.info("captured decode graph buffer=%d batch=%d pages=%d (KV pages %s) in %.0f ms", buffer, b, p,
+                     "read in place" if self.graphs[key].in_place else "gathered", took * 1e3)
         return self.graphs[key]
 
     def warmup(self, batch_sizes=(1, 8, 32), pages=(8, 16), progress=None) -> None:
@@ -645,7 +645,7 @@ class _DecodeGraph:
             for _ in range(2):
                 forward()
         side.synchronize()
-        self.attention = "in place" if model.attention_in_place is not None else "gather"
+        self.in_place = model.attention_in_place is not None  # reads the KV pages in place (else gathers them)
         try:
             self._capture(forward, pool)
         except Exception as e:  # noqa: BLE001 - the in-place attention cannot be captured here: gather
@@ -653,7 +653,7 @@ class _DecodeGraph:
                 raise
             log.warning("decode graph %s: the gather path (capturing FlexAttention in place failed: %s: %s)",
                         bucket, type(e).__name__, e)
-            model.attention_in_place, self.attention = None, "gather"
+            model.attention_in_place, self.in_place = None, False
             torch.cuda.synchronize(dev)
             self._capture(forward, pool)
         finally:

@@ -450,7 +450,7 @@ def test_decode_graphs_are_keyed_by_the_lora_kernel(model_path, adapters, monkey
     eng = make_engine(model_path, adapters)
     try:
         monkeypatch.setattr(model_runner, "_DecodeGraph",
-                            lambda runner, batch, pages, pool: SimpleNamespace(attention="gather"))
+                            lambda runner, batch, pages, pool: SimpleNamespace(in_place=False))
         monkeypatch.setattr(eng.runner, "use_graphs", True)
         first = eng.runner._graph_for(0, 3, 10)
         assert eng.runner._graph_for(0, 3, 10) is first
