@@ -243,6 +243,7 @@ class CpuKernels:
                 fn.argtypes, fn.restype = argtypes, None
                 self._fn[key] = fn
         self._scratch = torch.empty(0)
+        self._layer_buffer = torch.empty(0)
         # The AMX matmul (and what is built on it): level amx, which runs only where the kernel granted AMX.
         self.has_matmul = "linear_bf16" in self._fn
 
@@ -277,18 +278,30 @@ class CpuKernels:
         threads = torch.get_num_threads()
         scratch = self._attention_scratch(threads, heads // kv_heads, max_len)
         h = torch.empty_like(x)
-        qkv = torch.empty((T, (heads + 2 * kv_heads) * head_dim), dtype=x.dtype)
-        q, o = (torch.empty((T, heads * head_dim), dtype=x.dtype) for _ in range(2))
-        proj = torch.empty_like(x)
-        gate_up = torch.empty((T, 2 * intermediate), dtype=x.dtype)
-        act = torch.empty((T, intermediate), dtype=x.dtype)
+        # qkv, q, o, proj, gate_up and act: the layers' activations, in one kept buffer (a CPU forward
+        # leaves the caches cold, where each allocation costs ~20 µs: BENCHMARKS.md "Where a served
+        # one-stream step goes")
+        widths = ((heads + 2 * kv_heads) * head_dim, heads * head_dim, heads * head_dim, hidden, 2 * intermediate,
+                  intermediate)
+        spans = [ceil_div(T * w, 64) * 64 for w in widths]  # each a whole number of 64-element blocks
+        at = self._activations(sum(spans), x.dtype).data_ptr()
+        starts = []
+        for span in spans:
+            starts.append(at)
+            at += span * x.element_size()
         self._fn["layers", _types(x, k)](
             x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(), v.data_ptr(), k[0].numel(),
             cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), kv_index.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], page_size, seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden,
-            intermediate, eps, max_len, qkv.data_ptr(), q.data_ptr(), o.data_ptr(), proj.data_ptr(),
-            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), threads)
+            intermediate, eps, max_len, *starts, scratch.data_ptr(), threads)
         return h
+
+    def _activations(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`layers`' activation buffer of at least ``numel`` elements of ``dtype`` (kept, grown as
+        needed; the compute thread is its one user)."""
+        if self._layer_buffer.dtype != dtype or self._layer_buffer.numel() < numel:
+            self._layer_buffer = torch.empty(numel, dtype=dtype)
+        return self._layer_buffer
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                gelu: bool = False) -> torch.Tensor:

@@ -50,7 +50,7 @@ from .model import Llama
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
 from .pipeline import NUM_STEP_BUFFERS
-from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, sample
+from .sampler import MAX_EOS_IDS, RowParams, apply_bitmask, greedy_on_host, sample
 from .vision import VisionEncoder
 
 log = logging.getLogger("tandem.worker")
@@ -296,6 +296,9 @@ class ModelRunner:
         self.pending = torch.full((max_rows + 1,), POISON if self.debug else 0, dtype=torch.int64, device=dev)
         self.pending[max_rows] = 0
         self.params = RowParams(max_rows + 1, self.vocab_size, dev, self.max_model_len)
+        # On a CPU, numpy views of the pending tokens and the rows' stop ids (sampler.greedy_on_host)
+        self.pending_on_host = None if self.device.is_cuda else self.pending.numpy()
+        self.stop_ids_on_host = None if self.device.is_cuda else self.params.stop_ids.numpy()
         # Host copy of every row's page table, written at admission, so a decode
         # step's metadata is a few vectorised numpy indexing ops, not a rebuild.
         self.block_tables = np.zeros((max_rows + 1, self.max_pages_per_seq), dtype=np.int64)
@@ -472,8 +475,16 @@ class ModelRunner:
             masks = torch.from_numpy(mask_words)
             if self.device.is_cuda:
                 masks = masks.pin_memory()  # an async upload: never a host stall behind the forward
+        on_host = self.pending_on_host is not None and part is None and masks is None and self.skills is None \
+            and not (inp.any_random or inp.any_filter or inp.want_logprobs or inp.want_top or inp.any_bias
+                     or inp.any_penalty or inp.any_min_tokens)
 
         def run() -> None:
+            if on_host and buf.logits.dtype == torch.float32:  # plain greedy on a CPU: sample()'s result in numpy
+                tokens, flags = greedy_on_host(buf.logits.numpy(), inp.sample_rows, self.stop_ids_on_host)
+                self.pending_on_host[inp.sample_rows] = tokens
+                buf.out = (torch.from_numpy(tokens), torch.from_numpy(flags), None, None, None, None)
+                return
             dev_meta = self._upload(meta)
             rows, pos = dev_meta[0], dev_meta[1]
             with torch.inference_mode():

@@ -35,6 +35,7 @@ never matter (their penalties are neutral).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shared.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
@@ -55,6 +56,26 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & m
     return x ^ (x >> 16)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of float32 rows [R, V]: the first largest value's index, a NaN's first
+    where a row has one. On a CPU numpy's argmax gives the same index about 10x sooner than aten's
+    for a vocabulary-wide row (BENCHMARKS.md "Where a served one-stream step goes")."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+
+
+def greedy_on_host(logits: np.ndarray, rows: np.ndarray, stop_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sample`'s tokens and flags for plain greedy rows (no bias, penalty, min_tokens,
+    logprobs), in numpy, for a CPU: ``logits`` float32 [R, V], ``stop_ids`` ``RowParams.stop_ids``'s
+    table. A CPU forward streams the weights through the caches, so each call after it runs cold:
+    :func:`sample`'s torch calls and their outputs cost ~0.4 ms a step there, these few numpy calls
+    a third of it (BENCHMARKS.md "Where a served one-stream step goes")."""
+    tokens = logits.argmax(axis=-1).astype(np.int64, copy=False)
+    flags = (stop_ids[rows] == tokens[:, None]).any(axis=-1).astype(np.int32) * FLAG_STOP
+    return tokens, flags
 
 
 def counter_uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -189,7 +210,7 @@ def sample(
     if any_penalty:
         logits = apply_penalties(logits, *params.seen(rows, seen_width), params.presence_penalty[rows],
                                  params.frequency_penalty[rows], params.repetition_penalty[rows])
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     tokens = greedy
     if any_random:
         temp = params.temperature[rows]
@@ -198,7 +219,7 @@ def sample(
             scaled = _filter(scaled, params.min_p[rows], params.top_k[rows], params.top_p[rows])
         u = counter_uniform(params.seed[rows], positions, logits.shape[-1])
         gumbel = -torch.log(-torch.log(u))
-        sampled = (scaled + gumbel).argmax(dim=-1)
+        sampled = argmax_rows(scaled + gumbel)
         tokens = torch.where(temp > 0, sampled, greedy)
     stop = (tokens[:, None] == params.stop_ids[rows]).any(dim=-1)
     flags = stop.to(torch.int32) * FLAG_STOP

@@ -1,5 +1,6 @@
 """Penalties, logit_bias and min_p: the device sampler against plain per-row references on the
-same logits, the token counts the sampler keeps, and the engine's two schedules with them on."""
+same logits, the token counts the sampler keeps, and the engine's two schedules with them on; the
+sampler's argmax against aten's."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import Engine, EngineConfig
-from gpu_worker.sampler import RowParams, _filter, apply_logit_bias, apply_penalties, sample
+from gpu_worker.sampler import RowParams, _filter, apply_logit_bias, apply_penalties, argmax_rows, sample
 from shared.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from workload import BannedByLastToken
 
@@ -47,6 +48,26 @@ def fill(params: RowParams, rows) -> None:
     for step in range(longest):
         live = [r for r, (_, out, _) in enumerate(rows) if step < len(out)]
         params.count(torch.tensor(live), torch.tensor([rows[r][1][step] for r in live]))
+
+
+def test_argmax_rows_is_atens_argmax_with_ties_nans_and_masked_rows():
+    """numpy's argmax on a CPU must pick aten's index: the first of equal maxima, a row's first NaN,
+    0 for a row masked to -inf; strided rows too."""
+    g = torch.Generator().manual_seed(0)
+    differs_from_last = 0
+    with torch.inference_mode():
+        for trial in range(200):
+            rows, vocab = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(2, 300, (1,), generator=g))
+            x = torch.randint(-3, 3, (rows, vocab), generator=g).float()  # small integers: many ties
+            u = torch.rand(rows, vocab, generator=g)
+            x[u < 0.1] = float("-inf")
+            x[u > 0.99] = float("nan")
+            x[0] = float("-inf") if trial % 7 == 0 else x[0]
+            for view in (x, x[:, ::2]):
+                got = argmax_rows(view)
+                assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1))
+            differs_from_last += int((x.argmax(-1) != vocab - 1 - x.flip(-1).argmax(-1)).any())
+    assert differs_from_last > 50  # ties broken toward the first index were exercised
 
 
 def test_penalties_match_the_per_row_reference():
