@@ -162,6 +162,36 @@ def test_masks_are_respected(reference):
             assert tok % 5 != prev % 5
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_greedy_rows_sample_the_same_tokens_on_the_host_shortcut(pipelined, monkeypatch):
+    """On a CPU plain greedy steps are sampled by numpy (sampler.greedy_on_host); a step where some row
+    asks for logprobs goes through sample(). Both give each request the same tokens and stop at the
+    same stop id (each request's own fifth token)."""
+    from gpu_worker import model_runner
+    calls = []
+    spy = model_runner.greedy_on_host
+    monkeypatch.setattr(model_runner, "greedy_on_host", lambda *a: calls.append(1) or spy(*a))
+    prompts = [[5 + i, 9, 13 * i % 200 + 1, 7] for i in range(6)]
+
+    def generate(stops, logprobs):
+        eng = make_engine(pipeline=pipelined)
+        seqs = [eng.submit(p, SamplingParams(max_tokens=12, stop_token_ids=s), logprobs=logprobs)
+                for p, s in zip(prompts, stops)]
+        eng.run_until_idle()
+        eng.close()
+        return [s.output_ids for s in seqs]
+
+    free = generate([[]] * len(prompts), False)
+    stops = [[out[4]] for out in free]
+    calls.clear()
+    on_host = generate(stops, False)
+    assert calls, "the plain greedy run took the host shortcut"
+    taken = len(calls)
+    assert generate(stops, True) == on_host
+    assert len(calls) == taken  # the logprobs run never took it
+    assert all(len(out) <= 5 and out[-1] == s[0] for out, s in zip(on_host, stops))  # each stopped on its id
+
+
 def test_exact_forward_counts_for_length_caps():
     eng = make_engine()
     seqs = [eng.submit([5] * plen, SamplingParams(max_tokens=k, ignore_eos=True))

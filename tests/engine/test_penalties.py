@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gpu_worker.engine import Engine, EngineConfig
-from gpu_worker.sampler import RowParams, _filter, apply_logit_bias, apply_penalties, argmax_rows, sample
+from gpu_worker.sampler import (RowParams, _filter, apply_logit_bias, apply_penalties, argmax_rows, greedy_on_host,
+                                sample)
 from shared.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from workload import BannedByLastToken
 
@@ -68,6 +69,25 @@ def test_argmax_rows_is_atens_argmax_with_ties_nans_and_masked_rows():
                 assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1))
             differs_from_last += int((x.argmax(-1) != vocab - 1 - x.flip(-1).argmax(-1)).any())
     assert differs_from_last > 50  # ties broken toward the first index were exercised
+
+
+def test_greedy_on_host_is_samples_greedy_result():
+    """The CPU's numpy shortcut for plain greedy rows gives sample()'s tokens and stop flags, on rows in
+    any order, with stop ids that are hit and ones that are not."""
+    params = RowParams(8, VOCAB, "cpu")
+    g = torch.Generator().manual_seed(1)
+    for r in range(8):
+        params.set_row(r, SamplingParams(stop_token_ids=[r, r + 8]), seed=r, eos_ids=(VOCAB - 1,))
+    stops = 0
+    with torch.inference_mode():
+        for _ in range(100):
+            rows = torch.randperm(8, generator=g)[:5]
+            logits = torch.randint(-2, 2, (5, VOCAB), generator=g).float()
+            want, flags, _, _ = sample(logits, rows, torch.zeros(5, dtype=torch.int64), params, False, False, False)
+            got, got_flags = greedy_on_host(logits.numpy(), rows.numpy(), params.stop_ids.numpy())
+            assert torch.equal(torch.from_numpy(got), want) and torch.equal(torch.from_numpy(got_flags), flags)
+            stops += int(flags.sum())
+    assert stops > 10  # the stop flags were exercised
 
 
 def test_penalties_match_the_per_row_reference():
