@@ -164,13 +164,32 @@ def _linear_record(linear: nn.Module, kernels: CpuKernels) -> list[int] | None:
     return record + [0] * (LINEAR_WIDTH - len(record))
 
 
+# Submodules and parameters registered anywhere in the process (nn.Module's global registration hooks),
+# counted: a kept layer table is checked again only after one. The check reads every layer's modules,
+# ~40 µs warm but ~0.3 ms a forward after the weights have streamed through the caches.
+_registrations = [0]
+
+
+def _count_registration(*_args) -> None:
+    _registrations[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
 def layer_table(model: nn.Module, kernels: CpuKernels) -> torch.Tensor | None:
     """The table ``CpuKernels.layers`` reads (see ``kernels/layers.c``); None unless every layer's
     linears are ones it runs: packed for ``kernels``' AMX matmul or weight-only quantized
     (:class:`~gpu_worker.quant.QuantLinear`) over them. Built once and kept while the layers' linears
-    and norm weights stay the same objects (checking that takes ~40 µs a forward; building it, ~1 ms)."""
+    and norm weights stay the same objects (checked after any module or parameter was registered;
+    building it takes ~1 ms)."""
     if getattr(kernels, "layers", None) is None:
         return None
+    cached = model._layer_table
+    if cached is not None and cached[0] is kernels and cached[3] == _registrations[0]:
+        return cached[2]
+    registrations = _registrations[0]
     # Per layer: its two norm weights and four linears, then the final norm's weight. Read through
     # _modules and _parameters: nn.Module.__getattr__ would cost ~1 µs a lookup.
     parts = []
@@ -181,9 +200,9 @@ def layer_table(model: nn.Module, kernels: CpuKernels) -> torch.Tensor | None:
         parts += (norms[0]["weight"], norms[1]["weight"], attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"],
                   mlp["down_proj"])
     parts = (*parts, model.norm._parameters["weight"])
-    cached = model._layer_table
     if cached is not None and cached[0] is kernels and len(cached[1]) == len(parts) \
             and all(a is b for a, b in zip(cached[1], parts)):
+        model._layer_table = (*cached[:3], registrations)
         return cached[2]
     rows = []
     for i in range(len(model.layers)):
@@ -194,5 +213,5 @@ def layer_table(model: nn.Module, kernels: CpuKernels) -> torch.Tensor | None:
             break
         rows.append([norm_in.data_ptr(), norm_post.data_ptr(), after.data_ptr(), *(v for r in linears for v in r)])
     table = None if rows is None else torch.tensor(rows, dtype=torch.int64)
-    model._layer_table = (kernels, parts, table)
+    model._layer_table = (kernels, parts, table, registrations)
     return table

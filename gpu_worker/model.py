@@ -279,7 +279,7 @@ class Llama(nn.Module):
         self.max_model_len = max_model_len or min(config.max_position_embeddings, MAX_ROPE_LEN)
         # The fused CPU kernels (cpu_kernels.py), attached by the runner for bf16 on a CPU; None: eager.
         self._cpu_kernels: CpuKernels | None = None
-        self._layer_table: tuple | None = None  # cpu_backend.layer_table's (kernels, parts, table)
+        self._layer_table: tuple | None = None  # cpu_backend.layer_table's (kernels, parts, table, registrations)
         # The attention that reads a heads_major cache in place (flex_paged.py; set by the runner for the
         # decode graphs it captures with it); None: the gather path.
         self.attention_in_place: Callable | None = None

@@ -351,6 +351,11 @@ def test_quantized_layers_in_one_call_are_the_python_loop_bit_for_bit(kernels, d
     tiled = ["t4", "t8", "bf16"] if qk.tile_rows else ["q4", "q8", "bf16"]  # tiles at the VW 16 levels
     assert [p.fmt for p in model.layers[0].self_attn.qkv_proj.parts] == tiled
     _one_call_equals_python_loop(model, kernels, dtype, kv_dtype)
+    kept = layer_table(model, kernels)
+    assert layer_table(model, kernels) is kept  # kept while no module or parameter was registered
+    model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
+    renewed = layer_table(model, kernels)
+    assert renewed is not kept and renewed[-1, 2] == model.norm.weight.data_ptr()  # the final norm's new weight
     halves = v.split(Hkv * D // 2)
     model.layers[1].self_attn.qkv_proj = QuantLinear(  # four parts: more than the table holds
         [quantize(q, "int4", 32), quantize(k, "int8", 32), quantize(halves[0], "int4", 32),
