@@ -279,8 +279,8 @@ class CpuKernels:
         scratch = self._attention_scratch(threads, heads // kv_heads, max_len)
         h = torch.empty_like(x)
         # qkv, q, o, proj, gate_up and act: the layers' activations, in one kept buffer (a CPU forward
-        # leaves the caches cold, where each allocation costs ~20 µs: BENCHMARKS.md "Where a served
-        # one-stream step goes")
+        # leaves the caches cold, where each allocation costs ~15 µs: BENCHMARKS.md "Python after a
+        # CPU forward runs cold")
         widths = ((heads + 2 * kv_heads) * head_dim, heads * head_dim, heads * head_dim, hidden, 2 * intermediate,
                   intermediate)
         spans = [ceil_div(T * w, 64) * 64 for w in widths]  # each a whole number of 64-element blocks

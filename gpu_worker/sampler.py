@@ -61,7 +61,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of float32 rows [R, V]: the first largest value's index, a NaN's first
     where a row has one. On a CPU numpy's argmax gives the same index about 10x sooner than aten's
-    for a vocabulary-wide row (BENCHMARKS.md "Where a served one-stream step goes")."""
+    for a vocabulary-wide row (BENCHMARKS.md "Python after a CPU forward runs cold")."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return x.argmax(dim=-1)
     return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
@@ -72,7 +72,7 @@ def greedy_on_host(logits: np.ndarray, rows: np.ndarray, stop_ids: np.ndarray) -
     logprobs), in numpy, for a CPU: ``logits`` float32 [R, V], ``stop_ids`` ``RowParams.stop_ids``'s
     table. A CPU forward streams the weights through the caches, so each call after it runs cold:
     :func:`sample`'s torch calls and their outputs cost ~0.4 ms a step there, these few numpy calls
-    a third of it (BENCHMARKS.md "Where a served one-stream step goes")."""
+    a third of it (BENCHMARKS.md "Python after a CPU forward runs cold")."""
     tokens = logits.argmax(axis=-1).astype(np.int64, copy=False)
     flags = (stop_ids[rows] == tokens[:, None]).any(axis=-1).astype(np.int32) * FLAG_STOP
     return tokens, flags
