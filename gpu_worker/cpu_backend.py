@@ -166,7 +166,9 @@ def _linear_record(linear: nn.Module, kernels: CpuKernels) -> list[int] | None:
 
 # Submodules and parameters registered anywhere in the process (nn.Module's global registration hooks),
 # counted: a kept layer table is checked again only after one. The check reads every layer's modules,
-# ~40 µs warm but ~0.3 ms a forward after the weights have streamed through the caches.
+# ~40 µs warm but ~0.3 ms a forward after the weights have streamed through the caches. A hook runs
+# before its module is set, so a model's linears are replaced on the thread of its forwards (LoRA's
+# are, on the compute stream), never beside one.
 _registrations = [0]
 
 
