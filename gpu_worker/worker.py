@@ -26,6 +26,7 @@ from collections import deque
 
 import numpy as np
 
+from shared import worker_log
 from shared.config import EngineConfig
 from shared.control import ChannelClosed, ControlChannel
 from shared.finish import FinishReason
@@ -330,7 +331,9 @@ def main(argv=None) -> None:
     ap.add_argument("--mask-timeout", type=float, default=5.0)
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s gpu_worker %(levelname)s %(message)s")
+    records = logging.StreamHandler()  # stderr: the frontend logs each record as its own
+    records.setFormatter(worker_log.Formatter())
+    logging.basicConfig(level=args.log_level.upper(), handlers=[records])
     arena = Arena.attach_spec(args.arena, expect_generation=args.generation)
     channel = ControlChannel.from_fd(args.control)
     config = EngineConfig(**json.loads(args.config))

@@ -145,9 +145,8 @@ class Service:
         return self.worker is not None and self.worker.ready
 
     def _worker_died(self, why: str) -> None:
-        tail = self.worker.stderr_tail()
-        was_ready = self.worker.ready
-        log.error("worker generation %d failed: %s\n%s", self.generation, why, tail)
+        was_ready = self.worker.ready  # (its stderr is in the log already: worker_handle relays it)
+        log.error("worker generation %d failed: %s", self.generation, why)
         self.worker.kill()
         for req in list(self.requests.values()):
             self._end(req, error=("worker_failed", f"the GPU worker failed ({why}); retry the request"))

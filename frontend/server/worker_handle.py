@@ -5,16 +5,22 @@ socketpair, then spawns ``python -m gpu_worker.worker`` (a fresh interpreter:
 never a fork of a process that may have touched CUDA) with those fds inherited.
 Nothing is created on the filesystem, so a kill -9 of either side leaks nothing.
 Each (re)start gets a new generation number and a new arena.
+
+The worker's stderr is a pipe that one thread reads: each of its log records is logged here
+as the frontend's own (``shared/worker_log.py``), any other line at WARNING under
+``tandem.worker``; the last lines are kept for the report of a worker that fails to start.
 """
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
 import select
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -22,6 +28,9 @@ from shared.control import ChannelClosed, ControlChannel
 from shared.messages import Progress, Ready, Shutdown
 from shared.models.info import ModelInfo
 from shared.shm import Arena, Layout, Side
+from shared.worker_log import decode
+
+TAIL_LINES = 50  # of the worker's stderr, for a failure's report
 
 if TYPE_CHECKING:
     from frontend.server.service import ServiceConfig
@@ -50,14 +59,16 @@ class WorkerHandle:
                                   generation=generation)
         self._beating = self.arena.start_heartbeat(Side.FRONTEND)
         self.channel, child_end = ControlChannel.pair()
-        self.stderr = tempfile.TemporaryFile()  # unlinked at once: kept only for failure reports
         cmd = [sys.executable, "-m", "gpu_worker.worker", "--arena", self.arena.fd_spec(),
                "--control", str(child_end.fileno()), "--config", json.dumps(engine_config),
                "--generation", str(generation), "--parent-pid", str(os.getpid()),
                "--mask-timeout", str(config.mask_timeout_s), "--log-level", config.log_level]
         self.proc = subprocess.Popen(cmd, pass_fds=(*self.arena.pass_fds, child_end.fileno()),
-                                     stdin=subprocess.DEVNULL, stderr=self.stderr)
+                                     stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         child_end.close()
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._relay = threading.Thread(target=self._relay_stderr, name=f"worker-{generation}-stderr", daemon=True)
+        self._relay.start()
         self.tokens = self.arena.token_reader()
         self.acks = self.arena.ack_writer()
         self.masks = self.arena.mask_writer()
@@ -108,9 +119,23 @@ class WorkerHandle:
             return f"worker not ready after {self.ready_timeout_s:.0f} s"
         return None
 
+    def _relay_stderr(self) -> None:
+        """Until the pipe's end (the worker and whatever inherited its stderr exited): each line logged."""
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            record = decode(line) or logging.makeLogRecord(
+                {"name": "tandem.worker", "msg": line, "levelno": logging.WARNING, "levelname": "WARNING"})
+            self._tail.append(record.getMessage())
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
+        self.proc.stderr.close()
+
     def stderr_tail(self, limit: int = 2000) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode(errors="replace")[-limit:].strip()
+        """The worker's last lines on stderr (all it wrote, once it has exited)."""
+        if self.proc.poll() is not None:
+            self._relay.join(timeout=2.0)  # the pipe's last lines (longer only if a child still holds it)
+        return "\n".join(tuple(self._tail))[-limit:].strip()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
@@ -130,4 +155,4 @@ class WorkerHandle:
         self._beating.set()
         self.channel.close()
         self.arena.close()
-        self.stderr.close()
+        self._relay.join(timeout=2.0)
