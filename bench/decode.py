@@ -77,7 +77,7 @@ OPTIONS = [
     (("--warmup",), dict(default=1, type=int, help="untimed passes per (streams, mode) before timing")),
     (("--seed",), dict(default=0, type=int, help="prompt and random-weight seed")),
     (("--dtype",), dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="model dtype; auto: the engine's (bf16 on CUDA and on CPUs with native bf16, fp32 else)")),
+                        help="model dtype; auto: the engine's (model_runner.default_dtype)")),
     (("--quantization",), dict(default="auto", choices=list(QUANTIZATIONS),
                                help="as `tandem serve --quantization`: auto serves a model's GGUF file as it is "
                                     "on a CPU; none its float weights; int8 / int4 quantizes them at load")),

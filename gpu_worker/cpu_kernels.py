@@ -408,6 +408,19 @@ class CpuKernels:
         return out
 
 
+BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)  # not ValueError: a wrong cap is an error
+
+
+def builds() -> bool:
+    """Whether the kernels build here at the level :func:`choose_level` picks (a C compiler that takes
+    the level's flags); the library stays in the cache, where :func:`load` finds it."""
+    try:
+        build(choose_level()[0])
+    except BUILD_ERRORS:
+        return False
+    return True
+
+
 def load(cache_dir: Path | None = None, level: str | None = None) -> CpuKernels | None:
     """The kernels for this CPU at the level :func:`choose_level` picks (``level``: a cap, else
     ``$TANDEM_CPU_LEVEL``), or None (logged) where they cannot be built. A cap above what the CPU
@@ -415,7 +428,7 @@ def load(cache_dir: Path | None = None, level: str | None = None) -> CpuKernels 
     try:
         chosen, why = choose_level(level)
         kernels = CpuKernels(build(chosen, cache_dir), chosen.name)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # not ValueError: a wrong cap is an error
+    except BUILD_ERRORS as e:
         log.warning("fused CPU kernels unavailable, using the eager forward: %s", e)
         return None
     log.info("cpu kernels: level %s (%s)", chosen.name, why)

@@ -108,16 +108,22 @@ class StepBuffers:
         self.keep: list = []  # device tensors that must live until the step's copy is done
 
 
-def default_dtype(is_cuda: bool) -> torch.dtype:
-    """bf16 on CUDA and on CPUs with native bf16 math (AVX512-BF16 / AMX), else fp32."""
+# The CPU kernels' levels whose bf16 linears were measured faster than float32's eager forward:
+# x86's from AVX2 up (BENCHMARKS.md "bf16 by default wherever the CPU kernels build").
+BF16_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
+
+
+def default_dtype(is_cuda: bool, kernels: bool = True) -> torch.dtype:
+    """bf16 on CUDA, and on a CPU where bf16 linears run fast: where the CPU kernels build at a level of
+    ``BF16_LEVELS`` (``kernels``: they may run; a one-row step 2.8-3.5x faster than float32's, 32 rows
+    3.7-4.7x, a prompt 2.0-3.0x, AVX2 included) or where the CPU has native bf16 math (AVX512-BF16,
+    AMX: oneDNN's); else float32."""
     if is_cuda:
         return torch.bfloat16
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    if {"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_features():
+        return torch.bfloat16
+    fast = kernels and cpu_kernels.choose_level()[0].name in BF16_LEVELS and cpu_kernels.builds()
+    return torch.bfloat16 if fast else torch.float32
 
 
 def kv_cache_dtype(activations: torch.dtype, quantized: bool, fused: bool) -> torch.dtype:
@@ -207,7 +213,7 @@ def load_model(config: EngineConfig, device: Device, llama: torch.nn.Module | No
     # Quantized weights are expanded to float32 in registers and summed in float32: float32
     # activations cost nothing in weight traffic and keep the GGUF reference's numerics.
     dtype = getattr(torch, config.dtype) if config.dtype else \
-        torch.float32 if quantized else default_dtype(device.is_cuda)
+        torch.float32 if quantized else default_dtype(device.is_cuda, config.cpu_kernels)
     kernels = None
     if built is not None:  # the kernels its linears multiply with (the layers then run in one call)
         kernels = built.source if config.cpu_kernels else None

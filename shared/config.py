@@ -42,8 +42,8 @@ class EngineConfig:
                                       "more launches.")
     prefix_cache: bool = _about(True, "Compute every prompt in full (no KV pages shared between requests; for "
                                       "A/B runs).")  # the flag says off
-    dtype: str | None = _about(None, "Weights and KV cache (auto: bfloat16 on CUDA and on CPUs with native bf16, "
-                                     "else float32).")
+    dtype: str | None = _about(None, "Weights and KV cache (auto: bfloat16 on CUDA, and on a CPU where Tandem's "
+                                     "CPU kernels build or the CPU has native bf16; else float32).")
     quantization: str = _about("auto", "Weights on a CPU: auto serves a checkpoint in its own format (a GGUF file "
                                        "as its Q4/Q8 blocks, bf16/fp32 as they are); int8 (per channel) or int4 "
                                        "(groups of --quantization-group) quantize a float checkpoint at load; none "

@@ -73,7 +73,7 @@ def reference():
                                                          ("cpu", None, "int4")])
 @pytest.mark.slow
 def test_pipelined_equals_blocking(reference, device, dtype, quantization):
-    """Default dtype (bf16 where the CPU has native bf16) and fp32; weights quantized at load."""
+    """Default dtype (bf16 where the CPU kernels build or the CPU has native bf16) and fp32; weights quantized at load."""
     reqs, stops = reference
     outs = {}
     for pipelined in (False, True):

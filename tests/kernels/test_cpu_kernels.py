@@ -676,6 +676,29 @@ def test_the_level_never_exceeds_the_cpu_and_the_cap_lowers_it(monkeypatch, capl
         cpu_kernels.load(level="sse9")
 
 
+def test_the_default_dtype_is_bf16_where_the_kernels_build_at_a_measured_level(monkeypatch):
+    """A CPU without native bf16 (an AVX2-only one's /proc/cpuinfo, this CPU's levels capped) still
+    gets bf16 by default where the kernels build at a level whose bf16 was measured faster than
+    float32's eager forward; without them, or at the scalar level, float32; native bf16 needs neither."""
+    from gpu_worker.model_runner import BF16_LEVELS, default_dtype
+
+    runnable = [level.name for level in cpu_kernels.choosable_levels()]
+    if "avx2" not in runnable:
+        pytest.skip(f"this CPU runs {runnable}: no level of {BF16_LEVELS}")
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setenv(cpu_kernels.LEVEL_ENV, "avx2")
+    assert default_dtype(False) == torch.bfloat16 and cpu_kernels.builds()
+    assert default_dtype(False, kernels=False) == torch.float32  # the kernels may not run: aten's float32
+    assert default_dtype(True, kernels=False) == torch.bfloat16  # CUDA
+    monkeypatch.setenv(cpu_kernels.LEVEL_ENV, "scalar")
+    assert "scalar" not in BF16_LEVELS and default_dtype(False) == torch.float32
+    monkeypatch.setenv(cpu_kernels.LEVEL_ENV, "avx2")
+    monkeypatch.setattr(cpu_kernels, "builds", lambda: False)  # no C compiler
+    assert default_dtype(False) == torch.float32
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert default_dtype(False) == torch.bfloat16  # native bf16: oneDNN's, kernels or not
+
+
 def test_a_function_the_level_lacks_is_absent_and_fails_loudly(kernels):
     if kernels.has_matmul:
         pytest.skip("level amx has every function")
