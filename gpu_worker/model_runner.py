@@ -121,9 +121,17 @@ def default_dtype(is_cuda: bool, kernels: bool = True) -> torch.dtype:
     if is_cuda:
         return torch.bfloat16
     if {"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_features():
-        return torch.bfloat16
-    fast = kernels and cpu_kernels.choose_level()[0].name in BF16_LEVELS and cpu_kernels.builds()
-    return torch.bfloat16 if fast else torch.float32
+        why, dtype = "the CPU has native bf16", torch.bfloat16
+    elif not kernels:
+        why, dtype = "the CPU kernels are off and the CPU has no native bf16", torch.float32
+    elif (level := cpu_kernels.choose_level()[0].name) not in BF16_LEVELS:
+        why, dtype = f"the CPU kernels' level {level} is not one of {', '.join(BF16_LEVELS)}", torch.float32
+    elif not cpu_kernels.builds():
+        why, dtype = "the CPU kernels do not build here and the CPU has no native bf16", torch.float32
+    else:
+        why, dtype = f"the CPU kernels' bf16 linears at level {level}", torch.bfloat16
+    log.info("dtype %s by default: %s", str(dtype).removeprefix("torch."), why)
+    return dtype
 
 
 def kv_cache_dtype(activations: torch.dtype, quantized: bool, fused: bool) -> torch.dtype:

@@ -676,10 +676,12 @@ def test_the_level_never_exceeds_the_cpu_and_the_cap_lowers_it(monkeypatch, capl
         cpu_kernels.load(level="sse9")
 
 
-def test_the_default_dtype_is_bf16_where_the_kernels_build_at_a_measured_level(monkeypatch):
+def test_the_default_dtype_is_bf16_where_the_kernels_build_at_a_measured_level(monkeypatch, caplog):
     """A CPU without native bf16 (an AVX2-only one's /proc/cpuinfo, this CPU's levels capped) still
     gets bf16 by default where the kernels build at a level whose bf16 was measured faster than
-    float32's eager forward; without them, or at the scalar level, float32; native bf16 needs neither."""
+    float32's eager forward; without them, or at the scalar level, float32; native bf16 needs neither.
+    The log says which and why."""
+    caplog.set_level("INFO", logger="tandem.worker")
     from gpu_worker.model_runner import BF16_LEVELS, default_dtype
 
     runnable = [level.name for level in cpu_kernels.choosable_levels()]
@@ -688,6 +690,7 @@ def test_the_default_dtype_is_bf16_where_the_kernels_build_at_a_measured_level(m
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setenv(cpu_kernels.LEVEL_ENV, "avx2")
     assert default_dtype(False) == torch.bfloat16 and cpu_kernels.builds()
+    assert "dtype bfloat16 by default: the CPU kernels' bf16 linears at level avx2" in caplog.text
     assert default_dtype(False, kernels=False) == torch.float32  # the kernels may not run: aten's float32
     assert default_dtype(True, kernels=False) == torch.bfloat16  # CUDA
     monkeypatch.setenv(cpu_kernels.LEVEL_ENV, "scalar")
@@ -695,6 +698,8 @@ def test_the_default_dtype_is_bf16_where_the_kernels_build_at_a_measured_level(m
     monkeypatch.setenv(cpu_kernels.LEVEL_ENV, "avx2")
     monkeypatch.setattr(cpu_kernels, "builds", lambda: False)  # no C compiler
     assert default_dtype(False) == torch.float32
+    assert caplog.records[-1].getMessage() == ("dtype float32 by default: the CPU kernels do not build here and "
+                                               "the CPU has no native bf16")
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert default_dtype(False) == torch.bfloat16  # native bf16: oneDNN's, kernels or not
 
