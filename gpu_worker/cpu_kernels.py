@@ -206,7 +206,10 @@ _BF16_ONLY = {
 # quant.c's weight-only linears (every level; gpu_worker/quant.py calls them).
 _C = ctypes.c_int
 _QUANT = {"wlinear": (_C, _P, _C, _P, _P, _P, _I, _P, _P, _C, _I, _I, _I, _I, _C),
-          "wgather": (_C, _P, _P, _P, _I, _I, _P, _I, _P), "wlinear_bf16_dot": (), "wlinear_tile_rows": ()}
+          "wgather": (_C, _P, _P, _P, _I, _I, _P, _I, _P)}
+# The functions that return a value (every level): (argtypes, restype).
+_RETURNS = {"attention_scratch_floats": ((_I, _I, _I, _I), _I), "wlinear_bf16_dot": ((), _C),
+            "wlinear_tile_rows": ((), _C)}
 
 
 def _types(x: torch.Tensor, cache: torch.Tensor):
@@ -242,7 +245,12 @@ class CpuKernels:
             if fn is not None:
                 fn.argtypes, fn.restype = argtypes, None
                 self._fn[key] = fn
+        for symbol, (argtypes, restype) in _RETURNS.items():
+            fn = getattr(dll, symbol)
+            fn.argtypes, fn.restype = argtypes, restype
+            self._fn[symbol] = fn
         self._scratch = torch.empty(0)
+        self._scratch_floats: dict[tuple[int, ...], int] = {}
         self._layer_buffer = torch.empty(0)
         # The AMX matmul (and what is built on it): level amx, which runs only where the kernel granted AMX.
         self.has_matmul = "linear_bf16" in self._fn
@@ -276,7 +284,7 @@ class CpuKernels:
         page_size = k.shape[3]
         max_len = block_tables.shape[1] * page_size
         threads = torch.get_num_threads()
-        scratch = self._attention_scratch(threads, heads // kv_heads, max_len)
+        scratch = self._attention_scratch(threads, heads // kv_heads, head_dim, max_len)
         h = torch.empty_like(x)
         # qkv, q, o, proj, gate_up and act: the layers' activations, in one kept buffer (a CPU forward
         # leaves the caches cold, where each allocation costs ~15 µs: BENCHMARKS.md "Python after a
@@ -385,7 +393,7 @@ class CpuKernels:
         page_size = k_cache.shape[2]
         max_len = block_tables.shape[1] * page_size
         threads = torch.get_num_threads()
-        scratch = self._attention_scratch(threads, H // kv_heads, max_len)
+        scratch = self._attention_scratch(threads, H // kv_heads, D, max_len)
         out = torch.empty((T, H * D), dtype=q.dtype)
         self._fn["attention", _types(q, k_cache)](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
@@ -393,10 +401,15 @@ class CpuKernels:
             scratch.data_ptr(), threads)
         return out
 
-    def _attention_scratch(self, threads: int, group: int, max_len: int) -> torch.Tensor:
-        """The attention kernel's float32 scores, ``group * max_len`` per thread (kept, grown as needed)."""
-        if self._scratch.numel() < threads * group * max_len:
-            self._scratch = torch.empty(threads * group * max_len, dtype=torch.float32)
+    def _attention_scratch(self, threads: int, group: int, head_dim: int, max_len: int) -> torch.Tensor:
+        """The attention kernel's float32 scratch: a chunk's scores and the chunks' results (kept, grown
+        as needed)."""
+        key = (threads, group, head_dim, max_len)
+        if key not in self._scratch_floats:
+            self._scratch_floats[key] = self._fn["attention_scratch_floats"](*key)
+        floats = self._scratch_floats[key]
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
         return self._scratch
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

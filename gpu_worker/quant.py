@@ -25,7 +25,6 @@ the levels that have that kernel (``QuantKernels.tile_rows``).
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -277,14 +276,10 @@ class QuantKernels:
     def __init__(self, kernels: CpuKernels):
         self.source, self.level = kernels, kernels.level
         self._linear, self._gather = kernels.function("wlinear"), kernels.function("wgather")
-        bf16_dot = kernels.function("wlinear_bf16_dot")
-        bf16_dot.restype = ctypes.c_int
         # At this level bf16 activations multiply the weights rounded to bf16 (vdpbf16ps: the products
         # exact, the sums float32); float32 activations always multiply the float32 expansion.
-        self.bf16_dot = bool(bf16_dot())
-        tile_rows = kernels.function("wlinear_tile_rows")
-        tile_rows.restype = ctypes.c_int
-        self.tile_rows = tile_rows()  # 0: this level has no tiled kernel; q8 / q4 stay row-major
+        self.bf16_dot = bool(kernels.function("wlinear_bf16_dot")())
+        self.tile_rows = kernels.function("wlinear_tile_rows")()  # 0: no tiled kernel; q8 / q4 stay row-major
 
     def tiles(self, w: QWeight) -> bool:
         """Whether :class:`QuantLinear` holds ``w`` in tiles here: q8 / q4 in groups of 32 or more."""

@@ -137,6 +137,20 @@ static inline void block_rows(const char *cache, const int64_t *table, int64_t p
     walk_pages(cache, table, page_size, kv_heads, kh, row_bytes, nb, page, off, out);
 }
 
+/* Values j0 .. j0 + nb - 1 asked for into L2 while pass 1 reads the keys of the same positions, so
+ * pass 2 finds them there (where VW divides the page size: the block is one run of rows). Pass 2's
+ * loads of the values waited on memory for 44% of a one-thread item at 2000 keys: the cache is
+ * cold at each step (the weights read between two layers' attention evict it), and a kv head's
+ * runs of page_size rows, between the other heads' runs, are too short for the hardware
+ * prefetcher. The keys' own prefetch a block ahead was slower (BENCHMARKS.md "Attention in
+ * chunks"). */
+static inline void prefetch_values(const char *v_cache, const int64_t *table, int64_t page_size, int64_t kv_heads,
+                                   int64_t kh, size_t row_bytes, int64_t j0, int64_t nb) {
+    if (page_size % VW) return;
+    const char *first = v_cache + kv_row(table[j0 / page_size] * page_size + j0 % page_size, kh, kv_heads, page_size) * row_bytes;
+    for (size_t at = 0; at < nb * row_bytes; at += 64) __builtin_prefetch(first + at, 0, 2);
+}
+
 /* A block of nb scores (the first lanes of s) stored at sg + j0; the head's running max updated. */
 static inline void put_scores(float *sg, int64_t j0, int64_t nb, vf s, float *mx) {
     v_store(sg, j0, nb, s, 0);
@@ -145,21 +159,64 @@ static inline void put_scores(float *sg, int64_t j0, int64_t nb, vf s, float *mx
 }
 
 /* The scores sg [len] -> their softmax, given their max (exp vectorised; a tail's lanes are never
- * stored). */
-static inline void softmax(float *sg, int64_t len, float mx) {
+ * stored); returns the exponentials' sum. */
+static inline float softmax(float *sg, int64_t len, float mx) {
     float total = 0.f;
     for (int64_t j = 0; j < len; j += VW) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx))), 0);
     for (int64_t j = 0; j < len; j++) total += sg[j];
     const float inv = 1.f / total;
     for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+    return total;
 }
 
-/* One (token, kv head): its group of query heads qt [group, D] over the keys 0 .. len - 1 of its
- * sequence, key j in page table[j / page_size] of the caches [pages, kv_heads, page_size, D]:
- * scores, softmax, then the weighted values -> ot [group, D]. scratch: group * max_len floats. */
+/* Attention in chunks of CHUNK keys (flash-decoding's split, at a fixed place): a chunk's result is
+ * its softmax-weighted values (the whole attention where one chunk holds every key), and a token's
+ * chunks merge in order, weighted by their exponentials' sums. The chunks of one token may run on
+ * different threads (a decode step of one sequence has only kv_heads items for all threads), and a
+ * token's numerics depend on its own length alone, never on its batch or its threads.
+ * A chunk's part [group * PART_PER_HEAD(D)] floats: [group][D] the weighted values, then [group] the
+ * scores' max and [group] the exponentials' sum (at that max). */
+#define CHUNK 256
+#define PART_PER_HEAD(D) ((D) + 2)
+
+/* The parts of a token's `chunks` chunks -> its output ot [group, D] (in the activations' type): one
+ * chunk's is its part as it is (its weight exactly 1). */
+static inline void merge_chunks(const float *parts, int64_t chunks, int64_t group, int64_t D, char *ot, int bf) {
+    const int64_t width = group * PART_PER_HEAD(D);
+    for (int64_t g = 0; g < group; g++) {
+        float mx = -INFINITY, total = 0.f, weight[chunks];
+        for (int64_t c = 0; c < chunks; c++) {
+            const float m = parts[c * width + group * D + g];
+            mx = m > mx ? m : mx;
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *stats = parts + c * width + group * D;
+            weight[c] = stats[group + g] * expf(stats[g] - mx);
+            total += weight[c];
+        }
+        for (int64_t c = 0; c < chunks; c++) weight[c] /= total;
+        for (int64_t i = 0; i < D; i += VW) {
+            vf o = v_set(0.f);
+            for (int64_t c = 0; c < chunks; c++) o = v_fma(v_set(weight[c]), v_load(parts + c * width, g * D + i, D - i, 0), o);
+            v_store(ot, g * D + i, D - i, o, bf);
+        }
+    }
+}
+
+/* A chunk's statistics, after its weighted values: max and exponentials' sum per query head. */
+static inline void put_stats(float *part, int64_t group, int64_t D, const float *mx, const float *total) {
+    for (int64_t g = 0; g < group; g++) {
+        part[group * D + g] = mx[g];
+        part[group * D + group + g] = total[g];
+    }
+}
+
+/* One chunk of one (token, kv head): its group of query heads qt [group, D] over the keys first ..
+ * len - 1 of its sequence, key j in page table[j / page_size] of the caches [pages, kv_heads,
+ * page_size, D]: scores, softmax, then the weighted values -> part. scratch: group * CHUNK floats. */
 static inline void attention_item(const char *qt, const char *k_cache, const char *v_cache, const int64_t *table,
-                                  int64_t page_size, int64_t len, int64_t kh, int64_t kv_heads, int64_t group,
-                                  int64_t D, int64_t max_len, float *scratch, char *ot, int bf, int kbf) {
+                                  int64_t page_size, int64_t first, int64_t len, int64_t kh, int64_t kv_heads,
+                                  int64_t group, int64_t D, float *scratch, float *part, int bf, int kbf) {
     const size_t el = kbf ? 2 : 4; /* the caches' */
     const int64_t chunks = (D + VW - 1) / VW;
     const vf scale = v_set(1.f / sqrtf((float)D));
@@ -167,12 +224,12 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
     vf qv[group * chunks], acc[group * chunks];
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < chunks; c++) qv[g * chunks + c] = v_mul(v_load(qt, g * D + c * VW, D - c * VW, bf), scale);
-    float mx[group];
+    float mx[group], total[group];
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
     /* Pass 1: the scores, VW keys at a time: per query head, VW dot-product vectors summed across
      * their lanes together (v_sums) instead of one horizontal reduction per key. */
-    int64_t page = 0, off = 0;
-    for (int64_t j0 = 0; j0 < len; j0 += VW) {
+    int64_t page = first / page_size, off = first % page_size;
+    for (int64_t j0 = first; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         const char *kp[VW];
         walk_pages(k_cache, table, page_size, kv_heads, kh, D * el, nb, &page, &off, kp);
@@ -184,24 +241,27 @@ static inline void attention_item(const char *qt, const char *k_cache, const cha
                     for (int64_t c = 0; c < chunks; c++)
                         dots[jj] = v_fma(qv[g * chunks + c], v_load(kp[jj], c * VW, D - c * VW, kbf), dots[jj]);
             }
-            put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
+            put_scores(scores + g * CHUNK, j0 - first, nb, v_sums(dots), &mx[g]);
         }
     }
-    for (int64_t g = 0; g < group; g++) softmax(scores + g * max_len, len, mx[g]);
+    for (int64_t g = 0; g < group; g++) total[g] = softmax(scores + g * CHUNK, len - first, mx[g]);
     /* Pass 2: the probability-weighted values, accumulated in registers. */
     for (int64_t i = 0; i < group * chunks; i++) acc[i] = v_set(0.f);
-    for (int64_t first = 0; first < len; first += page_size) {
-        const char *v = v_cache + kv_row(table[first / page_size] * page_size, kh, kv_heads, page_size) * D * el;
-        const int64_t in_page = len - first < page_size ? len - first : page_size;
-        for (int64_t j = first; j < first + in_page; j++, v += D * el)
+    for (int64_t start = first; start < len;) {
+        const char *v = v_cache + kv_row(table[start / page_size] * page_size + start % page_size, kh, kv_heads,
+                                         page_size) * D * el;
+        const int64_t page_end = (start / page_size + 1) * page_size, end = len < page_end ? len : page_end;
+        for (int64_t j = start; j < end; j++, v += D * el)
             for (int64_t c = 0; c < chunks; c++) {
                 const vf vc = v_load(v, c * VW, D - c * VW, kbf);
                 for (int64_t g = 0; g < group; g++)
-                    acc[g * chunks + c] = v_fma(v_set(scores[g * max_len + j]), vc, acc[g * chunks + c]);
+                    acc[g * chunks + c] = v_fma(v_set(scores[g * CHUNK + j - first]), vc, acc[g * chunks + c]);
             }
+        start = end;
     }
     for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < chunks; c++) v_store(ot, g * D + c * VW, D - c * VW, acc[g * chunks + c], bf);
+        for (int64_t c = 0; c < chunks; c++) v_store(part, g * D + c * VW, D - c * VW, acc[g * chunks + c], 0);
+    put_stats(part, group, D, mx, total);
 }
 
 #if VW > 1
@@ -268,16 +328,16 @@ static inline __attribute__((always_inline)) void scores_split(const __m512bh *h
  * to float32, which took most of it: BENCHMARKS.md "Attention's bf16 dot products"), and with a
  * literal G the item is attention_item_bf16; float32 over a bf16 cache: pass 1 is scores_split. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
-    const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
-    int64_t kh, int64_t kv_heads, int64_t group, int64_t max_len, float *scores, char *ot, int bf, int kbf,
+    const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t first,
+    int64_t len, int64_t kh, int64_t kv_heads, int64_t group, float *scores, float *part, int bf, int kbf,
     const int CH, const int G) {
     const int64_t D = VW * CH;
     const size_t el = kbf ? 2 : 4; /* the caches' */
     const vf scale = v_set(1.f / sqrtf((float)D));
-    float mx[8]; /* group <= 8 (checked by the caller) */
+    float mx[8], total[8]; /* group <= 8 (checked by the caller) */
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
     /* Pass 1: the scores, VW keys at a time; a short last block repeats its last key. */
-    int64_t page = 0, off = 0;
+    int64_t page = first / page_size, off = first % page_size;
     const char *kp[VW];
 #if VW == 16 && defined(__AVX512BF16__)
     __m512bh q_hi[8 * MAX_CH / 2], q_lo[8 * MAX_CH / 2];
@@ -285,19 +345,20 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         for (int64_t g = 0; g < group; g++)
             split_query((const float *)qt + g * D, scale, CH, q_hi + g * CH / 2, q_lo + g * CH / 2);
 #endif
-    for (int64_t j0 = 0; j0 < len; j0 += VW) {
+    for (int64_t j0 = first; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         block_rows(k_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
+        prefetch_values(v_cache, table, page_size, kv_heads, kh, D * el, j0, nb);
         for (int64_t g = 0; g < group; g++) {
             vf dots[VW];
 #if VW == 16 && defined(__AVX512BF16__)
             if (bf) {
-                scores_bf16(qt + 2 * g * D, kp, CH, scores + g * max_len, j0, nb, scale, &mx[g]);
+                scores_bf16(qt + 2 * g * D, kp, CH, scores + g * CHUNK, j0 - first, nb, scale, &mx[g]);
                 continue;
             }
             if (kbf) {
-                scores_split(q_hi + g * CH / 2, q_lo + g * CH / 2, kp, CH, scores + g * max_len, j0, nb, &mx[g]);
+                scores_split(q_hi + g * CH / 2, q_lo + g * CH / 2, kp, CH, scores + g * CHUNK, j0 - first, nb, &mx[g]);
                 continue;
             }
 #endif
@@ -307,40 +368,41 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
                 dots[jj] = v_set(0.f);
                 for (int c = 0; c < CH; c++) dots[jj] = v_fma(qv[c], v_load(kp[jj], c * VW, VW, kbf), dots[jj]);
             }
-            put_scores(scores + g * max_len, j0, nb, v_sums(dots), &mx[g]);
+            put_scores(scores + g * CHUNK, j0 - first, nb, v_sums(dots), &mx[g]);
         }
     }
-    for (int64_t g = 0; g < group; g++) softmax(scores + g * max_len, len, mx[g]);
-    page = off = 0;
+    for (int64_t g = 0; g < group; g++) total[g] = softmax(scores + g * CHUNK, len - first, mx[g]);
+    put_stats(part, group, D, mx, total);
+    page = first / page_size, off = first % page_size;
     if (G) { /* Pass 2: each value converted once and weighted for every head of the group, whose
               * G * CH accumulators stay in registers; the same sums in the same order as below. */
         vf accg[ACC_REGS > MAX_CH ? ACC_REGS : MAX_CH];
         for (int i = 0; i < G * CH; i++) accg[i] = v_set(0.f);
-        for (int64_t j0 = 0; j0 < len; j0 += VW) {
+        for (int64_t j0 = first; j0 < len; j0 += VW) {
             const int64_t nb = len - j0 < VW ? len - j0 : VW;
             block_rows(v_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
             for (int64_t jj = 0; jj < nb; jj++) {
                 vf v[MAX_CH];
                 for (int c = 0; c < CH; c++) v[c] = v_load(kp[jj], c * VW, VW, kbf);
                 for (int g = 0; g < G; g++) {
-                    const vf w = v_set(scores[g * max_len + j0 + jj]);
+                    const vf w = v_set(scores[g * CHUNK + j0 - first + jj]);
                     for (int c = 0; c < CH; c++) accg[g * CH + c] = v_fma(w, v[c], accg[g * CH + c]);
                 }
             }
         }
         for (int g = 0; g < G; g++)
-            for (int c = 0; c < CH; c++) v_store(ot, g * D + c * VW, VW, accg[g * CH + c], bf);
+            for (int c = 0; c < CH; c++) v_store(part, g * D + c * VW, VW, accg[g * CH + c], 0);
         return;
     }
     /* Pass 2, the group known at run time only: one head at a time over a block (its CH
      * accumulators in registers), each value's vectors reloaded from L1 per head. */
     vf acc[8 * MAX_CH];
     for (int64_t i = 0; i < group * CH; i++) acc[i] = v_set(0.f);
-    for (int64_t j0 = 0; j0 < len; j0 += VW) {
+    for (int64_t j0 = first; j0 < len; j0 += VW) {
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         block_rows(v_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
         for (int64_t g = 0; g < group; g++) {
-            const float *sg = scores + g * max_len + j0;
+            const float *sg = scores + g * CHUNK + j0 - first;
             vf a[MAX_CH];
             for (int c = 0; c < CH; c++) a[c] = acc[g * CH + c];
             for (int64_t jj = 0; jj < nb; jj++) {
@@ -351,7 +413,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         }
     }
     for (int64_t g = 0; g < group; g++)
-        for (int c = 0; c < CH; c++) v_store(ot, g * D + c * VW, VW, acc[g * CH + c], bf);
+        for (int c = 0; c < CH; c++) v_store(part, g * D + c * VW, VW, acc[g * CH + c], 0);
 }
 #define FIXED_ITEM(D, group) (((D) == 64 || (D) == 128) && (group) <= 8)
 
@@ -370,37 +432,39 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
  * unpack order (32 c + 8 L + i: lo has i = 0..3, hi 4..7 of each 128-bit lane L), put back in
  * order at the store. */
 static inline __attribute__((always_inline)) void attention_item_bf16(
-    const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t len,
-    int64_t kh, int64_t kv_heads, int64_t max_len, float *scores, char *ot, const int CH, const int G) {
-    const int64_t D = 16 * CH, row = D * 2;
+    const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t first,
+    int64_t len, int64_t kh, int64_t kv_heads, float *scores, float *part, const int CH, const int G) {
+    const int64_t D = 16 * CH, row = D * 2, n = len - first;
     const vf scale = v_set(1.f / sqrtf((float)D));
-    float mx[8], inv[8];
+    float mx[8], sum[8];
     for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-    int64_t page = 0, off = 0;
+    int64_t page = first / page_size, off = first % page_size;
     const char *kp[VW + 1];
-    for (int64_t j0 = 0; j0 < len; j0 += VW) { /* pass 1: attention_item_fixed's */
+    for (int64_t j0 = first; j0 < len; j0 += VW) { /* pass 1: attention_item_fixed's */
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         block_rows(k_cache, table, page_size, kv_heads, kh, row, j0, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
-        for (int g = 0; g < G; g++) scores_bf16(qt + row * g, kp, CH, scores + g * max_len, j0, nb, scale, &mx[g]);
+        prefetch_values(v_cache, table, page_size, kv_heads, kh, row, j0, nb);
+        for (int g = 0; g < G; g++) scores_bf16(qt + row * g, kp, CH, scores + g * CHUNK, j0 - first, nb, scale, &mx[g]);
     }
     for (int g = 0; g < G; g++) { /* the exponentials in bf16, over their scores; a 0 after the last */
-        float *sg = scores + g * max_len;
+        float *sg = scores + g * CHUNK;
         uint16_t *eg = (uint16_t *)sg;
         vf total = v_set(0.f);
-        for (int64_t j = 0; j < len; j += VW) {
-            const __mmask16 m = mask16(len - j);
-            const __m256i e = (__m256i)_mm512_cvtneps_pbh(v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx[g]))));
+        for (int64_t j = 0; j < n; j += VW) {
+            const __mmask16 m = mask16(n - j);
+            const __m256i e = (__m256i)_mm512_cvtneps_pbh(v_exp(v_sub(v_load(sg, j, n - j, 0), v_set(mx[g]))));
             total = _mm512_mask_add_ps(total, m, total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16)));
             _mm256_mask_storeu_epi16(eg + j, m, e);
         }
-        eg[len] = 0;
-        inv[g] = 1.f / v_sum(total);
+        eg[n] = 0;
+        sum[g] = v_sum(total);
     }
+    put_stats(part, G, D, mx, sum);
     vf acc[ACC_REGS];
     for (int i = 0; i < G * CH; i++) acc[i] = v_set(0.f);
-    page = off = 0;
-    for (int64_t j0 = 0; j0 < len; j0 += VW) { /* pass 2: a pair of keys per vdpbf16ps */
+    page = first / page_size, off = first % page_size;
+    for (int64_t j0 = first; j0 < len; j0 += VW) { /* pass 2: a pair of keys per vdpbf16ps */
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         block_rows(v_cache, table, page_size, kv_heads, kh, row, j0, nb, &page, &off, kp);
         kp[nb] = kp[nb - 1]; /* an odd block's last key pairs with itself, weighted 0 */
@@ -413,7 +477,7 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
             }
             for (int g = 0; g < G; g++) {
                 uint32_t pair;
-                memcpy(&pair, (const uint16_t *)(scores + g * max_len) + j0 + jj, 4);
+                memcpy(&pair, (const uint16_t *)(scores + g * CHUNK) + j0 - first + jj, 4);
                 const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
                 for (int c = 0; c < CH / 2; c++) {
                     acc[g * CH + 2 * c] = _mm512_dpbf16_ps(acc[g * CH + 2 * c], (__m512bh)lo[c], w);
@@ -423,13 +487,13 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
         }
     }
     /* lane d of a 16-dimension half: lo's lane 4 L + i or hi's (L = d / 8 + 2 half, i = d % 8) */
-    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    const __m512i low_half = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i high_half = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int g = 0; g < G; g++)
         for (int c = 0; c < CH / 2; c++) {
-            const vf a = acc[g * CH + 2 * c], b = acc[g * CH + 2 * c + 1];
-            v_store(ot, g * D + 32 * c, VW, v_mul(_mm512_permutex2var_ps(a, first, b), v_set(inv[g])), 1);
-            v_store(ot, g * D + 32 * c + 16, VW, v_mul(_mm512_permutex2var_ps(a, second, b), v_set(inv[g])), 1);
+            const vf a = acc[g * CH + 2 * c], b = acc[g * CH + 2 * c + 1], inv = v_set(1.f / sum[g]);
+            v_store(part, g * D + 32 * c, VW, v_mul(_mm512_permutex2var_ps(a, low_half, b), inv), 0);
+            v_store(part, g * D + 32 * c + 16, VW, v_mul(_mm512_permutex2var_ps(a, high_half, b), inv), 0);
         }
 }
 #define ITEM_BF16(B, G) ((B) && (G))
@@ -438,31 +502,28 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
 #define attention_item_bf16(...) ((void)0)
 #endif
 
-/* q [tokens, heads, D]; token t of sequence seq[t] sees keys 0 .. pos[t] of that sequence, whose
- * pages are tables[seq[t] * table_width ...]; out [tokens, heads * D]. Query head h reads kv head
- * h / (heads / kv_heads), as in transformers. scratch: nthreads * group * max_len floats. */
-static void attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
-                      int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos, void *out,
-                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, float *scratch,
-                      int nthreads, int bf, int kbf) {
-    const size_t el = bf ? 2 : 4;
-    const int64_t group = heads / kv_heads, work = tokens * kv_heads;
+/* A token's chunks: its keys 0 .. pos in CHUNK-key pieces. */
+static inline int64_t chunks_of(int64_t keys) { return (keys + CHUNK - 1) / CHUNK; }
+
+/* Below SPLIT_ITEMS items a thread, a token's chunks are spread over the threads; above, each item
+ * (token, kv head) runs its chunks in turn, on one thread. */
+#define SPLIT_ITEMS 4
+
+/* One chunk (keys first .. len - 1) of the item (token t, kv head kh) -> part. */
+static inline __attribute__((always_inline)) void attention_chunk(
+    const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t page_size, int64_t t,
+    int64_t kh, int64_t first, int64_t len, int64_t heads, int64_t kv_heads, int64_t D, float *scores, float *part,
+    int bf, int kbf) {
+    const int64_t group = heads / kv_heads;
+    const char *qt = (const char *)q + (t * heads + kh * group) * D * (bf ? 2 : 4);
     const int fixed = FIXED_ITEM(D, group);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (work > 1)
-    for (int64_t item = 0; item < work; item++) {
-        const int64_t t = item / kv_heads, kh = item % kv_heads;
-        const int64_t at = (t * heads + kh * group) * D * el;
-        float *mine = scratch + (int64_t)omp_get_thread_num() * group * max_len;
-#define ITEM(B, KB)                                                                                              \
-    attention_item((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, page_size, pos[t] + 1, \
-                   kh, kv_heads, group, D, max_len, mine, (char *)out + at, B, KB)
+#define ITEM(B, KB) \
+    attention_item(qt, k_cache, v_cache, table, page_size, first, len, kh, kv_heads, group, D, scores, part, B, KB)
 #define FIXED_G(B, KB, CH, G)                                                                                    \
-    (ITEM_BF16(B, G) ? attention_item_bf16((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, \
-                                           page_size, pos[t] + 1, kh, kv_heads, max_len, mine, (char *)out + at, \
-                                           CH, G)                                                                \
-                     : attention_item_fixed((const char *)q + at, k_cache, v_cache, tables + seq[t] * table_width, \
-                                            page_size, pos[t] + 1, kh, kv_heads, group, max_len, mine,           \
-                                            (char *)out + at, B, KB, CH, G))
+    (ITEM_BF16(B, G) ? attention_item_bf16(qt, k_cache, v_cache, table, page_size, first, len, kh, kv_heads,     \
+                                           scores, part, CH, G)                                                  \
+                     : attention_item_fixed(qt, k_cache, v_cache, table, page_size, first, len, kh, kv_heads,    \
+                                            group, scores, part, B, KB, CH, G))
 /* The group as a literal where its G * CH accumulators fit in registers (or G is 1: as many as the
  * run-time path's). */
 #define G_FITS(G, CH) ((G) == 1 || (G) * (CH) <= ACC_REGS ? (G) : 0)
@@ -474,16 +535,75 @@ static void attention(const void *q, const void *k_cache, const void *v_cache, c
                   : FIXED_G(B, KB, CH, 0))
 #define FIXED64(B, KB) FIXED(B, KB, 64 / VW)
 #define FIXED128(B, KB) FIXED(B, KB, 128 / VW)
-        if (fixed && D == 64) SPECIALISE_KV(bf, kbf, FIXED64);
-        else if (fixed) SPECIALISE_KV(bf, kbf, FIXED128);
-        else SPECIALISE_KV(bf, kbf, ITEM);
+    if (fixed && D == 64) SPECIALISE_KV(bf, kbf, FIXED64);
+    else if (fixed) SPECIALISE_KV(bf, kbf, FIXED128);
+    else SPECIALISE_KV(bf, kbf, ITEM);
 #undef ITEM
 #undef FIXED_G
 #undef G_FITS
 #undef FIXED
 #undef FIXED64
 #undef FIXED128
+}
+
+/* The scratch attention needs, in floats: per thread a chunk's scores (group * CHUNK) and the parts
+ * of SPLIT_ITEMS items' chunks. */
+int64_t attention_scratch_floats(int64_t nthreads, int64_t group, int64_t D, int64_t max_len) {
+    return nthreads * (group * CHUNK + SPLIT_ITEMS * chunks_of(max_len) * group * PART_PER_HEAD(D));
+}
+
+/* q [tokens, heads, D]; token t of sequence seq[t] sees keys 0 .. pos[t] of that sequence, whose
+ * pages are tables[seq[t] * table_width ...]; out [tokens, heads * D]. Query head h reads kv head
+ * h / (heads / kv_heads), as in transformers. scratch: attention_scratch_floats. */
+static void attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                      int64_t table_width, int64_t page_size, const int64_t *seq, const int64_t *pos, void *out,
+                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t max_len, float *scratch,
+                      int nthreads, int bf, int kbf) {
+    const size_t el = bf ? 2 : 4;
+    const int64_t group = heads / kv_heads, items = tokens * kv_heads, width = group * PART_PER_HEAD(D);
+    float *const parts = scratch + nthreads * group * CHUNK;
+#define ITEM_AT(item, t, kh) const int64_t t = (item) / kv_heads, kh = (item) % kv_heads
+#define CHUNK_OF(t, kh, c, part)                                                                                   \
+    attention_chunk(q, k_cache, v_cache, tables + seq[t] * table_width, page_size, t, kh, (c) * CHUNK,            \
+                    pos[t] + 1 < ((c) + 1) * CHUNK ? pos[t] + 1 : ((c) + 1) * CHUNK, heads, kv_heads, D,          \
+                    scratch + (int64_t)omp_get_thread_num() * group * CHUNK, part, bf, kbf)
+#define MERGE(t, kh, first_part, chunks) \
+    merge_chunks(first_part, chunks, group, D, (char *)out + ((t) * heads + (kh) * group) * D * el, bf)
+    int64_t units = items; /* the chunks of every item, where there are few items */
+    for (int64_t item = 0; items < SPLIT_ITEMS * nthreads && item < items; item++)
+        units += chunks_of(pos[item / kv_heads] + 1) - 1;
+    if (units == items || items >= SPLIT_ITEMS * nthreads) { /* no split: one parallel loop, no merge step */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (items > 1)
+        for (int64_t item = 0; item < items; item++) {
+            ITEM_AT(item, t, kh);
+            float *mine = parts + (int64_t)omp_get_thread_num() * SPLIT_ITEMS * chunks_of(max_len) * width;
+            const int64_t chunks = chunks_of(pos[t] + 1);
+            for (int64_t c = 0; c < chunks; c++) CHUNK_OF(t, kh, c, mine + c * width);
+            MERGE(t, kh, mine, chunks);
+        }
+        return;
     }
+    int64_t start[items + 1]; /* item i's chunks are the units start[i] .. start[i + 1] - 1 */
+    start[0] = 0;
+    for (int64_t item = 0; item < items; item++) start[item + 1] = start[item] + chunks_of(pos[item / kv_heads] + 1);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < units; unit++) {
+            int64_t item = 0;
+            while (start[item + 1] <= unit) item++;
+            ITEM_AT(item, t, kh);
+            CHUNK_OF(t, kh, unit - start[item], parts + unit * width);
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            ITEM_AT(item, t, kh);
+            MERGE(t, kh, parts + start[item] * width, start[item + 1] - start[item]);
+        }
+    }
+#undef ITEM_AT
+#undef CHUNK_OF
+#undef MERGE
 }
 
 /* One row: gate_up [2 inter] -> out [inter] = silu(gate) * up, each op rounded as eager. */

@@ -170,6 +170,44 @@ def test_attention_over_pages_in_place(kernels, dtype, D, H, Hkv, page_size):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("D", [24, 64])  # 64: the unrolled item (and at AVX512-BF16, the bf16 one)
+def test_long_attention_in_chunks_is_sdpa_and_each_sequence_alone(kernels, dtype, cache_dtype, D):
+    """Past fused.c's CHUNK (256) keys a token's attention is its chunks' softmaxes merged: SDPA's to
+    the path's rounding, and the same bits whether the chunks of one sequence's token are spread over
+    the threads (the sequence alone: fewer items than threads * SPLIT_ITEMS) or run in turn by one
+    thread (in a batch of many rows). Lengths on both sides of a chunk's end, a prefill chunk across
+    one, and 1100 keys (five chunks)."""
+    lens, chunk = [1, 255, 256, 257, 600, 1100], [1, 1, 1, 1, 5, 3]
+    q, kv, batch, Hkv = _paged_case(dtype, lens, chunk, H=6, Hkv=2, D=D, page_size=16)
+    k, v = kv.k[0].to(cache_dtype), kv.v[0].to(cache_dtype)
+    seq = batch.token_to_padded // batch.max_query_len
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            got = kernels.attention(q, k, v, batch.block_tables, seq, batch.positions, Hkv)
+            alone = []
+            for s in range(len(lens)):
+                rows = seq == s
+                only = torch.zeros(int(rows.sum()), dtype=torch.long)
+                alone.append(kernels.attention(q[rows], k, v, batch.block_tables[s:s + 1], only, batch.positions[rows],
+                                               Hkv))
+            from gpu_worker.model import attend_pages
+            wide = PagedKVCache(1, kv.num_pages, kv.page_size, Hkv, D, torch.float32)
+            wide.k[0], wide.v[0] = k.float(), v.float()
+            want = attend_pages(q.float(), 0, batch, wide, attention_mask(batch, wide, q.shape[1] // Hkv))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(alone), got)
+    # float32: SDPA's own tolerance above; bf16 activations: their rounding (as above); float32 queries over a
+    # bf16 cache: scores_split's 2^-17 where it runs, widened keys elsewhere (the test below)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.float(), want.flatten(1).float(), **tol)
+    assert (batch.positions + 1 > 256).sum() >= 8  # non-vacuity: rows of two chunks and more
+
+
 @pytest.mark.parametrize("D", [24, 64])
 @pytest.mark.parametrize("H, Hkv", [(6, 2), (3, 3)])
 @pytest.mark.parametrize("page_size", [4, 16])
