@@ -142,11 +142,12 @@ static inline void block_rows(const char *cache, const int64_t *table, int64_t p
  * loads of the values waited on memory for 44% of a one-thread item at 2000 keys: the cache is
  * cold at each step (the weights read between two layers' attention evict it), and a kv head's
  * runs of page_size rows, between the other heads' runs, are too short for the hardware
- * prefetcher. The keys' own prefetch a block ahead was slower (BENCHMARKS.md "Attention in
- * chunks"). */
-static inline void prefetch_values(const char *v_cache, const int64_t *table, int64_t page_size, int64_t kv_heads,
-                                   int64_t kh, size_t row_bytes, int64_t j0, int64_t nb) {
-    if (page_size % VW) return;
+ * prefetcher. Only for a sequence's first row in the batch (`cold`): a prompt's next rows find
+ * the values cached, and asking again cost a prefill of 2000 tokens 2-7%. The keys' own prefetch
+ * a block ahead was slower (BENCHMARKS.md "Attention in chunks"). */
+static inline void prefetch_values(int cold, const char *v_cache, const int64_t *table, int64_t page_size,
+                                   int64_t kv_heads, int64_t kh, size_t row_bytes, int64_t j0, int64_t nb) {
+    if (!cold || page_size % VW) return;
     const char *first = v_cache + kv_row(table[j0 / page_size] * page_size + j0 % page_size, kh, kv_heads, page_size) * row_bytes;
     for (size_t at = 0; at < nb * row_bytes; at += 64) __builtin_prefetch(first + at, 0, 2);
 }
@@ -329,7 +330,7 @@ static inline __attribute__((always_inline)) void scores_split(const __m512bh *h
  * literal G the item is attention_item_bf16; float32 over a bf16 cache: pass 1 is scores_split. */
 static inline __attribute__((always_inline)) void attention_item_fixed(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t first,
-    int64_t len, int64_t kh, int64_t kv_heads, int64_t group, float *scores, float *part, int bf, int kbf,
+    int64_t len, int64_t kh, int64_t kv_heads, int64_t group, float *scores, float *part, int cold, int bf, int kbf,
     const int CH, const int G) {
     const int64_t D = VW * CH;
     const size_t el = kbf ? 2 : 4; /* the caches' */
@@ -349,7 +350,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         block_rows(k_cache, table, page_size, kv_heads, kh, D * el, j0, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
-        prefetch_values(v_cache, table, page_size, kv_heads, kh, D * el, j0, nb);
+        prefetch_values(cold, v_cache, table, page_size, kv_heads, kh, D * el, j0, nb);
         for (int64_t g = 0; g < group; g++) {
             vf dots[VW];
 #if VW == 16 && defined(__AVX512BF16__)
@@ -433,7 +434,7 @@ static inline __attribute__((always_inline)) void attention_item_fixed(
  * order at the store. */
 static inline __attribute__((always_inline)) void attention_item_bf16(
     const char *qt, const char *k_cache, const char *v_cache, const int64_t *table, int64_t page_size, int64_t first,
-    int64_t len, int64_t kh, int64_t kv_heads, float *scores, float *part, const int CH, const int G) {
+    int64_t len, int64_t kh, int64_t kv_heads, float *scores, float *part, int cold, const int CH, const int G) {
     const int64_t D = 16 * CH, row = D * 2, n = len - first;
     const vf scale = v_set(1.f / sqrtf((float)D));
     float mx[8], sum[8];
@@ -444,7 +445,7 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
         const int64_t nb = len - j0 < VW ? len - j0 : VW;
         block_rows(k_cache, table, page_size, kv_heads, kh, row, j0, nb, &page, &off, kp);
         for (int64_t jj = nb; jj < VW; jj++) kp[jj] = kp[nb - 1];
-        prefetch_values(v_cache, table, page_size, kv_heads, kh, row, j0, nb);
+        prefetch_values(cold, v_cache, table, page_size, kv_heads, kh, row, j0, nb);
         for (int g = 0; g < G; g++) scores_bf16(qt + row * g, kp, CH, scores + g * CHUNK, j0 - first, nb, scale, &mx[g]);
     }
     for (int g = 0; g < G; g++) { /* the exponentials in bf16, over their scores; a 0 after the last */
@@ -509,11 +510,12 @@ static inline int64_t chunks_of(int64_t keys) { return (keys + CHUNK - 1) / CHUN
  * (token, kv head) runs its chunks in turn, on one thread. */
 #define SPLIT_ITEMS 4
 
-/* One chunk (keys first .. len - 1) of the item (token t, kv head kh) -> part. */
+/* One chunk (keys first .. len - 1) of the item (token t, kv head kh) -> part; `cold`: the first row of
+ * its sequence in the batch (prefetch_values). */
 static inline __attribute__((always_inline)) void attention_chunk(
     const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t page_size, int64_t t,
     int64_t kh, int64_t first, int64_t len, int64_t heads, int64_t kv_heads, int64_t D, float *scores, float *part,
-    int bf, int kbf) {
+    int cold, int bf, int kbf) {
     const int64_t group = heads / kv_heads;
     const char *qt = (const char *)q + (t * heads + kh * group) * D * (bf ? 2 : 4);
     const int fixed = FIXED_ITEM(D, group);
@@ -521,9 +523,9 @@ static inline __attribute__((always_inline)) void attention_chunk(
     attention_item(qt, k_cache, v_cache, table, page_size, first, len, kh, kv_heads, group, D, scores, part, B, KB)
 #define FIXED_G(B, KB, CH, G)                                                                                    \
     (ITEM_BF16(B, G) ? attention_item_bf16(qt, k_cache, v_cache, table, page_size, first, len, kh, kv_heads,     \
-                                           scores, part, CH, G)                                                  \
+                                           scores, part, cold, CH, G)                                            \
                      : attention_item_fixed(qt, k_cache, v_cache, table, page_size, first, len, kh, kv_heads,    \
-                                            group, scores, part, B, KB, CH, G))
+                                            group, scores, part, cold, B, KB, CH, G))
 /* The group as a literal where its G * CH accumulators fit in registers (or G is 1: as many as the
  * run-time path's). */
 #define G_FITS(G, CH) ((G) == 1 || (G) * (CH) <= ACC_REGS ? (G) : 0)
@@ -566,7 +568,8 @@ static void attention(const void *q, const void *k_cache, const void *v_cache, c
 #define CHUNK_OF(t, kh, c, part)                                                                                   \
     attention_chunk(q, k_cache, v_cache, tables + seq[t] * table_width, page_size, t, kh, (c) * CHUNK,            \
                     pos[t] + 1 < ((c) + 1) * CHUNK ? pos[t] + 1 : ((c) + 1) * CHUNK, heads, kv_heads, D,          \
-                    scratch + (int64_t)omp_get_thread_num() * group * CHUNK, part, bf, kbf)
+                    scratch + (int64_t)omp_get_thread_num() * group * CHUNK, part, (t) == 0 || seq[(t) - 1] != seq[t], \
+                    bf, kbf)
 #define MERGE(t, kh, first_part, chunks) \
     merge_chunks(first_part, chunks, group, D, (char *)out + ((t) * heads + (kh) * group) * D * el, bf)
     int64_t units = items; /* the chunks of every item, where there are few items */
