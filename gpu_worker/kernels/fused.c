@@ -143,8 +143,9 @@ static inline void block_rows(const char *cache, const int64_t *table, int64_t p
  * cold at each step (the weights read between two layers' attention evict it), and a kv head's
  * runs of page_size rows, between the other heads' runs, are too short for the hardware
  * prefetcher. Only for a sequence's first row in the batch (`cold`): a prompt's next rows find
- * the values cached, and asking again cost a prefill of 2000 tokens 2-7%. The keys' own prefetch
- * a block ahead was slower (BENCHMARKS.md "Attention in chunks"). */
+ * the values cached (with every row asking, a 2000-token prompt took 2-7% longer than before the
+ * chunks; 0.5-2.3% as it is). The keys' own prefetch a block ahead was slower (BENCHMARKS.md
+ * "Attention in chunks"). */
 static inline void prefetch_values(int cold, const char *v_cache, const int64_t *table, int64_t page_size,
                                    int64_t kv_heads, int64_t kh, size_t row_bytes, int64_t j0, int64_t nb) {
     if (!cold || page_size % VW) return;
