@@ -250,7 +250,6 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, restype
             self._fn[symbol] = fn
         self._scratch = torch.empty(0)
-        self._scratch_floats: dict[tuple[int, ...], int] = {}
         self._layer_buffer = torch.empty(0)
         # The AMX matmul (and what is built on it): level amx, which runs only where the kernel granted AMX.
         self.has_matmul = "linear_bf16" in self._fn
@@ -404,10 +403,7 @@ class CpuKernels:
     def _attention_scratch(self, threads: int, group: int, head_dim: int, max_len: int) -> torch.Tensor:
         """The attention kernel's float32 scratch: a chunk's scores and the chunks' results (kept, grown
         as needed)."""
-        key = (threads, group, head_dim, max_len)
-        if key not in self._scratch_floats:
-            self._scratch_floats[key] = self._fn["attention_scratch_floats"](*key)
-        floats = self._scratch_floats[key]
+        floats = self._fn["attention_scratch_floats"](threads, group, head_dim, max_len)
         if self._scratch.numel() < floats:
             self._scratch = torch.empty(floats, dtype=torch.float32)
         return self._scratch
