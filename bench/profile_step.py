@@ -13,7 +13,7 @@ forward), from profiler ranges around each module.
 The model is the engine's: bf16 linears packed once on a CPU (``--no-pack``: plain), for the
 fused kernels' AMX matmul where the CPU has AMX (else, and with ``--no-kernels``, for oneDNN), and
 the fused CPU kernels for everything else (``--no-kernels``: the eager ops; in the profile each
-kernel call is a range ``cpu_kernels::<name>``, the matmul's ``cpu_kernels::linear``).
+kernel call is its op ``tandem::<name>``, the matmul's ``tandem::linear``).
 ``--compare-matmul`` alternates the kernels' matmul with oneDNN's (both packed, the same fused
 kernels around them).
 """
@@ -58,33 +58,17 @@ def _part_ranges(model):
     return handles
 
 
-class _Ranged:
-    """The fused CPU kernels, each call inside a profiler range named ``cpu_kernels::<name>`` (and
-    without ``layers``, their one-call loop, so that the profile splits a step by kernel)."""
+class _OneByOne:
+    """The fused CPU kernels without ``layers``, their one-call loop: the model runs its Python loop
+    over them, so that the profile splits a step by kernel (each call is its op ``tandem::<name>``)."""
 
     def __init__(self, kernels):
         self._kernels = kernels
 
     def __getattr__(self, name):
-        import torch
-
-        if name == "layers":  # the profile shows each kernel: the model runs its Python loop over them
+        if name == "layers":
             raise AttributeError(name)
-        fn = getattr(self._kernels, name)
-        if not callable(fn):
-            return fn
-
-        def ranged(*args, **kw):
-            with torch.profiler.record_function(f"cpu_kernels::{name}"):
-                return fn(*args, **kw)
-        return ranged
-
-
-def _swap_linear_kernels(model, old, new) -> None:
-    """The packed linears that multiply through ``old`` (``PackedLinear.kernels``) use ``new``."""
-    for m in model.modules():
-        if getattr(m, "kernels", None) is old:
-            m.kernels = new
+        return getattr(self._kernels, name)
 
 
 def compare(a: tuple, b: tuple, step, prefill, steps: int) -> None:
@@ -205,9 +189,8 @@ def profile(args) -> None:
               f"first call {first_s:.1f} s; load {os.getloadavg()[0]:.2f}")
         handles = _part_ranges(model)
         kernels = model.cpu_kernels
-        if kernels is not None:  # ctypes calls are invisible to the profiler: a range around each
-            model.cpu_kernels = _Ranged(kernels)
-            _swap_linear_kernels(model, kernels, model.cpu_kernels)
+        if kernels is not None:
+            model.cpu_kernels = _OneByOne(kernels)
         acts = [torch.profiler.ProfilerActivity.CPU]
         on_gpu = dev != "cpu"
         if on_gpu:
@@ -219,8 +202,6 @@ def profile(args) -> None:
                 torch.cuda.synchronize()
         for h in handles:
             h.remove()
-        if kernels is not None:
-            _swap_linear_kernels(model, model.cpu_kernels, kernels)
         model.cpu_kernels = kernels
         events = prof.key_averages()
         # On a GPU an op's time is its kernels' (self device time); on a CPU its self CPU time.

@@ -1,5 +1,6 @@
-"""The fused CPU kernels of ``kernels/``: built per ISA level, the level picked at run time, called
-through ctypes.
+"""The fused CPU kernels of ``kernels/``: built per ISA level, the level picked at run time, each
+registered as the torch.library op ``tandem::<name>`` (the profiler shows it, torch.compile keeps it
+whole) whose kernel calls the level's library through ctypes.
 
 ``kernels/`` holds the C sources: ``vec.h`` (the vector layer, one ``vf`` type per ISA) and the
 kernels by family (``fused.c`` Llama's portable kernels, ``moondream.c`` Moondream's, ``amx.c`` the
@@ -11,8 +12,8 @@ has and the kernel grants (AMX is granted per process), capped by ``TANDEM_CPU_L
 ``level`` argument, and logs which and why; without a compiler it returns None and the model keeps
 its eager path (``Llama.forward`` uses the kernels only when a :class:`CpuKernels` is attached).
 
-Each method takes contiguous CPU tensors of one dtype (bfloat16 or float32) and allocates its
-output. ctypes drops the GIL for the call, so another Python thread runs while a kernel does. A
+Each method takes contiguous CPU tensors of one dtype (bfloat16 or float32), allocates its output
+and calls its op. ctypes drops the GIL for the call, so another Python thread runs while a kernel does. A
 function the level lacks is absent from its library: calling it raises (``has_matmul`` says
 whether the AMX ones are there).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -32,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,6 +215,11 @@ _RETURNS = {"attention_scratch_floats": ((_I, _I, _I, _I), _I), "wlinear_bf16_do
             "wlinear_tile_rows": ((), _C)}
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for ctypes; None (NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
+
+
 def _types(x: torch.Tensor, cache: torch.Tensor):
     """The key of a cache-typed kernel: the activations' dtype, or (activations', cache's) where they differ."""
     return x.dtype if x.dtype == cache.dtype else (x.dtype, cache.dtype)
@@ -251,6 +259,8 @@ class CpuKernels:
             self._fn[symbol] = fn
         self._scratch = torch.empty(0)
         self._layer_buffer = torch.empty(0)
+        self.handle = next(_handles)  # the ops' first argument (see _OPS)
+        _LIVE[self.handle] = self
         # The AMX matmul (and what is built on it): level amx, which runs only where the kernel granted AMX.
         self.has_matmul = "linear_bf16" in self._fn
 
@@ -267,9 +277,8 @@ class CpuKernels:
         """``weight`` [N, K] (see :meth:`can_matmul`) in the tile layout :meth:`linear` reads, N and
         K zero-padded to multiples of 32."""
         N, K = weight.shape
-        w = weight.detach().contiguous()
         packed = torch.empty(ceil_div(N, 32) * 32 * ceil_div(K, 32) * 32, dtype=torch.bfloat16)
-        self._fn["linear_pack_bf16"](w.data_ptr(), packed.data_ptr(), N, K)
+        self.run("pack_linear", weight.detach().contiguous(), packed)
         return packed
 
     def layers(self, x: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -279,47 +288,18 @@ class CpuKernels:
         """Every decoder layer in one call (``kernels/layers.c``): x [T, hidden] updated in place as the
         residual stream; ``weights`` the int64 table of ``cpu_backend.layer_table``; the caches k, v
         [layers, pages, kv_heads, page_size, head_dim]. -> norm(x) after the last layer."""
-        T, hidden = x.shape
-        page_size = k.shape[3]
-        max_len = block_tables.shape[1] * page_size
-        threads = torch.get_num_threads()
-        scratch = self._attention_scratch(threads, heads // kv_heads, head_dim, max_len)
         h = torch.empty_like(x)
-        # qkv, q, o, proj, gate_up and act: the layers' activations, in one kept buffer (a CPU forward
-        # leaves the caches cold, where each allocation costs ~15 µs: BENCHMARKS.md "Python after a
-        # CPU forward runs cold")
-        widths = ((heads + 2 * kv_heads) * head_dim, heads * head_dim, heads * head_dim, hidden, 2 * intermediate,
-                  intermediate)
-        spans = [ceil_div(T * w, 64) * 64 for w in widths]  # each a whole number of 64-element blocks
-        at = self._activations(sum(spans), x.dtype).data_ptr()
-        starts = []
-        for span in spans:
-            starts.append(at)
-            at += span * x.element_size()
-        self._fn["layers", _types(x, k)](
-            x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(), v.data_ptr(), k[0].numel(),
-            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), kv_index.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], page_size, seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden,
-            intermediate, eps, max_len, *starts, scratch.data_ptr(), threads)
+        self.run("layers", x, h, weights, k, v, cos, sin, positions, kv_index, block_tables,
+                                seq_of_token, heads, kv_heads, head_dim, intermediate, eps)
         return h
-
-    def _activations(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`layers`' activation buffer of at least ``numel`` elements of ``dtype`` (kept, grown as
-        needed; the compute thread is its one user)."""
-        if self._layer_buffer.dtype != dtype or self._layer_buffer.numel() < numel:
-            self._layer_buffer = torch.empty(numel, dtype=dtype)
-        return self._layer_buffer
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                gelu: bool = False) -> torch.Tensor:
         """x [..., K] bf16 @ the packed weight^T (+ bias) -> [..., N] bf16, each row alone; ``gelu``:
         then gelu_tanh on the float32 result, rounded once."""
-        K = x.shape[-1]
-        rows = x.reshape(-1, K).contiguous()
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
-        self._fn["linear_gelu_bf16" if gelu else "linear_bf16"](
-            rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-            rows.shape[0], K, out_features, torch.get_num_threads())
+        self.run("linear", rows, packed, bias, y, gelu)
         return y.view(*x.shape[:-1], out_features)
 
     def full_attention(self, qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -327,11 +307,8 @@ class CpuKernels:
         fused projection writes them) over its own T tokens -> [B, T, H D] (AMX only: see
         :attr:`has_matmul`)."""
         B, T, width = qkv.shape
-        D = width // 3 // heads
-        qkv = qkv.contiguous()
-        out = torch.empty((B, T, heads * D), dtype=torch.bfloat16)
-        self._fn["full_attention_bf16"](qkv.data_ptr(), out.data_ptr(), B, T, heads, D, D ** -0.5,
-                                          torch.get_num_threads())
+        out = torch.empty((B, T, width // 3), dtype=torch.bfloat16)
+        self.run("full_attention", qkv.contiguous(), out, heads)
         return out
 
     def partial_rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -341,13 +318,9 @@ class CpuKernels:
         fused qkv rows [T, (H + 2 Hkv) D] bf16 at ``positions`` (float32 tables [len, rot / 2]);
         k and v written at ``kv_index`` in the caches [pages, Hkv, page_size, D]; -> q [T, H, D]."""
         T, width = qkv.shape
-        D = width // (heads + 2 * kv_heads)
-        qkv = qkv.contiguous()
-        q = torch.empty((T, heads, D), dtype=torch.bfloat16)
-        self._fn["partial_rope_kv_bf16"](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                         kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
-                                         T, heads, kv_heads, D, 2 * cos.shape[1], k_cache.shape[2],
-                                         torch.get_num_threads())
+        q = torch.empty((T, heads, width // (heads + 2 * kv_heads)), dtype=torch.bfloat16)
+        self.run("partial_rope_kv", qkv.contiguous(), cos, sin, positions, kv_index, k_cache,
+                                         v_cache, q, kv_heads)
         return q
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -357,19 +330,15 @@ class CpuKernels:
         sees its sequence's positions 0 .. ``last[t]`` -> [T, H * D]. On AMX; each row's result
         does not depend on the rows computed with it."""
         T, H, D = q.shape
-        q = q.contiguous()
         out = torch.empty((T, H * D), dtype=torch.bfloat16)
-        self._fn["paged_attention_amx_bf16"](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                             block_tables.data_ptr(), block_tables.shape[1], k_cache.shape[2],
-                                             starts.data_ptr(), last.data_ptr(), out.data_ptr(), block_tables.shape[0],
-                                             H, k_cache.shape[1], D, D ** -0.5, torch.get_num_threads())
+        self.run("paged_attention", q.contiguous(), k_cache, v_cache, block_tables, starts, last,
+                                         out)
         return out
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += y`` in place (rounded as the eager add), then rmsnorm(x) * weight -> a new tensor."""
         h = torch.empty_like(x)
-        self._fn["add_rmsnorm", x.dtype](x.data_ptr(), None if y is None else y.data_ptr(), weight.data_ptr(),
-                                         h.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        self.run("add_rmsnorm", x, y, weight, h, eps)
         return h
 
     def rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -377,30 +346,47 @@ class CpuKernels:
                 head_dim: int) -> torch.Tensor:
         """Rotary on q and k of the fused qkv rows [T, (H + 2 Hkv) D] at ``positions`` (float32 tables
         [len, D / 2]); k and v written at ``kv_index`` in the caches [pages, Hkv, page_size, D]; -> q [T, H, D]."""
-        T = qkv.shape[0]
-        q = torch.empty((T, heads, head_dim), dtype=qkv.dtype)
-        self._fn["rope_kv", _types(qkv, k_cache)](
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), kv_index.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), T, heads, kv_heads, head_dim, k_cache.shape[2],
-            torch.get_num_threads())
+        q = torch.empty((qkv.shape[0], heads, head_dim), dtype=qkv.dtype)
+        self.run("rope_kv", qkv, cos, sin, positions, kv_index, k_cache, v_cache, q, kv_heads)
         return q
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_of_token: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """Causal attention of q [T, H, D] over the pages of each token's sequence -> [T, H * D]."""
         T, H, D = q.shape
-        page_size = k_cache.shape[2]
-        max_len = block_tables.shape[1] * page_size
-        threads = torch.get_num_threads()
-        scratch = self._attention_scratch(threads, H // kv_heads, D, max_len)
         out = torch.empty((T, H * D), dtype=q.dtype)
-        self._fn["attention", _types(q, k_cache)](
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            page_size, seq_of_token.data_ptr(), positions.data_ptr(), out.data_ptr(), T, H, kv_heads, D, max_len,
-            scratch.data_ptr(), threads)
+        self.run("attention", q, k_cache, v_cache, block_tables, seq_of_token, positions, out,
+                                   kv_heads)
         return out
 
-    def _attention_scratch(self, threads: int, group: int, head_dim: int, max_len: int) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused [T, 2 I] rows -> [T, I]."""
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self.run("silu_mul", gate_up, out)
+        return out
+
+    def run(self, op: str, *args) -> None:
+        """The op ``tandem::<op>`` on ``args`` (its schema's, after the handle: see _OPS). Through the
+        dispatcher where something watches it (the profiler, torch.compile or export, a dispatch mode
+        such as FakeTensorMode), else its kernel directly: the dispatcher adds ~3 µs a call, 0.8 ms
+        to a bf16 step's Python loop of ~180 calls (BENCHMARKS.md "The kernels as torch.library ops")."""
+        if torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled() \
+                or torch._C._len_torch_dispatch_stack():
+            getattr(torch.ops.tandem, op)(self.handle, *args)
+        else:
+            _OPS[op][1](self, *args)
+
+    # What the ops' kernels keep between calls (the compute thread is their one user).
+
+    def activations(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The layers' activation buffer of at least ``numel`` elements of ``dtype`` (kept, grown as
+        needed)."""
+        if self._layer_buffer.dtype != dtype or self._layer_buffer.numel() < numel:
+            self._layer_buffer = torch.empty(numel, dtype=dtype)
+        return self._layer_buffer
+
+    def attention_scratch(self, threads: int, group: int, head_dim: int, max_len: int) -> torch.Tensor:
         """The attention kernel's float32 scratch: a chunk's scores and the chunks' results (kept, grown
         as needed)."""
         floats = self._fn["attention_scratch_floats"](threads, group, head_dim, max_len)
@@ -408,13 +394,145 @@ class CpuKernels:
             self._scratch = torch.empty(floats, dtype=torch.float32)
         return self._scratch
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused [T, 2 I] rows -> [T, I]."""
-        rows, width = gate_up.shape
-        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._fn["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-                                            torch.get_num_threads())
-        return out
+
+# ---- the kernels as torch.library ops ------------------------------------------------------------
+# Each kernel is the op ``tandem::<name>``: the profiler names it and torch.compile keeps it whole (a
+# ctypes call is neither seen nor traced). An op writes its outputs into tensors it is given (the
+# CpuKernels method that calls it allocates them) and returns nothing, so one fake kernel serves
+# every op. Its first argument is the handle of the CpuKernels whose library runs it: a process may
+# hold several levels (the tests do). CpuKernels.run calls an op.
+
+def _layers(kn: CpuKernels, x, h, weights, k, v, cos, sin, positions, kv_index, block_tables, seq_of_token, heads,
+            kv_heads, head_dim, intermediate, eps):
+    T, hidden = x.shape
+    page_size = k.shape[3]
+    max_len = block_tables.shape[1] * page_size
+    threads = torch.get_num_threads()
+    scratch = kn.attention_scratch(threads, heads // kv_heads, head_dim, max_len)
+    # qkv, q, o, proj, gate_up and act: the layers' activations, in one kept buffer (a CPU forward
+    # leaves the caches cold, where each allocation costs ~15 µs: BENCHMARKS.md "Python after a
+    # CPU forward runs cold")
+    widths = ((heads + 2 * kv_heads) * head_dim, heads * head_dim, heads * head_dim, hidden, 2 * intermediate,
+              intermediate)
+    spans = [ceil_div(T * w, 64) * 64 for w in widths]  # each a whole number of 64-element blocks
+    at = kn.activations(sum(spans), x.dtype).data_ptr()
+    starts = []
+    for span in spans:
+        starts.append(at)
+        at += span * x.element_size()
+    kn._fn["layers", _types(x, k)](
+        x.data_ptr(), h.data_ptr(), weights.data_ptr(), weights.shape[0], k.data_ptr(), v.data_ptr(), k[0].numel(),
+        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), kv_index.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], page_size, seq_of_token.data_ptr(), T, heads, kv_heads, head_dim, hidden,
+        intermediate, eps, max_len, *starts, scratch.data_ptr(), threads)
+
+
+def _linear(kn: CpuKernels, rows, packed, bias, y, gelu):
+    kn._fn["linear_gelu_bf16" if gelu else "linear_bf16"](
+        rows.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), rows.shape[0], rows.shape[1], y.shape[1],
+        torch.get_num_threads())
+
+
+def _full_attention(kn: CpuKernels, qkv, out, heads):
+    B, T, width = qkv.shape
+    D = width // 3 // heads
+    kn._fn["full_attention_bf16"](qkv.data_ptr(), out.data_ptr(), B, T, heads, D, D ** -0.5, torch.get_num_threads())
+
+
+def _partial_rope_kv(kn: CpuKernels, qkv, cos, sin, positions, kv_index, k_cache, v_cache, q, kv_heads):
+    T, heads, D = q.shape
+    kn._fn["partial_rope_kv_bf16"](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                   kv_index.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), T, heads,
+                                   kv_heads, D, 2 * cos.shape[1], k_cache.shape[2], torch.get_num_threads())
+
+
+def _paged_attention(kn: CpuKernels, q, k_cache, v_cache, block_tables, starts, last, out):
+    T, H, D = q.shape
+    kn._fn["paged_attention_amx_bf16"](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                                       block_tables.shape[1], k_cache.shape[2], starts.data_ptr(), last.data_ptr(),
+                                       out.data_ptr(), block_tables.shape[0], H, k_cache.shape[1], D, D ** -0.5,
+                                       torch.get_num_threads())
+
+
+def _add_rmsnorm(kn: CpuKernels, x, y, weight, h, eps):
+    kn._fn["add_rmsnorm", x.dtype](x.data_ptr(), _ptr(y), weight.data_ptr(), h.data_ptr(), x.shape[0], x.shape[1], eps,
+                                   torch.get_num_threads())
+
+
+def _rope_kv(kn: CpuKernels, qkv, cos, sin, positions, kv_index, k_cache, v_cache, q, kv_heads):
+    T, heads, head_dim = q.shape
+    kn._fn["rope_kv", _types(qkv, k_cache)](
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), kv_index.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), q.data_ptr(), T, heads, kv_heads, head_dim, k_cache.shape[2], torch.get_num_threads())
+
+
+def _attention(kn: CpuKernels, q, k_cache, v_cache, block_tables, seq_of_token, positions, out, kv_heads):
+    T, H, D = q.shape
+    page_size = k_cache.shape[2]
+    max_len = block_tables.shape[1] * page_size
+    threads = torch.get_num_threads()
+    scratch = kn.attention_scratch(threads, H // kv_heads, D, max_len)
+    kn._fn["attention", _types(q, k_cache)](
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], page_size,
+        seq_of_token.data_ptr(), positions.data_ptr(), out.data_ptr(), T, H, kv_heads, D, max_len, scratch.data_ptr(),
+        threads)
+
+
+def _silu_mul(kn: CpuKernels, gate_up, out):
+    kn._fn["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+                                      torch.get_num_threads())
+
+
+def _pack_linear(kn: CpuKernels, w, packed):
+    kn._fn["linear_pack_bf16"](w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
+
+
+def _wlinear(kn: CpuKernels, fmt, x, data, scale, offset, group, n, bias, y):
+    kn._fn["wlinear"](fmt, x.data_ptr(), x.dtype == torch.bfloat16, data.data_ptr(), _ptr(scale), _ptr(offset), group,
+                      _ptr(bias), y.data_ptr(), y.dtype == torch.bfloat16, y.stride(0), x.shape[0], x.shape[1], n,
+                      torch.get_num_threads())
+
+
+def _wgather(kn: CpuKernels, fmt, data, scale, offset, group, ids, out):
+    kn._fn["wgather"](fmt, data.data_ptr(), _ptr(scale), _ptr(offset), group, out.shape[1], ids.data_ptr(), ids.numel(),
+                      out.data_ptr())
+
+
+# Each op: its schema (after the handle) and its kernel. ``(a!)``: a tensor the op writes.
+_OPS = {
+    "layers": ("Tensor(a!) x, Tensor(b!) h, Tensor weights, Tensor(c!) k, Tensor(d!) v, Tensor cos, Tensor sin, "
+               "Tensor positions, Tensor kv_index, Tensor block_tables, Tensor seq_of_token, int heads, "
+               "int kv_heads, int head_dim, int intermediate, float eps", _layers),
+    "linear": ("Tensor x, Tensor packed, Tensor? bias, Tensor(a!) y, bool gelu", _linear),
+    "full_attention": ("Tensor qkv, Tensor(a!) out, int heads", _full_attention),
+    "partial_rope_kv": ("Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor kv_index, Tensor(a!) k_cache, "
+                        "Tensor(b!) v_cache, Tensor(c!) q, int kv_heads", _partial_rope_kv),
+    "paged_attention": ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor last, "
+                        "Tensor(a!) out", _paged_attention),
+    "add_rmsnorm": ("Tensor(a!) x, Tensor? y, Tensor weight, Tensor(b!) h, float eps", _add_rmsnorm),
+    "rope_kv": ("Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor kv_index, Tensor(a!) k_cache, "
+                "Tensor(b!) v_cache, Tensor(c!) q, int kv_heads", _rope_kv),
+    "attention": ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of_token, "
+                  "Tensor positions, Tensor(a!) out, int kv_heads", _attention),
+    "silu_mul": ("Tensor gate_up, Tensor(a!) out", _silu_mul),
+    "pack_linear": ("Tensor w, Tensor(a!) packed", _pack_linear),
+    "wlinear": ("int fmt, Tensor x, Tensor data, Tensor? scale, Tensor? offset, int group, int n, Tensor? bias, "
+                "Tensor(a!) y", _wlinear),
+    "wgather": ("int fmt, Tensor data, Tensor? scale, Tensor? offset, int group, Tensor ids, Tensor(a!) out", _wgather),
+}
+_LIVE: weakref.WeakValueDictionary[int, CpuKernels] = weakref.WeakValueDictionary()  # by handle
+_handles = itertools.count()
+_LIBRARY = torch.library.Library("tandem", "DEF")
+
+
+def _register(name: str, schema: str, kernel) -> None:
+    _LIBRARY.define(f"{name}(int kernels, {schema}) -> ()")
+    _LIBRARY.impl(name, lambda handle, *args: kernel(_LIVE[handle], *args), "CPU")
+    torch.library.register_fake(f"tandem::{name}", lambda *args: None, lib=_LIBRARY)  # writes only what it is given
+
+
+for _name, (_schema, _kernel) in _OPS.items():
+    _register(_name, _schema, _kernel)
 
 
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)  # not ValueError: a wrong cap is an error

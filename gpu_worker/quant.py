@@ -265,17 +265,12 @@ def quantize(weight: torch.Tensor, method: str, group: int = 32, symmetric: bool
 
 # ---- the modules ---------------------------------------------------------------------------------
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    """A tensor's address for ctypes; None (NULL) for no tensor."""
-    return None if t is None else t.data_ptr()
-
-
 class QuantKernels:
-    """``kernels/quant.c``'s ``wlinear`` and ``wgather``, from the CPU kernels' library."""
+    """``kernels/quant.c``'s ``wlinear`` and ``wgather`` (the ops ``tandem::wlinear`` and ``tandem::wgather``) of
+    the CPU kernels' library."""
 
     def __init__(self, kernels: CpuKernels):
         self.source, self.level = kernels, kernels.level
-        self._linear, self._gather = kernels.function("wlinear"), kernels.function("wgather")
         # At this level bf16 activations multiply the weights rounded to bf16 (vdpbf16ps: the products
         # exact, the sums float32); float32 activations always multiply the float32 expansion.
         self.bf16_dot = bool(kernels.function("wlinear_bf16_dot")())
@@ -305,16 +300,12 @@ class QuantKernels:
 
     def linear(self, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor) -> None:
         """y [M, ldy]'s first N columns (a view) = x [M, K] @ w^T + bias (float32 or None)."""
-        M, K = x.shape
-        self._linear(w.code, x.data_ptr(), x.dtype == torch.bfloat16, w.data.data_ptr(), _ptr(w.scale),
-                     _ptr(w.offset), w.group, _ptr(bias), y.data_ptr(), y.dtype == torch.bfloat16, y.stride(0), M, K,
-                     w.shape[0], torch.get_num_threads())
+        self.source.run("wlinear", w.code, x, w.data, w.scale, w.offset, w.group, w.shape[0], bias, y)
 
     def gather(self, w: QWeight, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.contiguous()
         out = torch.empty((ids.numel(), w.shape[1]), dtype=torch.float32)
-        self._gather(FORMATS[w.fmt], w.data.data_ptr(), _ptr(w.scale), _ptr(w.offset), w.group, w.shape[1],
-                     ids.data_ptr(), ids.numel(), out.data_ptr())
+        self.source.run("wgather", FORMATS[w.fmt], w.data, w.scale, w.offset, w.group, ids, out)
         return out
 
 

@@ -11,6 +11,7 @@ the rows batched with it.
 """
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 
@@ -748,6 +749,80 @@ def test_a_function_the_level_lacks_is_absent_and_fails_loudly(kernels):
     with pytest.raises(NotImplementedError, match=f"linear_bf16 is not in the level {kernels.level}"):
         kernels.linear(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32 * 32, dtype=torch.bfloat16), None, 32)
     assert not kernels.can_matmul(torch.zeros(32, 32, dtype=torch.bfloat16))
+
+
+def _int8_linears(model: Llama, kernels) -> None:
+    """Every linear of ``model`` (the head too) weight-only int8 over ``kernels``: the one-call loop's."""
+    from gpu_worker.quant import QuantKernels, QuantLinear, quantize
+
+    qk = QuantKernels(kernels)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, QuantLinear([quantize(child.weight.detach(), "int8", 32)], None, qk))
+
+
+def test_the_profiler_sees_each_kernel_call_as_one_tandem_op(kernels):
+    """Each kernel call is one ``tandem::`` op in the profile (a ctypes call alone is invisible
+    there): the Python loop's kernels counted per layer, then the one-call loop's ``tandem::layers``
+    and the quantized head's ``tandem::wlinear``, once a forward."""
+    L = TINY32.num_hidden_layers
+    ids = torch.randint(0, TINY32.vocab_size, (5,), generator=torch.Generator().manual_seed(10))
+    model = Llama.random(TINY32, seed=7, dtype=torch.float32)
+    model.cpu_kernels = kernels
+    expected = [{"tandem::add_rmsnorm": 2 * L + 1, "tandem::rope_kv": L, "tandem::attention": L, "tandem::silu_mul": L},
+                {"tandem::layers": 1, "tandem::wlinear": 1}]
+    for want in expected:  # plain linears (the Python loop), then int8 ones (every layer in one call)
+        kv = PagedKVCache.from_config(TINY32, 4, 4, torch.float32, "cpu")
+        with torch.inference_mode(), torch.profiler.profile() as prof:
+            _forward(model, kv, [(0, 5, [1, 2])], ids)
+        assert collections.Counter(e.name for e in prof.events() if e.name.startswith("tandem::")) == want
+        _int8_linears(model, kernels)
+
+
+def test_torch_compile_keeps_the_ops_whole_and_computes_the_eager_bits(kernels):
+    """A layer's kernel calls and a quantized linear under ``torch.compile(fullgraph=True)`` (aot_eager:
+    the ops' fake kernels, their writes functionalized): one graph, with each op in it, and the eager
+    call's output, residual (written in place) and caches, bit for bit (eager calls the kernels without
+    the dispatcher: CpuKernels.run). Under FakeTensorMode a call runs the fake kernel."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from gpu_worker.quant import QuantKernels, QuantLinear, quantize
+
+    H, Hkv, D, hidden = 4, 2, 16, 64
+    g = torch.Generator().manual_seed(11)
+    qkv_proj = QuantLinear([quantize(torch.randn((H + 2 * Hkv) * D, hidden, generator=g), "int8", 32)], None,
+                           QuantKernels(kernels))
+    norm = torch.rand(hidden, generator=g) + 0.5
+    freqs = torch.outer(torch.arange(16, dtype=torch.float32), 1.0 / (10000 ** (torch.arange(0, D, 2) / D)))
+    cos, sin = freqs.cos(), freqs.sin()
+    batch = Batch.build([(0, 5, [1, 2]), (2, 3, [3, 4])], 4)
+    seq_of_token = batch.token_to_padded // batch.max_query_len
+
+    def layer(x, k_cache, v_cache):
+        h = kernels.add_rmsnorm(x, None, norm, 1e-5)
+        q = kernels.rope_kv(qkv_proj(h), cos, sin, batch.positions, batch.kv_index, k_cache, v_cache, H, Hkv, D)
+        o = kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv)
+        return kernels.add_rmsnorm(x, o, norm, 1e-5)
+
+    x = torch.randn(batch.num_tokens, hidden, generator=g)
+    caches = torch.randn(2, 5, Hkv, 4, D, generator=g)
+    eager = [x.clone(), *caches.clone()]
+    compiled = [x.clone(), *caches.clone()]
+    counter = CompileCounterWithBackend("aot_eager")
+    want = layer(*eager)
+    got = torch.compile(layer, fullgraph=True, backend=counter)(*compiled)
+    assert counter.frame_count == 1
+    traced = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
+    assert {f"tandem.{op}" for op in ("add_rmsnorm", "wlinear", "rope_kv", "attention")} <= traced
+    assert torch.equal(got, want)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    assert not torch.equal(eager[0], x) and not torch.equal(eager[1], caches[0])  # non-vacuity: both written
+    with FakeTensorMode() as fake:  # a dispatch mode: the op's fake kernel, never the library on fake memory
+        h = kernels.add_rmsnorm(fake.from_tensor(x), None, fake.from_tensor(norm), 1e-5)
+    assert isinstance(h, FakeTensor) and h.shape == x.shape
 
 
 @pytest.mark.slow
