@@ -289,8 +289,8 @@ class CpuKernels:
         residual stream; ``weights`` the int64 table of ``cpu_backend.layer_table``; the caches k, v
         [layers, pages, kv_heads, page_size, head_dim]. -> norm(x) after the last layer."""
         h = torch.empty_like(x)
-        self.run("layers", x, h, weights, k, v, cos, sin, positions, kv_index, block_tables,
-                                seq_of_token, heads, kv_heads, head_dim, intermediate, eps)
+        self.run("layers", x, h, weights, k, v, cos, sin, positions, kv_index, block_tables, seq_of_token, heads,
+                 kv_heads, head_dim, intermediate, eps)
         return h
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
@@ -319,8 +319,7 @@ class CpuKernels:
         k and v written at ``kv_index`` in the caches [pages, Hkv, page_size, D]; -> q [T, H, D]."""
         T, width = qkv.shape
         q = torch.empty((T, heads, width // (heads + 2 * kv_heads)), dtype=torch.bfloat16)
-        self.run("partial_rope_kv", qkv.contiguous(), cos, sin, positions, kv_index, k_cache,
-                                         v_cache, q, kv_heads)
+        self.run("partial_rope_kv", qkv.contiguous(), cos, sin, positions, kv_index, k_cache, v_cache, q, kv_heads)
         return q
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -331,8 +330,7 @@ class CpuKernels:
         does not depend on the rows computed with it."""
         T, H, D = q.shape
         out = torch.empty((T, H * D), dtype=torch.bfloat16)
-        self.run("paged_attention", q.contiguous(), k_cache, v_cache, block_tables, starts, last,
-                                         out)
+        self.run("paged_attention", q.contiguous(), k_cache, v_cache, block_tables, starts, last, out)
         return out
 
     def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -355,8 +353,7 @@ class CpuKernels:
         """Causal attention of q [T, H, D] over the pages of each token's sequence -> [T, H * D]."""
         T, H, D = q.shape
         out = torch.empty((T, H * D), dtype=q.dtype)
-        self.run("attention", q, k_cache, v_cache, block_tables, seq_of_token, positions, out,
-                                   kv_heads)
+        self.run("attention", q, k_cache, v_cache, block_tables, seq_of_token, positions, out, kv_heads)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
