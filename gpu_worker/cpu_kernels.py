@@ -424,9 +424,9 @@ def _layers(kn: CpuKernels, x, h, weights, k, v, cos, sin, positions, kv_index, 
         intermediate, eps, max_len, *starts, scratch.data_ptr(), threads)
 
 
-def _linear(kn: CpuKernels, rows, packed, bias, y, gelu):
+def _linear(kn: CpuKernels, x, packed, bias, y, gelu):
     kn._fn["linear_gelu_bf16" if gelu else "linear_bf16"](
-        rows.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), rows.shape[0], rows.shape[1], y.shape[1],
+        x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], x.shape[1], y.shape[1],
         torch.get_num_threads())
 
 

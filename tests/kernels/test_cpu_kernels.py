@@ -780,6 +780,17 @@ def test_the_profiler_sees_each_kernel_call_as_one_tandem_op(kernels):
         _int8_linears(model, kernels)
 
 
+def test_each_ops_schema_is_its_kernels_arguments():
+    """Every op's schema names its kernel's arguments in order (after the handle): the AMX ops run only
+    on an AMX machine, so this is where any other machine checks them."""
+    import inspect
+
+    for name, (_schema, kernel) in cpu_kernels._OPS.items():
+        schema = getattr(torch.ops.tandem, name).default._schema
+        assert [a.name for a in schema.arguments] == ["kernels", *list(inspect.signature(kernel).parameters)[1:]]
+        assert not schema.returns
+
+
 def test_torch_compile_keeps_the_ops_whole_and_computes_the_eager_bits(kernels):
     """A layer's kernel calls and a quantized linear under ``torch.compile(fullgraph=True)`` (aot_eager:
     the ops' fake kernels, their writes functionalized): one graph, with each op in it, and the eager
