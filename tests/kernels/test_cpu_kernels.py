@@ -796,8 +796,27 @@ def test_torch_compile_keeps_the_ops_whole_and_computes_the_eager_bits(kernels):
     the ops' fake kernels, their writes functionalized): one graph, with each op in it, and the eager
     call's output, residual (written in place) and caches, bit for bit (eager calls the kernels without
     the dispatcher: CpuKernels.run). Under FakeTensorMode a call runs the fake kernel."""
-    from torch._dynamo.testing import CompileCounterWithBackend
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    x = _compiled_layer_is_the_eager_layer(kernels, "aot_eager")
+    with FakeTensorMode() as fake:  # a dispatch mode: the op's fake kernel, never the library on fake memory
+        h = kernels.add_rmsnorm(fake.from_tensor(x), None, fake.from_tensor(torch.ones(x.shape[1])), 1e-5)
+    assert isinstance(h, FakeTensor) and h.shape == x.shape
+
+
+def test_inductor_compiles_the_ops_to_the_eager_bits():
+    """torch.compile's default backend (inductor, which writes C++ for the ops around the kernels and
+    reuses the written buffers in place), at the level the engine runs."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        unavailable("no C++ compiler for torch.compile's inductor")
+    _compiled_layer_is_the_eager_layer(cpu_kernels.load(), "inductor")
+
+
+def _compiled_layer_is_the_eager_layer(kernels, backend: str) -> torch.Tensor:
+    """A layer's kernel calls and a quantized linear, compiled with ``backend`` (fullgraph) and eager, on
+    copies of one input: one graph holding the ops; the same output, residual and caches, bit for bit.
+    Returns the input."""
+    from torch._dynamo.testing import CompileCounterWithBackend
 
     from gpu_worker.quant import QuantKernels, QuantLinear, quantize
 
@@ -815,13 +834,13 @@ def test_torch_compile_keeps_the_ops_whole_and_computes_the_eager_bits(kernels):
         h = kernels.add_rmsnorm(x, None, norm, 1e-5)
         q = kernels.rope_kv(qkv_proj(h), cos, sin, batch.positions, batch.kv_index, k_cache, v_cache, H, Hkv, D)
         o = kernels.attention(q, k_cache, v_cache, batch.block_tables, seq_of_token, batch.positions, Hkv)
-        return kernels.add_rmsnorm(x, o, norm, 1e-5)
+        return kernels.add_rmsnorm(x, o, norm, 1e-5) * 2  # an aten op after the kernels: inductor's to write
 
     x = torch.randn(batch.num_tokens, hidden, generator=g)
     caches = torch.randn(2, 5, Hkv, 4, D, generator=g)
     eager = [x.clone(), *caches.clone()]
     compiled = [x.clone(), *caches.clone()]
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend(backend)
     want = layer(*eager)
     got = torch.compile(layer, fullgraph=True, backend=counter)(*compiled)
     assert counter.frame_count == 1
@@ -831,9 +850,7 @@ def test_torch_compile_keeps_the_ops_whole_and_computes_the_eager_bits(kernels):
     for a, b in zip(compiled, eager):
         assert torch.equal(a, b)
     assert not torch.equal(eager[0], x) and not torch.equal(eager[1], caches[0])  # non-vacuity: both written
-    with FakeTensorMode() as fake:  # a dispatch mode: the op's fake kernel, never the library on fake memory
-        h = kernels.add_rmsnorm(fake.from_tensor(x), None, fake.from_tensor(norm), 1e-5)
-    assert isinstance(h, FakeTensor) and h.shape == x.shape
+    return x
 
 
 @pytest.mark.slow
