@@ -751,21 +751,13 @@ def test_a_function_the_level_lacks_is_absent_and_fails_loudly(kernels):
     assert not kernels.can_matmul(torch.zeros(32, 32, dtype=torch.bfloat16))
 
 
-def _int8_linears(model: Llama, kernels) -> None:
-    """Every linear of ``model`` (the head too) weight-only int8 over ``kernels``: the one-call loop's."""
-    from gpu_worker.quant import QuantKernels, QuantLinear, quantize
-
-    qk = QuantKernels(kernels)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, QuantLinear([quantize(child.weight.detach(), "int8", 32)], None, qk))
-
-
 def test_the_profiler_sees_each_kernel_call_as_one_tandem_op(kernels):
     """Each kernel call is one ``tandem::`` op in the profile (a ctypes call alone is invisible
     there): the Python loop's kernels counted per layer, then the one-call loop's ``tandem::layers``
     and the quantized head's ``tandem::wlinear``, once a forward."""
+    from gpu_worker.gguf_weights import quantize_linears
+    from gpu_worker.quant import QuantKernels
+
     L = TINY32.num_hidden_layers
     ids = torch.randint(0, TINY32.vocab_size, (5,), generator=torch.Generator().manual_seed(10))
     model = Llama.random(TINY32, seed=7, dtype=torch.float32)
@@ -777,7 +769,7 @@ def test_the_profiler_sees_each_kernel_call_as_one_tandem_op(kernels):
         with torch.inference_mode(), torch.profiler.profile() as prof:
             _forward(model, kv, [(0, 5, [1, 2])], ids)
         assert collections.Counter(e.name for e in prof.events() if e.name.startswith("tandem::")) == want
-        _int8_linears(model, kernels)
+        quantize_linears(model, "int8", 32, QuantKernels(kernels))
 
 
 def test_each_ops_schema_is_its_kernels_arguments():
