@@ -88,6 +88,15 @@ def load_gguf(path: Path, kernels: QuantKernels | None, dtype: torch.dtype = tor
     return model.eval()
 
 
+def holds_only_bf16(path: Path) -> bool:
+    """Whether directory ``path``'s GGUF file holds every matrix in BF16 (no quantized blocks): their
+    float expansion is then exact, so the float path serves the very same weights."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path / GGUF_FILE))
+    return all(t.tensor_type == gguf.GGMLQuantizationType.BF16 for t in reader.tensors if len(t.shape) > 1)
+
+
 def quantize_linears(model: nn.Module, method: str, group: int, kernels: QuantKernels) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantLinear` of its weight quantized
     with ``method`` (int8, int4) in groups of ``group``, the output head (``lm_head``) at 8 bits

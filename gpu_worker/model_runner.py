@@ -45,7 +45,7 @@ from .kv_cache import PagedKVCache
 from .lora import LoraPool
 from . import cpu_kernels, families, flex_paged, quant
 from .cpu_backend import pack_linears
-from .gguf_weights import quantize_linears
+from .gguf_weights import holds_only_bf16, quantize_linears
 from .model import Llama
 from .moondream import Moondream
 from .moondream_skills import VALUES, SkillRows, SkillTask
@@ -155,9 +155,22 @@ def _quantization(config: EngineConfig, dev: torch.device, path) -> str | None:
             raise ValueError(f"--quantization {method} cannot be combined with LoRA adapters")
         return method
     gguf = path is not None and (path / GGUF_FILE).exists()
-    if method == "auto" and gguf and dev.type == "cpu" and not config.loras:
+    if method == "auto" and gguf and dev.type == "cpu" and not config.loras and not _bf16_on_amx(config, path):
         return "gguf"
     return None
+
+
+def _bf16_on_amx(config: EngineConfig, path) -> bool:
+    """Whether a GGUF file of BF16 matrices is better served as bf16 floats: where the CPU kernels run at
+    level amx with bf16 activations, their AMX matmul multiplies the same weights faster than the
+    weight-only kernel, at one row and at 32 (BENCHMARKS.md "On the AMX Xeon again")."""
+    if not config.cpu_kernels or config.dtype not in (None, "bfloat16") or "amx_bf16" not in cpu_kernels.cpu_features():
+        return False
+    if cpu_kernels.choose_level()[0].name != "amx" or not holds_only_bf16(path):
+        return False
+    log.info("%s holds bf16 matrices only: served as bf16 on the AMX matmul (faster here than the weight-only "
+             "kernel)", GGUF_FILE)
+    return True
 
 
 def model_eos_ids(config: EngineConfig) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gpu_worker import cpu_kernels, quant
+from gpu_worker.gguf_weights import holds_only_bf16 as gguf_holds_only_bf16
 from gpu_worker.model_runner import kv_cache_dtype
 from gpu_worker.quant import QWeight
 
@@ -203,6 +204,57 @@ def test_quantization_at_load_is_close_and_refuses_what_it_cannot():
         quant.quantize(w, "int4", 48)
     with pytest.raises(ValueError, match="int8 or int4"):
         quant.quantize(w, "fp8")
+
+
+def write_gguf(path, matrices: dict[str, str]) -> None:
+    """A GGUF file with a float32 norm vector and a 2 x 32 matrix of each named type."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, np.float32))
+    for name, kind in matrices.items():
+        if kind == "BF16":
+            writer.add_tensor(name, np.zeros((2, 32), np.uint16), raw_dtype=T.BF16)
+        elif kind == "Q8_0":
+            writer.add_tensor(name, random_blocks(kind, 2, 32), raw_dtype=T.Q8_0)  # its blocks: 2 x 34 bytes
+        else:
+            writer.add_tensor(name, np.zeros((2, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_bf16_gguf_runs_on_the_amx_matmul_where_the_kernels_run_amx(tmp_path, monkeypatch):
+    """--quantization auto serves a GGUF file's blocks as they are, except a file of BF16 matrices at
+    level amx with bf16 activations: the float path then holds the very same weights (their expansion
+    is exact) and multiplies them on AMX tiles (BENCHMARKS.md "On the AMX Xeon again")."""
+    from gpu_worker import model_runner
+    from gpu_worker.engine import EngineConfig
+    from shared.models.gguf_files import GGUF_FILE
+
+    files = {"bf16": {"blk.0.ffn_up.weight": "BF16", "output.weight": "BF16"},
+             "mixed": {"blk.0.ffn_up.weight": "BF16", "output.weight": "Q8_0"},
+             "f32": {"blk.0.ffn_up.weight": "F32"}}
+    dirs = {}
+    for name, matrices in files.items():
+        (tmp_path / name).mkdir()
+        write_gguf(tmp_path / name / GGUF_FILE, matrices)
+        dirs[name] = tmp_path / name
+    assert [gguf_holds_only_bf16(d) for d in dirs.values()] == [True, False, False]
+
+    def held(name, level="amx", features=("amx_bf16",), **options):
+        monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset(features))
+        monkeypatch.setattr(cpu_kernels, "choose_level", lambda: (cpu_kernels.level_named(level, "x86_64"), "test"))
+        return model_runner._quantization(EngineConfig(model=str(dirs[name]), **options), torch.device("cpu"),
+                                          dirs[name])
+
+    assert held("bf16") is None  # floats: the AMX matmul
+    assert held("bf16", dtype="bfloat16") is None
+    assert held("bf16", level="avx512_bf16") == "gguf"  # the weight-only kernel is the faster one there
+    assert held("bf16", features=("avx512_bf16",)) == "gguf"
+    assert held("bf16", dtype="float32") == "gguf"  # float32 activations: the weight-only kernel's numerics
+    assert held("bf16", cpu_kernels=False) == "gguf"
+    assert held("mixed") == held("f32") == "gguf"  # quantized blocks, or floats bf16 would round
+    assert held("bf16", quantization="none") is None
 
 
 # ---- whole models ---------------------------------------------------------------------------------
