@@ -164,9 +164,9 @@ def _bf16_on_amx(config: EngineConfig, path) -> bool:
     """Whether a GGUF file of BF16 matrices is better served as bf16 floats: where the CPU kernels run at
     level amx with bf16 activations, their AMX matmul multiplies the same weights faster than the
     weight-only kernel, at one row and at 32 (BENCHMARKS.md "On the AMX Xeon again")."""
-    if not config.cpu_kernels or config.dtype not in (None, "bfloat16") or "amx_bf16" not in cpu_kernels.cpu_features():
+    if not config.cpu_kernels or config.dtype not in (None, "bfloat16") or cpu_kernels.choose_level()[0].name != "amx":
         return False
-    if cpu_kernels.choose_level()[0].name != "amx" or not holds_only_bf16(path):
+    if not holds_only_bf16(path):
         return False
     log.info("%s holds bf16 matrices only: served as bf16 on the AMX matmul (faster here than the weight-only "
              "kernel)", GGUF_FILE)

@@ -241,8 +241,7 @@ def test_a_bf16_gguf_runs_on_the_amx_matmul_where_the_kernels_run_amx(tmp_path, 
         dirs[name] = tmp_path / name
     assert [gguf_holds_only_bf16(d) for d in dirs.values()] == [True, False, False]
 
-    def held(name, level="amx", features=("amx_bf16",), **options):
-        monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset(features))
+    def held(name, level="amx", **options):
         monkeypatch.setattr(cpu_kernels, "choose_level", lambda: (cpu_kernels.level_named(level, "x86_64"), "test"))
         return model_runner._quantization(EngineConfig(model=str(dirs[name]), **options), torch.device("cpu"),
                                           dirs[name])
@@ -250,7 +249,6 @@ def test_a_bf16_gguf_runs_on_the_amx_matmul_where_the_kernels_run_amx(tmp_path, 
     assert held("bf16") is None  # floats: the AMX matmul
     assert held("bf16", dtype="bfloat16") is None
     assert held("bf16", level="avx512_bf16") == "gguf"  # the weight-only kernel is the faster one there
-    assert held("bf16", features=("avx512_bf16",)) == "gguf"
     assert held("bf16", dtype="float32") == "gguf"  # float32 activations: the weight-only kernel's numerics
     assert held("bf16", cpu_kernels=False) == "gguf"
     assert held("mixed") == held("f32") == "gguf"  # quantized blocks, or floats bf16 would round
