@@ -1,7 +1,8 @@
 """Where built models live, and how one is built: once, atomically.
 
 A cache entry is a directory under :func:`cache_root` holding ``tandem-cache-version``
-(:data:`CACHE_VERSION`); one without it, or with another version, is rebuilt. A build writes into a
+(:data:`CACHE_VERSION`); one without it, with another version, or with a link whose target has gone,
+is rebuilt. A build writes into a
 temporary sibling and renames it, so a killed build leaves no half entry.
 """
 from __future__ import annotations
@@ -38,8 +39,14 @@ def progress(msg: str, done: int, total: int, t0: float) -> None:
 
 
 def is_cached(name: str) -> bool:
-    return (cache_root() / name / "tandem-cache-version").read_text().strip() == CACHE_VERSION \
-        if (cache_root() / name / "tandem-cache-version").exists() else False
+    """Whether entry ``name`` is built, by this version, and whole: a link whose target has gone (the
+    embedded model's GGUF lives in the package of the venv that built the entry, and a venv gets
+    reinstalled) makes it stale, so it is rebuilt."""
+    entry = cache_root() / name
+    stamp = entry / "tandem-cache-version"
+    if not stamp.exists() or stamp.read_text().strip() != CACHE_VERSION:
+        return False
+    return all(p.exists() for p in entry.iterdir() if p.is_symlink())
 
 
 def build_atomically(target: Path, builder, quiet: bool) -> None:

@@ -667,3 +667,26 @@ def test_tile_blocks_keep_their_earlier_option_name():
     assert serve.make_context("serve", []).params["tile_blocks"] is None  # non-vacuity: the default differs
     for flag in ("--tile-blocks", "--image-slots"):  # --image-slots: existing command lines keep working
         assert serve.make_context("serve", [flag, "7"]).params["tile_blocks"] == 7, flag
+
+
+def test_a_cache_entry_whose_link_target_has_gone_is_rebuilt(monkeypatch, tmp_path):
+    """The embedded model's entry links to the GGUF in the package of the venv that built it: once that
+    venv is gone (reinstalled, or another clone's), the entry is stale, not served without its file."""
+    from shared.models import cache
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    weights = tmp_path / "venv" / "model.gguf"
+    weights.parent.mkdir()
+    weights.write_bytes(b"GGUF")
+    builds = []
+
+    def build(out, quiet):
+        builds.append(out)
+        (out / "model.gguf").symlink_to(weights)
+
+    cache.build_atomically(cache.cache_root() / "entry", build, quiet=True)
+    assert cache.is_cached("entry") and len(builds) == 1
+    weights.unlink()  # the venv goes
+    assert not cache.is_cached("entry")
+    weights.write_bytes(b"GGUF")  # a new venv at the same place: whole again
+    assert cache.is_cached("entry")
