@@ -37,6 +37,7 @@
 #define MB 4 /* rows of x per pass over a tile: MB int32 and MB float32 accumulators */
 #define CHAINS 4 /* a block's 16 k-pairs summed in this many independent chains */
 #define NT_MAX 3 /* tiles per pass of the buffered path: 4 x 3 int32 sums and float32 results in registers */
+#define PREFETCH_AHEAD 4096 /* bytes of a tile's weights the streamed path asks for ahead of the block it multiplies */
 
 typedef __m512i vi;
 
@@ -182,9 +183,11 @@ static inline __attribute__((always_inline)) void tq_tile(const int fmt, const i
     __m512 acc[MB][NT_MAX];
     for (int m = 0; m < MB; m++) acc[m][0] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        /* all of block b + 4's lines: one line a block left q8's 8 to the hardware prefetcher, and a
-         * one-row step 1.2x slower (BENCHMARKS.md "Tiles in k-quads") */
-        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(tw + (b + 4) * bytes + l), _MM_HINT_T0);
+        /* every line of the block PREFETCH_AHEAD bytes on: one line a block left q8's 8 to the hardware
+         * prefetcher, and a one-row step 1.2x slower (BENCHMARKS.md "Tiles in k-quads"); 4 blocks on
+         * (1-2 KB), a one-row step took 1.3x (q4) and 1.1x (q8) as long on the AMX Xeon ("The
+         * decode path prefetches 4 KB ahead") */
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(tw + b * bytes + PREFETCH_AHEAD + l), _MM_HINT_T0);
         vi isum[MB];
 #ifdef __AVX512VNNI__ /* bytes times bytes, no int16 expansion (BENCHMARKS.md "Tiles in k-quads") */
         tq_byte_sums(fmt, tw + b * bytes, xb, K, b, m0, MBC, isum);
