@@ -161,13 +161,18 @@ static inline void put_scores(float *sg, int64_t j0, int64_t nb, vf s, float *mx
 }
 
 /* The scores sg [len] -> their softmax, given their max (exp vectorised; a tail's lanes are never
- * stored); returns the exponentials' sum. */
+ * stored); returns the exponentials' sum, summed per lane then across (a scalar loop was one chain
+ * of dependent adds: 16% of a 32-sequence decode's attention, BENCHMARKS.md "Attention's softmax
+ * summed per lane"). */
 static inline float softmax(float *sg, int64_t len, float mx) {
-    float total = 0.f;
-    for (int64_t j = 0; j < len; j += VW) v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx))), 0);
-    for (int64_t j = 0; j < len; j++) total += sg[j];
-    const float inv = 1.f / total;
-    for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+    vf sums = v_set(0.f);
+    for (int64_t j = 0; j < len; j += VW) {
+        v_store(sg, j, len - j, v_exp(v_sub(v_load(sg, j, len - j, 0), v_set(mx))), 0);
+        sums = v_add(sums, v_load(sg, j, len - j, 0)); /* the stored lanes: v_load zero-fills the rest */
+    }
+    const float total = v_sum(sums);
+    const vf inv = v_set(1.f / total);
+    for (int64_t j = 0; j < len; j += VW) v_store(sg, j, len - j, v_mul(v_load(sg, j, len - j, 0), inv), 0);
     return total;
 }
 
